@@ -1,0 +1,45 @@
+# cython: language_level=3
+"""C-level API of batch validation and splitting (llama.cpp's llama_sbatch)."""
+
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
+
+from ._cells cimport Cells
+
+cdef enum:
+    SPLIT_OK = 0
+    SPLIT_ERR_SEQ_RANGE = -10      # token detail_token lists detail_seq outside [0, size)
+    SPLIT_ERR_NEGATIVE_POS = -11   # token detail_token has position detail_pos
+    SPLIT_ERR_GAP = -12            # seq detail_seq: positions not consecutive (detail_pos after detail_prev)
+    SPLIT_ERR_CONTINUE = -13       # seq detail_seq starts at detail_pos, cached at detail_prev
+    SPLIT_ERR_FIND_SLOT = -14      # find_slot would see detail_pos after detail_prev (detail_n tokens)
+    SPLIT_ERR_NO_MEMORY = -15
+
+cdef struct SplitDetail:
+    int32_t token
+    int32_t seq
+    int32_t pos
+    int32_t prev
+    int32_t n
+
+cdef struct Split:
+    int32_t n_tokens
+    int32_t n_ubatches
+    int32_t n_outputs
+    int32_t* order            # [n_tokens] batch index of each token, in ubatch order
+    uint8_t* output           # [n_tokens] output flag, in ubatch order
+    int64_t* out_ids          # [n_outputs] batch index of each output row
+    int32_t* ub_token_start   # [n_ubatches + 1] first entry of each ubatch in order
+    int32_t* ub_group_start   # [n_ubatches + 1] first group of each ubatch
+    int32_t* ub_n_seq_tokens  # [n_ubatches]
+    int32_t* group_seq_offset # [n_groups] where the group's seq-id list starts in seq_id_flat
+    int32_t* group_n_seq_id   # [n_groups]
+    int32_t* group_last_pos   # [n_groups] position of the group's last token
+
+cdef int split_alloc(Split* split, int32_t n_tokens) noexcept nogil  # arrays for n_tokens tokens
+cdef void split_release(Split* split) noexcept nogil
+
+# Validate a batch against the cells and split it; positions must be resolved.
+cdef int split_batch(Split* split, Cells* cells, int32_t n_tokens,
+                     const int32_t* seq_id_flat, const int32_t* seq_id_offset,
+                     const int32_t* pos, const int8_t* logits, bint logits_all,
+                     int32_t n_ubatch, bint embd_pooled, SplitDetail* detail) noexcept nogil

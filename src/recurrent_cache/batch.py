@@ -1,0 +1,175 @@
+"""`Batch`: the tokens of one ``llama_decode`` call, normalised to flat arrays.
+
+A batch is checked for everything that can be checked without a cache
+(lengths, dtypes, seq-id lists); what depends on the cache (seq ids against
+its size, positions against the cached ones) is checked by ``init_batch``.
+Seq-id lists are stored in CSR form — ``seq_id_flat`` holds every list back
+to back and ``seq_id_offset[i]:seq_id_offset[i+1]`` is token ``i``'s list —
+so the compiled core reads them without touching a Python object.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import BatchError
+
+__all__ = ["Batch"]
+
+
+def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise BatchError(f"batch {name} is not an array of integers: {exc}") from None
+    if array.ndim != 1:
+        raise BatchError(f"batch {name} must be 1-D, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iub":
+        raise BatchError(f"batch {name} must hold integers, got dtype {array.dtype}")
+    info = np.iinfo(dtype)
+    if array.size and array.dtype.kind in "iu" and (array.min() < info.min or array.max() > info.max):
+        raise BatchError(f"batch {name} has a value outside the {np.dtype(dtype).name} range")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Turn 1-D ids or a list of lists into (flat ids, offsets)."""
+    if isinstance(seq_id, np.ndarray) and seq_id.ndim == 1:
+        flat = _int_array(seq_id, "seq_id")
+        if flat.size != n_tokens:
+            raise BatchError(f"batch seq_id has {flat.size} entries for {n_tokens} tokens")
+        return flat, np.arange(n_tokens + 1, dtype=np.int32)
+    if isinstance(seq_id, np.ndarray) and seq_id.ndim == 2:
+        # A rectangular array: every token lists the same number of sequences.
+        if seq_id.shape[0] != n_tokens:
+            raise BatchError(f"batch seq_id has {seq_id.shape[0]} entries for {n_tokens} tokens")
+        flat = _int_array(seq_id.reshape(-1), "seq_id")
+        width = seq_id.shape[1]
+        offsets = np.arange(0, (n_tokens + 1) * width, width, dtype=np.int32)
+    else:
+        try:
+            entries = list(seq_id)
+        except TypeError:
+            raise BatchError(f"batch seq_id must be a sequence, got {type(seq_id).__name__}") from None
+        if len(entries) != n_tokens:
+            raise BatchError(f"batch seq_id has {len(entries)} entries for {n_tokens} tokens")
+        counts = np.empty(n_tokens, dtype=np.int64)
+        ids: list[int] = []
+        for i, entry in enumerate(entries):
+            if isinstance(entry, (Sequence, np.ndarray)) and not isinstance(entry, (str, bytes)):
+                try:
+                    members = [operator.index(x) for x in entry]
+                except TypeError:
+                    raise BatchError(f"token {i}: seq_id list {entry!r} holds a non-integer") from None
+            else:
+                try:
+                    members = [operator.index(entry)]
+                except TypeError:
+                    raise BatchError(f"token {i}: seq_id {entry!r} is not an integer") from None
+            counts[i] = len(members)
+            ids.extend(members)
+        flat = _int_array(np.array(ids, dtype=np.int64), "seq_id")
+        offsets = np.zeros(n_tokens + 1, dtype=np.int32)
+        offsets[1:] = np.cumsum(counts)
+    _check_seq_id_lists(flat, offsets)
+    return flat, offsets
+
+
+def _check_seq_id_lists(flat: np.ndarray, offsets: np.ndarray) -> None:
+    counts = np.diff(offsets)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        raise BatchError(f"token {int(empty[0])} has no seq id")
+    multi = np.flatnonzero(counts > 1)
+    for i in multi.tolist():
+        members = flat[offsets[i]:offsets[i + 1]]
+        if np.unique(members).size != members.size:
+            values, seen = np.unique(members, return_counts=True)
+            repeated = int(values[seen > 1][0])
+            raise BatchError(f"token {i} lists seq_id {repeated} more than once")
+
+
+class Batch:
+    """The tokens (or embeddings) of one decode call.
+
+    Parameters mirror ``llama_batch``:
+
+    token : 1-D ints, shape ``[n_tokens]`` — or
+    embd : 2-D floats, shape ``[n_tokens, n_embd]``
+    pos : 1-D ints ``[n_tokens]``; default: continue sequence 0
+        (``seq_pos_max(0) + 1, ...``, resolved by ``init_batch``).
+    seq_id : 1-D ints ``[n_tokens]`` (one sequence per token), a 2-D int
+        array, or a list of lists (several sequences per token, the first
+        is the owner); default: ``[0]`` for every token.
+    logits : 1-D bools/ints ``[n_tokens]``, output flags; default: only the
+        last token is an output.
+    """
+
+    __slots__ = ("n_tokens", "token", "embd", "pos", "seq_id_flat", "seq_id_offset", "logits")
+
+    def __init__(
+        self,
+        token: Any = None,
+        pos: Any = None,
+        seq_id: Any = None,
+        logits: Any = None,
+        *,
+        embd: Any = None,
+    ) -> None:
+        if (token is None) == (embd is None):
+            raise BatchError("a batch takes exactly one of token= and embd=")
+        if token is not None:
+            self.token: np.ndarray | None = _int_array(token, "token")
+            self.embd: np.ndarray | None = None
+            n_tokens = self.token.shape[0]
+        else:
+            try:
+                embd_array = np.asarray(embd)
+            except (TypeError, ValueError) as exc:
+                raise BatchError(f"batch embd is not an array of floats: {exc}") from None
+            if embd_array.ndim != 2:
+                if embd_array.size == 0:
+                    raise BatchError("batch has no tokens")
+                raise BatchError(f"batch embd must be 2-D (n_tokens, n_embd), got shape {embd_array.shape}")
+            if embd_array.dtype.kind not in "fiub":
+                raise BatchError(f"batch embd must hold numbers, got dtype {embd_array.dtype}")
+            self.token = None
+            self.embd = np.ascontiguousarray(embd_array, dtype=np.float32)
+            n_tokens = self.embd.shape[0]
+        if n_tokens == 0:
+            raise BatchError("batch has no tokens")
+        self.n_tokens: int = n_tokens
+
+        self.pos: np.ndarray | None = None
+        if pos is not None:
+            self.pos = _int_array(pos, "pos")
+            if self.pos.shape[0] != n_tokens:
+                raise BatchError(f"batch pos has {self.pos.shape[0]} entries for {n_tokens} tokens")
+
+        if seq_id is None:
+            self.seq_id_flat: np.ndarray = np.zeros(n_tokens, dtype=np.int32)
+            self.seq_id_offset: np.ndarray = np.arange(n_tokens + 1, dtype=np.int32)
+        else:
+            self.seq_id_flat, self.seq_id_offset = _seq_id_lists(seq_id, n_tokens)
+
+        self.logits: np.ndarray | None = None
+        if logits is not None:
+            flags = _int_array(logits, "logits", np.int8)
+            if flags.shape[0] != n_tokens:
+                raise BatchError(f"batch logits has {flags.shape[0]} entries for {n_tokens} tokens")
+            self.logits = (flags != 0).astype(np.int8)
+
+    def seq_ids(self, i: int) -> tuple[int, ...]:
+        """The seq-id list of token ``i`` (owner first)."""
+        return tuple(self.seq_id_flat[self.seq_id_offset[i]:self.seq_id_offset[i + 1]].tolist())
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def __repr__(self) -> str:
+        kind = "token" if self.token is not None else f"embd[{self.embd.shape[1]}]"
+        n_seqs = np.unique(self.seq_id_flat).size
+        return f"Batch(n_tokens={self.n_tokens}, {kind}, sequences={n_seqs})"

@@ -1,0 +1,170 @@
+"""`RecurrentCache`: the public face of the compiled core.
+
+This module checks arguments and owns the numpy state tensors; the cell table
+and every loop live in the Cython modules (``_cells``, ``_batch``,
+``_memory``).  A rejected call raises before the core is touched, so the
+cache is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._cells import CellTable
+from ._config import Config, as_int
+from ._memory import MemoryState
+from .batch import Batch
+from .errors import ArgumentError, BatchError, PositionError, SeqIdError
+
+__all__ = ["RecurrentCache"]
+
+POS_MAX = 2**31 - 1
+
+
+class RecurrentCache:
+    """Recurrent-state cache for Mamba / RWKV-style models (llama.cpp's
+    ``llama_kv_cache_recurrent``).
+
+    ``size`` cells (default ``max(1, n_seq_max)``) each hold the state of one
+    sequence, or of several sequences that share it after a fork.  Per layer
+    ``il`` the states live in ``r[il]`` (size, n_embd_r) — the rolling state,
+    Mamba's conv window — and ``s[il]`` (size, n_embd_s) — the SSM / WKV state.
+    Row ``c`` belongs to cell ``c``.  The arrays are allocated once and never
+    reallocated, so views of them stay valid for the cache's lifetime.
+
+    dtype_r / dtype_s: ``"f32"``, ``"f16"`` or ``"bf16"`` (a
+    ``ml_dtypes.bfloat16`` array when ml_dtypes is installed, else raw
+    ``uint16`` bits: the upper half of each float32).
+    """
+
+    def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
+                 size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32") -> None:
+        self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
+        r, s = self._config.allocate()
+        self.r: tuple[np.ndarray, ...] = tuple(r)
+        self.s: tuple[np.ndarray, ...] = tuple(s)
+        self._cells = CellTable(self._config.size, r + s)
+
+    # -- shape -------------------------------------------------------------------
+
+    size = property(lambda self: self._config.size, doc="Number of cells.")
+    n_seq_max = property(lambda self: self._config.n_seq_max, doc="Sequences the cache was sized for.")
+    n_layer = property(lambda self: self._config.n_layer, doc="Layers (pairs of state tensors).")
+    n_embd_r = property(lambda self: self._config.n_embd_r, doc="Width of an r row.")
+    n_embd_s = property(lambda self: self._config.n_embd_s, doc="Width of an s row.")
+    dtype_r = property(lambda self: self._config.dtype_r.name, doc="Element type of r.")
+    dtype_s = property(lambda self: self._config.dtype_s.name, doc="Element type of s.")
+    head = property(lambda self: self._cells.head, doc="Where the next free-cell search starts.")
+    used = property(lambda self: self._cells.used, doc="Number of non-empty cells.")
+    n = property(lambda self: self._cells.n, doc="Cells from head touched by the last placement.")
+
+    # -- cells -------------------------------------------------------------------
+
+    def cell(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
+        """``(pos, src, tail, seq_ids)`` of cell ``i``; ``tail`` is the cell holding sequence ``i``."""
+        i = as_int(i, "cell index")
+        if not 0 <= i < self.size:
+            raise SeqIdError(f"cell index {i} out of range [0, {self.size})")
+        return self._cells.cell(i)
+
+    def check(self) -> None:
+        """Raise ``CoreError`` if an invariant of SPEC §1 is broken (O(size))."""
+        self._cells.check()
+
+    # -- sequence operations -------------------------------------------------------
+
+    def clear(self) -> None:
+        """Empty every cell and zero every state row."""
+        self._cells.clear()
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Drop ``seq`` (every sequence when ``seq < 0``) from positions ``[p0, p1)``.
+
+        A recurrent state cannot be cut: returns False, changing nothing, when
+        the range would split a state (or for ``seq >= size``).
+        """
+        return self._cells.seq_rm(as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share ``src``'s cell (a fork); the range is ignored."""
+        as_int(p0, "p0"), as_int(p1, "p1")
+        self._cells.seq_cp(as_int(src, "src"), as_int(dst, "dst"))
+
+    def seq_keep(self, seq: int) -> None:
+        """Free every cell that does not hold ``seq``; its cell keeps only ``seq``."""
+        self._cells.seq_keep(self._seq_in_range(seq, "seq_keep"))
+
+    def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> None:
+        """Shift the pos of ``seq``'s cell by ``shift`` if it lies in ``[p0, p1)``.
+
+        The pos is the cell's, so sequences sharing the cell move with it.
+        """
+        seq = self._seq_in_range(seq, "seq_add")
+        p0, p1, shift = as_int(p0, "p0"), as_int(p1, "p1"), as_int(shift, "shift")
+        cell = self._cells.tail_in_range(seq, p0, p1)
+        if shift == 0 or cell < 0:
+            return
+        pos = self._cells.cell(cell)[0] + shift
+        if pos < 0:
+            raise PositionError(f"seq_add: seq {seq} at pos {pos - shift} shifted by {shift} "
+                                f"gives negative position {pos}")
+        if pos >= POS_MAX:
+            raise PositionError(f"seq_add: position {pos} overflows int32")
+        self._cells.set_pos(cell, pos)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        """Divide the pos of ``seq``'s cell by ``d`` (truncating) if it lies in ``[p0, p1)``."""
+        seq = self._seq_in_range(seq, "seq_div")
+        p0, p1, d = as_int(p0, "p0"), as_int(p1, "p1"), as_int(d, "d")
+        if d <= 0:
+            raise ArgumentError(f"seq_div: divisor d must be positive, got {d}")
+        cell = self._cells.tail_in_range(seq, p0, p1)
+        if d == 1 or cell < 0:
+            return
+        self._cells.set_pos(cell, self._cells.cell(cell)[0] // d)
+
+    def seq_pos_min(self, seq: int) -> int:
+        """Smallest pos of ``seq``'s cells; -1 when it has none."""
+        return self._cells.seq_pos_min(as_int(seq, "seq"))
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest pos of ``seq``'s cells; -1 when it has none."""
+        return self._cells.seq_pos_max(as_int(seq, "seq"))
+
+    def _seq_in_range(self, seq: int, op: str) -> int:
+        seq = as_int(seq, "seq")
+        if not 0 <= seq < self.size:
+            # llama.cpp would empty every cell on seq_keep(-2): refuse instead
+            raise SeqIdError(f"{op}: seq_id {seq} is out of range [0, {self.size})")
+        return seq
+
+    # -- batches -----------------------------------------------------------------
+
+    def init_batch(self, batch: Batch, n_ubatch: int = 512, embd_pooled: bool = False,
+                   logits_all: bool = False) -> MemoryState:
+        """Validate and split ``batch`` into ubatches, and check that all of them fit.
+
+        Raises (changing nothing) for a batch this cache cannot take; returns a
+        ``MemoryState`` to ``apply()`` ubatch by ubatch, or to iterate over.
+        """
+        if not isinstance(batch, Batch):
+            raise BatchError(f"init_batch takes a Batch, got {type(batch).__name__}")
+        if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer)) or n_ubatch < 1:
+            raise BatchError(f"n_ubatch must be an integer >= 1, got {n_ubatch!r}")
+        pos = batch.pos
+        if pos is None:
+            start = self._cells.seq_pos_max(0) + 1
+            if start + batch.n_tokens > POS_MAX:
+                raise PositionError(f"default positions from {start} overflow int32")
+            pos = np.arange(start, start + batch.n_tokens, dtype=np.int32)
+        return MemoryState.for_batch(self._cells, self, batch, pos, min(int(n_ubatch), POS_MAX),
+                                     bool(embd_pooled), bool(logits_all))
+
+    def init_full(self) -> MemoryState:
+        """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
+        return MemoryState.for_full(self._cells, self)
+
+    def __repr__(self) -> str:
+        return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "
+                f"n_layer={self.n_layer}, n_embd_r={self.n_embd_r}, n_embd_s={self.n_embd_s}, "
+                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r})")
