@@ -11,7 +11,7 @@ so the compiled core reads them without touching a Python object.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ __all__ = ["Batch"]
 
 
 def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 \
+            and values.flags.c_contiguous:
+        return values  # the common case costs nothing
     try:
         array = np.asarray(values)
     except (TypeError, ValueError) as exc:
@@ -29,52 +32,56 @@ def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
         raise BatchError(f"batch {name} must be 1-D, got shape {array.shape}")
     if array.size and array.dtype.kind not in "iub":
         raise BatchError(f"batch {name} must hold integers, got dtype {array.dtype}")
-    info = np.iinfo(dtype)
-    if array.size and array.dtype.kind in "iu" and (array.min() < info.min or array.max() > info.max):
-        raise BatchError(f"batch {name} has a value outside the {np.dtype(dtype).name} range")
+    if array.size and array.dtype.kind in "iu" and array.dtype.itemsize >= np.dtype(dtype).itemsize:
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise BatchError(f"batch {name} has a value outside the {np.dtype(dtype).name} range")
     return np.ascontiguousarray(array, dtype=dtype)
 
 
 def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Turn 1-D ids or a list of lists into (flat ids, offsets)."""
-    if isinstance(seq_id, np.ndarray) and seq_id.ndim == 1:
-        flat = _int_array(seq_id, "seq_id")
-        if flat.size != n_tokens:
-            raise BatchError(f"batch seq_id has {flat.size} entries for {n_tokens} tokens")
-        return flat, np.arange(n_tokens + 1, dtype=np.int32)
-    if isinstance(seq_id, np.ndarray) and seq_id.ndim == 2:
-        # A rectangular array: every token lists the same number of sequences.
-        if seq_id.shape[0] != n_tokens:
-            raise BatchError(f"batch seq_id has {seq_id.shape[0]} entries for {n_tokens} tokens")
-        flat = _int_array(seq_id.reshape(-1), "seq_id")
-        width = seq_id.shape[1]
+    """Turn 1-D ids, a 2-D array or a list of lists into (flat ids, offsets)."""
+    try:
+        array = seq_id if isinstance(seq_id, np.ndarray) else np.asarray(seq_id)
+    except (TypeError, ValueError):
+        array = None  # ragged lists: several sequences per token, in varying numbers
+    if array is not None and array.ndim in (1, 2) and (array.dtype.kind in "iu" or array.size == 0):
+        if array.shape[0] != n_tokens:
+            raise BatchError(f"batch seq_id has {array.shape[0]} entries for {n_tokens} tokens")
+        if array.ndim == 1 or array.shape[1] == 1:
+            # one sequence per token: the fast path
+            return _int_array(array.reshape(-1), "seq_id"), np.arange(n_tokens + 1, dtype=np.int32)
+        width = array.shape[1]
+        flat = _int_array(array.reshape(-1), "seq_id")
         offsets = np.arange(0, (n_tokens + 1) * width, width, dtype=np.int32)
     else:
-        try:
-            entries = list(seq_id)
-        except TypeError:
-            raise BatchError(f"batch seq_id must be a sequence, got {type(seq_id).__name__}") from None
-        if len(entries) != n_tokens:
-            raise BatchError(f"batch seq_id has {len(entries)} entries for {n_tokens} tokens")
-        counts = np.empty(n_tokens, dtype=np.int64)
-        ids: list[int] = []
-        for i, entry in enumerate(entries):
-            if isinstance(entry, (Sequence, np.ndarray)) and not isinstance(entry, (str, bytes)):
-                try:
-                    members = [operator.index(x) for x in entry]
-                except TypeError:
-                    raise BatchError(f"token {i}: seq_id list {entry!r} holds a non-integer") from None
-            else:
-                try:
-                    members = [operator.index(entry)]
-                except TypeError:
-                    raise BatchError(f"token {i}: seq_id {entry!r} is not an integer") from None
-            counts[i] = len(members)
-            ids.extend(members)
-        flat = _int_array(np.array(ids, dtype=np.int64), "seq_id")
-        offsets = np.zeros(n_tokens + 1, dtype=np.int32)
-        offsets[1:] = np.cumsum(counts)
+        flat, offsets = _ragged_seq_id_lists(seq_id, n_tokens)
     _check_seq_id_lists(flat, offsets)
+    return flat, offsets
+
+
+def _ragged_seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        entries = list(seq_id)
+    except TypeError:
+        raise BatchError(f"batch seq_id must be a sequence, got {type(seq_id).__name__}") from None
+    if len(entries) != n_tokens:
+        raise BatchError(f"batch seq_id has {len(entries)} entries for {n_tokens} tokens")
+    counts = np.empty(n_tokens, dtype=np.int64)
+    ids: list[int] = []
+    for i, entry in enumerate(entries):
+        try:
+            members = [operator.index(entry)]
+        except TypeError:
+            try:
+                members = [operator.index(x) for x in entry]
+            except TypeError:
+                raise BatchError(f"token {i}: seq_id {entry!r} is not an integer or a list of integers") from None
+        counts[i] = len(members)
+        ids.extend(members)
+    flat = _int_array(np.array(ids, dtype=np.int64), "seq_id")
+    offsets = np.zeros(n_tokens + 1, dtype=np.int32)
+    offsets[1:] = np.cumsum(counts)
     return flat, offsets
 
 
@@ -157,10 +164,12 @@ class Batch:
 
         self.logits: np.ndarray | None = None
         if logits is not None:
-            flags = _int_array(logits, "logits", np.int8)
+            flags = np.asarray(logits)
+            if flags.ndim != 1 or flags.dtype.kind not in "biuf":
+                raise BatchError(f"batch logits must be 1-D flags, got shape {flags.shape} dtype {flags.dtype}")
             if flags.shape[0] != n_tokens:
                 raise BatchError(f"batch logits has {flags.shape[0]} entries for {n_tokens} tokens")
-            self.logits = (flags != 0).astype(np.int8)
+            self.logits = (flags != 0).view(np.int8)
 
     def seq_ids(self, i: int) -> tuple[int, ...]:
         """The seq-id list of token ``i`` (owner first)."""
