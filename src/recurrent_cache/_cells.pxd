@@ -3,7 +3,7 @@
 
 Every function here is ``noexcept nogil``: failures are reported as the
 negative codes below and turned into exceptions in one place
-(``recurrent_cache._errors_core.raise_for``).
+(``recurrent_cache._memory.core_error``).
 
 Cell membership is an intrusive doubly linked list per cell (``first`` /
 ``next`` / ``prev``, indexed by seq id), so joining, leaving and counting are
@@ -64,6 +64,8 @@ cdef int32_t cells_tail_in_range(const Cells* c, int32_t seq, int32_t p0, int32_
 cdef int32_t cells_seq_pos_min(const Cells* c, int32_t seq) noexcept nogil
 cdef int32_t cells_seq_pos_max(const Cells* c, int32_t seq) noexcept nogil
 cdef int32_t cells_next_free(const Cells* c, int32_t start) noexcept nogil
+# seq (in [0, size) and in no cell) joins cell, which stops being free: for state_read
+cdef void cells_join(Cells* c, int32_t cell, int32_t seq) noexcept nogil
 cdef void cells_new_epoch(Cells* c) noexcept nogil  # forget every stamp in O(1)
 
 # placement of one ubatch: n_seqs groups; group s lists seq ids

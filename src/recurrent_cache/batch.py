@@ -48,6 +48,8 @@ def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     if array is not None and array.ndim in (1, 2) and (array.dtype.kind in "iu" or array.size == 0):
         if array.shape[0] != n_tokens:
             raise BatchError(f"batch seq_id has {array.shape[0]} entries for {n_tokens} tokens")
+        if array.ndim == 2 and array.shape[1] == 0:
+            raise BatchError("token 0 has no seq id")
         if array.ndim == 1 or array.shape[1] == 1:
             # one sequence per token: the fast path
             return _int_array(array.reshape(-1), "seq_id"), np.arange(n_tokens + 1, dtype=np.int32)
