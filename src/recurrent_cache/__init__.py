@@ -15,6 +15,7 @@ from .batch import Batch
 from .errors import (ArgumentError, BatchError, ConfigError, CoreError, PositionError,
                      RecurrentCacheError, SeqIdError, StateError)
 from .memory import MemoryStatus, Ubatch
+from .seqfile import load_seq_file, save_seq_file
 
 if _os.environ.get("RECURRENT_CACHE_IMPL", "core") == "reference":
     from .reference import MemoryState, RecurrentCache
@@ -34,5 +35,5 @@ __version__ = "0.1.0"
 __all__ = [
     "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
-    "ArgumentError", "StateError", "CoreError",
+    "ArgumentError", "StateError", "CoreError", "save_seq_file", "load_seq_file",
 ]

@@ -122,8 +122,7 @@ cdef void cells_clear(Cells* c) noexcept nogil:
     if c.size % 64:
         c.free_bits[c.n_words - 1] = (<uint64_t>1 << (c.size % 64)) - 1
     c.head = 0
-    c.used = 0
-    c.n = 0
+    c.used = 0   # n stays: it describes the last placement, as in llama.cpp
 
 
 # -- membership ----------------------------------------------------------------
@@ -147,6 +146,10 @@ cdef inline void join(Cells* c, int32_t cell, int32_t seq) noexcept nogil:
         mark_free(c, cell, False)
         c.used += 1
     set32(c, &c.n_seq[cell], c.n_seq[cell] + 1)
+
+
+cdef void cells_join(Cells* c, int32_t cell, int32_t seq) noexcept nogil:
+    join(c, cell, seq)
 
 
 cdef inline void free_cell(Cells* c, int32_t cell) noexcept nogil:

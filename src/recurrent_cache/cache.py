@@ -13,8 +13,10 @@ import numpy as np
 from ._cells import CellTable
 from ._config import Config, as_int
 from ._memory import MemoryState
+from ._state_io import StateIO
 from .batch import Batch
 from .errors import ArgumentError, BatchError, PositionError, SeqIdError
+from .state_format import blob_view, read_rest, target_view
 
 __all__ = ["RecurrentCache"]
 
@@ -44,6 +46,8 @@ class RecurrentCache:
         self.r: tuple[np.ndarray, ...] = tuple(r)
         self.s: tuple[np.ndarray, ...] = tuple(s)
         self._cells = CellTable(self._config.size, r + s)
+        self._state_io = StateIO(self._cells, [self._config.dtype_r.ggml_type] * self._config.n_layer
+                                 + [self._config.dtype_s.ggml_type] * self._config.n_layer)
 
     # -- shape -------------------------------------------------------------------
 
@@ -163,6 +167,56 @@ class RecurrentCache:
     def init_full(self) -> MemoryState:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
         return MemoryState.for_full(self._cells, self)
+
+    # -- state serialisation (SPEC §5) ---------------------------------------------
+
+    def state_size(self, seq_id: int = -1) -> int:
+        """Length in bytes of ``state_write(seq_id)``."""
+        return self._state_io.size(self._state_seq_id(seq_id, "state_size"))
+
+    def state_write(self, seq_id: int = -1) -> bytes:
+        """The state of the whole cache (``seq_id = -1``) or of one sequence, as llama.cpp writes it.
+
+        Raises ``SeqIdError`` for a ``seq_id`` outside ``[-1, size)`` (llama.cpp
+        would write an empty blob).
+        """
+        return self._state_io.write_bytes(self._state_seq_id(seq_id, "state_write"))
+
+    def state_write_into(self, target: object, seq_id: int = -1) -> int:
+        """Write ``state_write(seq_id)`` into ``target``; returns the bytes written.
+
+        ``target`` is a writable C-contiguous buffer (bytearray, memoryview,
+        numpy array, mmap) of at least ``state_size(seq_id)`` bytes, filled from
+        its start, or a binary file object, written at its position.  Rows go
+        from the state tensors to the target with no intermediate copy.
+        """
+        seq_id = self._state_seq_id(seq_id, "state_write_into")
+        view = target_view(target)
+        if view is None:
+            return self._state_io.write_file(target, seq_id)
+        return self._state_io.write_into(view, seq_id)
+
+    def state_read(self, data: object, seq_id: int = -1) -> int:
+        """Restore a blob of ``state_write`` (any bytes-like object); returns its length.
+
+        ``seq_id = -1`` replaces the whole cache; ``seq_id >= 0`` replaces that
+        sequence with the blob's one cell (a 0-cell blob just removes it).  The
+        whole blob is checked first: a ``StateError`` naming the defect and its
+        byte offset leaves the cache, cells and rows, exactly as it was.
+        """
+        seq_id = self._state_seq_id(seq_id, "state_read")
+        return self._state_io.read(blob_view(data), seq_id)
+
+    def state_read_from(self, file: object, seq_id: int = -1) -> int:
+        """``state_read`` of everything from a binary file's position to its end."""
+        seq_id = self._state_seq_id(seq_id, "state_read_from")
+        return self.state_read(read_rest(file), seq_id)
+
+    def _state_seq_id(self, seq_id: int, op: str) -> int:
+        seq_id = as_int(seq_id, "seq_id")
+        if not -1 <= seq_id < self.size:
+            raise SeqIdError(f"{op}: seq_id {seq_id} out of range [-1, {self.size})")
+        return seq_id
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "

@@ -9,7 +9,8 @@ never used as a silent fallback for a missing extension.
 
 from __future__ import annotations
 
-from typing import Iterator
+import struct
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -17,6 +18,8 @@ from ._config import Config, as_int
 from .batch import Batch
 from .errors import ArgumentError, BatchError, CoreError, PositionError, RecurrentCacheError, SeqIdError
 from .memory import MemoryStatus, Ubatch
+from .state_format import (CacheShape, blob_view, parse_blob, read_rest, target_too_small, target_view,
+                           write_all)
 
 # Batch, MemoryStatus and RecurrentCacheError are re-exported so that this
 # module can stand in for the package in code written against its API.
@@ -511,6 +514,109 @@ class RecurrentCache:
 
     def init_full(self) -> MemoryState:
         return MemoryState(self, MemoryStatus.SUCCESS)
+
+    # -- state serialisation (SPEC §5) ---------------------------------------
+
+    def _state_seq_id(self, seq_id: int, op: str) -> int:
+        seq_id = as_int(seq_id, "seq_id")
+        if not -1 <= seq_id < self.size:
+            raise SeqIdError(f"{op}: seq_id {seq_id} out of range [-1, {self.size})")
+        return seq_id
+
+    def _shape(self) -> CacheShape:
+        n_layer, config = self.n_layer, self._config
+        return CacheShape(
+            size=self.size, n_layer=n_layer,
+            type_ids=(config.dtype_r.ggml_type,) * n_layer + (config.dtype_s.ggml_type,) * n_layer,
+            row_bytes=tuple(tensor.shape[1] * tensor.itemsize for tensor in self.r + self.s))
+
+    def _state_parts(self, seq_id: int) -> list[Any]:
+        """The blob of ``state_write(seq_id)`` in pieces: headers, then the rows range by range."""
+        if seq_id == -1:
+            cells = [c for c in range(self.size) if self.seq_ids[c]]
+        else:
+            cells = [c for c in range(self.size) if seq_id in self.seq_ids[c]]
+        ranges: list[list[int]] = []   # runs of consecutive cells, [begin, end)
+        for c in cells:
+            if ranges and ranges[-1][1] == c:
+                ranges[-1][1] = c + 1
+            else:
+                ranges.append([c, c + 1])
+        parts: list[Any] = [struct.pack("<I", len(cells))]
+        for c in cells:
+            ids = sorted(self.seq_ids[c]) if seq_id == -1 else []
+            parts.append(struct.pack(f"<iI{len(ids)}i", self.pos[c], len(ids), *ids))
+        shape = self._shape()
+        parts.append(struct.pack("<II", 0, self.n_layer))   # v_trans = 0
+        for k, tensor in enumerate(self.r + self.s):
+            parts.append(struct.pack("<iQ", shape.type_ids[k], shape.row_bytes[k]))
+            rows = tensor.view(np.uint8)
+            parts.extend(rows[begin:end].reshape(-1) for begin, end in ranges)
+        return parts
+
+    def state_size(self, seq_id: int = -1) -> int:
+        """Length of ``state_write(seq_id)``."""
+        seq_id = self._state_seq_id(seq_id, "state_size")
+        return sum(memoryview(part).nbytes for part in self._state_parts(seq_id))
+
+    def state_write(self, seq_id: int = -1) -> bytes:
+        """The non-empty cells (``seq_id = -1``) or the cell of ``seq_id``, their rows after them."""
+        return b"".join(self._state_parts(self._state_seq_id(seq_id, "state_write")))
+
+    def state_write_into(self, target: Any, seq_id: int = -1) -> int:
+        """``state_write`` into a writable buffer (from its start) or a binary file; returns the length."""
+        parts = self._state_parts(self._state_seq_id(seq_id, "state_write_into"))
+        length = sum(memoryview(part).nbytes for part in parts)
+        view = target_view(target)
+        if view is None:
+            for part in parts:
+                write_all(target, part)
+            return length
+        if len(view) < length:
+            raise target_too_small(len(view), length)
+        offset = 0
+        for part in parts:
+            part_bytes = memoryview(part).cast("B")
+            view[offset:offset + len(part_bytes)] = part_bytes
+            offset += len(part_bytes)
+        return length
+
+    def state_read(self, data: Any, seq_id: int = -1) -> int:
+        """Check the whole blob, then replace the cache (``-1``) or sequence ``seq_id`` with it."""
+        seq_id = self._state_seq_id(seq_id, "state_read")
+        data = blob_view(data)
+        blob = parse_blob(data, self._shape(), seq_id)   # every check, before any change
+        if seq_id == -1:
+            # the whole cache: blob cell i becomes cell i, with its own row
+            self.clear()
+            for i, cell in enumerate(blob.cells):
+                self.pos[i] = cell.pos
+                self.src[i] = i
+                self.seq_ids[i] = set(cell.seq_ids)
+                for seq in cell.seq_ids:
+                    self.tail[seq] = i
+            self.used = blob.cell_count
+            self.head = 0
+        else:
+            # one sequence: removed, then placed as one group by find_slot
+            self.seq_rm(seq_id, -1, -1)
+            if blob.cell_count == 0:
+                return blob.n_bytes
+            pos = np.array([blob.cells[0].pos], dtype=np.int32)
+            ub = Ubatch(n_tokens=1, n_seq_tokens=1, n_seqs=1, token=None, embd=None, pos=pos,
+                        seq_id=((seq_id,),), output=np.zeros(1, dtype=bool),
+                        batch_index=np.zeros(1, dtype=np.int64))
+            if not self._find_slot(ub):   # cannot happen: the sequence left every cell
+                raise CoreError(f"state_read: find_slot failed for seq {seq_id}")
+            self.src[self.head] = self.head
+        for k, tensor in enumerate(self.r + self.s):
+            tensor.view(np.uint8)[self.head:self.head + blob.cell_count] = blob.rows(data, blob.tensors[k])
+        return blob.n_bytes
+
+    def state_read_from(self, file: Any, seq_id: int = -1) -> int:
+        """``state_read`` of everything from a binary file's position to its end."""
+        seq_id = self._state_seq_id(seq_id, "state_read_from")
+        return self.state_read(read_rest(file), seq_id)
 
     def __repr__(self) -> str:
         return (f"reference.RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "

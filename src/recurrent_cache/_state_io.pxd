@@ -1,0 +1,79 @@
+# cython: language_level=3
+"""C-level API of state serialisation (SPEC.md §5, llama.cpp's recurrent state_write / state_read).
+
+The helpers are ``noexcept nogil``: a blob defect is reported as a
+``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
+``recurrent_cache._state_io.blob_error`` is the one place that turns them into
+``StateError`` messages (worded in ``recurrent_cache.state_format``).
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+from ._cells cimport Cells, CellTable
+
+cdef enum:
+    BLOB_OK = 0
+    BLOB_ERR_TRUNCATED = -20         # field at offset needs `need` bytes
+    BLOB_ERR_TRAILING = -21          # bytes after the blob's end at offset
+    BLOB_ERR_SEQ_CELL_COUNT = -22    # a sequence blob with more than one cell
+    BLOB_ERR_CELL_COUNT = -23        # more cells than the cache
+    BLOB_ERR_NEGATIVE_POS = -24
+    BLOB_ERR_SEQ_N_SEQ_ID = -25      # a sequence blob's cell lists seq ids
+    BLOB_ERR_NO_SEQ_ID = -26         # a whole-cache blob's cell lists none
+    BLOB_ERR_N_SEQ_ID = -27          # a cell lists more seq ids than the cache has
+    BLOB_ERR_SEQ_ID_RANGE = -28
+    BLOB_ERR_SEQ_ID_REPEATED = -29   # `other` = the cell that listed it first
+    BLOB_ERR_V_TRANS = -30
+    BLOB_ERR_N_LAYER = -31
+    BLOB_ERR_TYPE = -32              # tensor `index`
+    BLOB_ERR_ROW_BYTES = -33         # tensor `index`
+
+cdef enum BlobField:                 # what a truncated read was after
+    FIELD_CELL_COUNT
+    FIELD_CELL                       # pos and n_seq_id of cell `cell`
+    FIELD_SEQ_IDS                    # the seq ids of cell `cell`
+    FIELD_DATA_HEADER                # v_trans and n_layer
+    FIELD_TENSOR_HEADER              # type and row size of tensor `index`
+    FIELD_ROWS                       # rows of tensor `index`
+
+cdef struct BlobDefect:
+    BlobField field
+    Py_ssize_t offset                # byte offset of the defective field in the blob
+    Py_ssize_t need                  # bytes the field needs (truncation)
+    int64_t cell
+    int64_t index                    # tensor index (r of layers 0.., then s)
+    int64_t other
+    uint64_t value                   # the value found, zero-extended
+
+cdef struct BlobLayout:              # what a valid blob holds, for the restore
+    int32_t cell_count
+    Py_ssize_t data_offset           # where v_trans is, right after the meta
+    int32_t first_pos                # pos of cell 0 (a sequence blob's one cell)
+
+# cells of state_write(seq_id) as runs [begin[i], end[i]) in index order; returns the
+# number of runs (begin / end need room for (size + 1) // 2 runs)
+cdef int32_t selected_ranges(const Cells* c, int32_t seq_id, int32_t* begin, int32_t* end) noexcept nogil
+
+# bytes of state_write(seq_id): the meta alone, and the whole blob
+cdef Py_ssize_t meta_size(const Cells* c, int32_t seq_id) noexcept nogil
+cdef Py_ssize_t blob_size(const Cells* c, int32_t seq_id, Py_ssize_t n_tensors,
+                          const Py_ssize_t* row_bytes) noexcept nogil
+
+# write cell_count and the meta (seq ids sorted) to out[0:meta_size]; -1 when out of memory
+cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) noexcept nogil
+
+# validate a whole blob against the cache; nothing but the seq-id stamps is written
+cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
+                    Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
+                    BlobLayout* layout, BlobDefect* defect) noexcept nogil
+
+
+cdef class StateIO:
+    cdef CellTable table
+    cdef Py_ssize_t n_layer
+    cdef int32_t* type_ids           # [2*n_layer] ggml type of r[0..], s[0..]
+    cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1
+    cdef int restore_cache(self, const unsigned char* data, const BlobLayout* layout) except -1
+    cdef int restore_sequence(self, const unsigned char* data, const BlobLayout* layout,
+                              int32_t seq_id) except -1
+    cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length)

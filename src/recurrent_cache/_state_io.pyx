@@ -1,0 +1,496 @@
+# cython: language_level=3
+"""State serialisation loops: llama.cpp's recurrent ``state_write`` / ``state_read`` (SPEC.md §5).
+
+Writing goes straight from the state tensors to the target, range by range
+(runs of consecutive selected cells), with the GIL released for the row
+copies.  Reading validates the whole blob first (``check_blob``) and only
+then changes the cells and rows, so a rejected blob leaves the cache exactly
+as it was.  Integers are little-endian on every host; rows are copied as
+stored.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdint cimport uint8_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+from ._cells cimport RC_OK, cells_clear, cells_find_slot, cells_join, cells_new_epoch, cells_seq_rm
+
+from . import state_format as fmt
+from .errors import CoreError
+
+cdef extern from "rc_hugepages.h":
+    void rc_advise_hugepages(void* buffer, size_t n) noexcept nogil
+
+cdef enum:
+    DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
+    TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
+
+
+# -- little-endian fields --------------------------------------------------------
+
+cdef inline void put_u32(unsigned char* p, uint32_t v) noexcept nogil:
+    p[0] = <uint8_t>v
+    p[1] = <uint8_t>(v >> 8)
+    p[2] = <uint8_t>(v >> 16)
+    p[3] = <uint8_t>(v >> 24)
+
+
+cdef inline void put_u64(unsigned char* p, uint64_t v) noexcept nogil:
+    put_u32(p, <uint32_t>v)
+    put_u32(p + 4, <uint32_t>(v >> 32))
+
+
+cdef inline uint32_t get_u32(const unsigned char* p) noexcept nogil:
+    return p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+
+
+cdef inline int32_t get_i32(const unsigned char* p) noexcept nogil:
+    return <int32_t>get_u32(p)
+
+
+cdef inline uint64_t get_u64(const unsigned char* p) noexcept nogil:
+    return get_u32(p) | (<uint64_t>get_u32(p + 4) << 32)
+
+
+# -- writing ---------------------------------------------------------------------
+
+cdef int32_t selected_ranges(const Cells* c, int32_t seq_id, int32_t* begin, int32_t* end) noexcept nogil:
+    cdef int32_t cell, n = 0
+    if seq_id >= 0:
+        # a sequence is in at most one cell
+        cell = c.tail[seq_id]
+        if cell < 0:
+            return 0
+        begin[0] = cell
+        end[0] = cell + 1
+        return 1
+    for cell in range(c.size):
+        if c.n_seq[cell] == 0:
+            continue
+        if n > 0 and end[n - 1] == cell:
+            end[n - 1] = cell + 1
+        else:
+            begin[n] = cell
+            end[n] = cell + 1
+            n += 1
+    return n
+
+
+cdef inline Py_ssize_t max_ranges(int32_t size) noexcept nogil:
+    # runs of selected cells are separated by at least one other cell
+    return (size + 1) // 2
+
+
+cdef int32_t* alloc_ranges(int32_t size) except NULL:
+    """Room for the begin and end arrays of selected_ranges (end at + max_ranges)."""
+    cdef int32_t* ranges = <int32_t*>malloc(2 * max_ranges(size) * sizeof(int32_t))
+    if ranges == NULL:
+        raise MemoryError("cannot allocate the cell ranges")
+    return ranges
+
+
+cdef inline int32_t selected_count(const Cells* c, int32_t seq_id) noexcept nogil:
+    if seq_id >= 0:
+        return 1 if c.tail[seq_id] >= 0 else 0
+    return c.used
+
+
+cdef Py_ssize_t meta_size(const Cells* c, int32_t seq_id) noexcept nogil:
+    cdef Py_ssize_t members = 0
+    cdef int32_t seq
+    if seq_id < 0:
+        # every member of a non-empty cell is a seq id with a tail
+        for seq in range(c.size):
+            members += c.tail[seq] >= 0
+    return 4 + 8 * <Py_ssize_t>selected_count(c, seq_id) + 4 * members
+
+
+cdef Py_ssize_t blob_size(const Cells* c, int32_t seq_id, Py_ssize_t n_tensors,
+                          const Py_ssize_t* row_bytes) noexcept nogil:
+    cdef Py_ssize_t k, rows = 0
+    for k in range(n_tensors):
+        rows += row_bytes[k]
+    return (meta_size(c, seq_id) + DATA_HEADER_BYTES + TENSOR_HEADER_BYTES * n_tensors
+            + <Py_ssize_t>selected_count(c, seq_id) * rows)
+
+
+cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) noexcept nogil:
+    cdef Py_ssize_t off = 4
+    cdef Py_ssize_t* slot
+    cdef int32_t cell, seq, count = 0
+    if seq_id >= 0:
+        cell = c.tail[seq_id]
+        if cell >= 0:
+            put_u32(out + 4, <uint32_t>c.pos[cell])
+            put_u32(out + 8, 0)   # a sequence blob lists no seq ids
+            off = 12
+            count = 1
+        put_u32(out, count)
+        return off
+    slot = <Py_ssize_t*>malloc(c.size * sizeof(Py_ssize_t))   # [size] by cell: where its next seq id goes
+    if slot == NULL:
+        return -1
+    for cell in range(c.size):
+        if c.n_seq[cell] == 0:
+            continue
+        put_u32(out + off, <uint32_t>c.pos[cell])
+        put_u32(out + off + 4, <uint32_t>c.n_seq[cell])
+        slot[cell] = off + 8
+        off += 8 + 4 * <Py_ssize_t>c.n_seq[cell]
+        count += 1
+    # Visiting seq ids in ascending order fills each cell's list sorted, as
+    # llama.cpp's std::set does, in O(size) instead of a sort per cell.
+    for seq in range(c.size):
+        cell = c.tail[seq]
+        if cell >= 0:
+            put_u32(out + slot[cell], <uint32_t>seq)
+            slot[cell] += 4
+    free(slot)
+    put_u32(out, count)
+    return off
+
+
+cdef Py_ssize_t write_rows(unsigned char* out, Py_ssize_t n_tensors, char** tensor_data,
+                           const Py_ssize_t* row_bytes, const int32_t* type_ids, int32_t n_ranges,
+                           const int32_t* begin, const int32_t* end) noexcept nogil:
+    """v_trans, n_layer and every tensor section; returns the bytes written."""
+    cdef Py_ssize_t k, off = DATA_HEADER_BYTES, n
+    cdef int32_t i
+    put_u32(out, 0)
+    put_u32(out + 4, <uint32_t>(n_tensors // 2))
+    for k in range(n_tensors):
+        put_u32(out + off, <uint32_t>type_ids[k])
+        put_u64(out + off + 4, <uint64_t>row_bytes[k])
+        off += TENSOR_HEADER_BYTES
+        for i in range(n_ranges):
+            n = (end[i] - begin[i]) * row_bytes[k]
+            memcpy(out + off, tensor_data[k] + begin[i] * row_bytes[k], n)
+            off += n
+    return off
+
+
+# -- reading ---------------------------------------------------------------------
+
+cdef inline bint fits(BlobDefect* d, BlobField field, Py_ssize_t off, Py_ssize_t need,
+                      Py_ssize_t length) noexcept nogil:
+    """Whether need bytes remain at off; if not, record the truncation."""
+    if length - off >= need:
+        return True
+    d.field = field
+    d.offset = off
+    d.need = need
+    return False
+
+
+cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
+                    Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
+                    BlobLayout* layout, BlobDefect* d) noexcept nogil:
+    # The same checks in the same order as recurrent_cache.state_format.parse_blob.
+    cdef Py_ssize_t off = 4, k, rows
+    cdef uint32_t cell_count, n_seq_id, j, i
+    cdef int32_t pos, seq
+    memset(d, 0, sizeof(BlobDefect))
+    if not fits(d, FIELD_CELL_COUNT, 0, 4, length):
+        return BLOB_ERR_TRUNCATED
+    cell_count = get_u32(data)
+    d.value = cell_count
+    if seq_id >= 0 and cell_count > 1:
+        return BLOB_ERR_SEQ_CELL_COUNT
+    if seq_id < 0 and cell_count > <uint32_t>c.size:
+        return BLOB_ERR_CELL_COUNT
+    layout.cell_count = <int32_t>cell_count   # <= size from here on
+    layout.first_pos = -1
+    cells_new_epoch(c)   # stamp[seq] == epoch: seq listed by cell scratch[seq]
+    for i in range(cell_count):
+        d.cell = i
+        if not fits(d, FIELD_CELL, off, 8, length):
+            return BLOB_ERR_TRUNCATED
+        pos = get_i32(data + off)
+        n_seq_id = get_u32(data + off + 4)
+        if pos < 0:
+            d.offset = off
+            d.value = <uint32_t>pos
+            return BLOB_ERR_NEGATIVE_POS
+        if i == 0:
+            layout.first_pos = pos
+        d.offset = off + 4
+        d.value = n_seq_id
+        if seq_id >= 0 and n_seq_id != 0:
+            return BLOB_ERR_SEQ_N_SEQ_ID
+        if seq_id < 0 and n_seq_id == 0:
+            return BLOB_ERR_NO_SEQ_ID
+        if n_seq_id > <uint32_t>c.size:
+            return BLOB_ERR_N_SEQ_ID
+        off += 8
+        if not fits(d, FIELD_SEQ_IDS, off, 4 * <Py_ssize_t>n_seq_id, length):
+            return BLOB_ERR_TRUNCATED
+        for j in range(n_seq_id):
+            seq = get_i32(data + off)
+            d.offset = off
+            d.value = <uint32_t>seq
+            if not 0 <= seq < c.size:
+                return BLOB_ERR_SEQ_ID_RANGE
+            if c.stamp[seq] == c.stamp_epoch:
+                d.other = c.scratch[seq]
+                return BLOB_ERR_SEQ_ID_REPEATED
+            c.stamp[seq] = c.stamp_epoch
+            c.scratch[seq] = <int32_t>i
+            off += 4
+    layout.data_offset = off
+    d.cell = 0
+    if not fits(d, FIELD_DATA_HEADER, off, DATA_HEADER_BYTES, length):
+        return BLOB_ERR_TRUNCATED
+    d.offset = off
+    d.value = get_u32(data + off)
+    if d.value != 0:
+        return BLOB_ERR_V_TRANS
+    d.offset = off + 4
+    d.value = get_u32(data + off + 4)
+    if d.value != <uint64_t>(n_tensors // 2):
+        return BLOB_ERR_N_LAYER
+    off += DATA_HEADER_BYTES
+    for k in range(n_tensors):
+        d.index = k
+        if not fits(d, FIELD_TENSOR_HEADER, off, TENSOR_HEADER_BYTES, length):
+            return BLOB_ERR_TRUNCATED
+        d.offset = off
+        d.value = get_u32(data + off)
+        if get_i32(data + off) != type_ids[k]:
+            return BLOB_ERR_TYPE
+        d.offset = off + 4
+        d.value = get_u64(data + off + 4)
+        if d.value != <uint64_t>row_bytes[k]:
+            return BLOB_ERR_ROW_BYTES
+        off += TENSOR_HEADER_BYTES
+        rows = cell_count * row_bytes[k]   # no overflow: at most the tensor's own size
+        if not fits(d, FIELD_ROWS, off, rows, length):
+            return BLOB_ERR_TRUNCATED
+        off += rows
+    if off != length:
+        d.offset = off
+        return BLOB_ERR_TRAILING
+    return BLOB_OK
+
+
+cdef void read_rows(const unsigned char* data, Py_ssize_t data_offset, int32_t head, int32_t count,
+                    int32_t zero_from, int32_t size, Py_ssize_t n_tensors, char** tensor_data,
+                    const Py_ssize_t* row_bytes) noexcept nogil:
+    """Copy each tensor section of a checked blob to rows head.., then zero rows zero_from..size-1."""
+    cdef Py_ssize_t k, off = data_offset + DATA_HEADER_BYTES, n
+    for k in range(n_tensors):
+        off += TENSOR_HEADER_BYTES
+        n = count * row_bytes[k]
+        memcpy(tensor_data[k] + head * row_bytes[k], data + off, n)
+        off += n
+        if zero_from < size:
+            memset(tensor_data[k] + zero_from * row_bytes[k], 0, (size - zero_from) * row_bytes[k])
+
+
+cdef inline int64_t as_i32(uint64_t value) noexcept nogil:
+    return <int32_t><uint32_t>value
+
+
+# -- the Python-facing handle ----------------------------------------------------
+
+cdef class StateIO:
+    """Serialisation of one cache's cell table and state tensors.
+
+    The facade (``recurrent_cache.cache``) checks ``seq_id`` (``-1`` or in
+    ``[0, size)``); this class trusts it, and checks everything else.
+    """
+
+    def __cinit__(self, CellTable table, type_ids):
+        cdef Py_ssize_t k
+        if len(type_ids) != table.n_tensors:
+            raise ValueError(f"{len(type_ids)} type ids for {table.n_tensors} state tensors")
+        self.table = table
+        self.n_layer = table.n_tensors // 2
+        self.type_ids = <int32_t*>malloc(max(1, table.n_tensors) * sizeof(int32_t))
+        if self.type_ids == NULL:
+            raise MemoryError("cannot allocate the type table")
+        for k in range(table.n_tensors):
+            self.type_ids[k] = type_ids[k]
+
+    def __dealloc__(self):
+        free(self.type_ids)
+
+    def size(self, int32_t seq_id):
+        """Bytes of ``state_write(seq_id)``."""
+        return blob_size(&self.table.cells, seq_id, self.table.n_tensors, self.table.row_bytes)
+
+    # -- write -------------------------------------------------------------------
+
+    cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1:
+        """Write the blob to out, which has room for capacity bytes; returns the blob's length."""
+        cdef CellTable t = self.table
+        cdef Py_ssize_t off, n
+        cdef int32_t n_ranges
+        cdef int32_t* begin = alloc_ranges(t.cells.size)
+        cdef int32_t* end = begin + max_ranges(t.cells.size)
+        try:
+            # Ranges, size and meta are taken with the GIL held and no Python code
+            # in between; the copies then need only the ranges, so another
+            # thread cannot make the rows disagree with the meta or overflow out.
+            n_ranges = selected_ranges(&t.cells, seq_id, begin, end)
+            n = blob_size(&t.cells, seq_id, t.n_tensors, t.row_bytes)
+            if n > capacity:
+                raise fmt.target_too_small(capacity, n)
+            off = write_meta(&t.cells, seq_id, out)
+            if off < 0:
+                raise MemoryError("cannot allocate the seq-id slots")
+            with nogil:
+                off += write_rows(out + off, t.n_tensors, t.tensor_data, t.row_bytes,
+                                  self.type_ids, n_ranges, begin, end)
+        finally:
+            free(begin)
+        return off
+
+    def write_into(self, unsigned char[::1] out, int32_t seq_id):
+        """Write the blob to the start of out; returns its length."""
+        return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
+
+    def write_bytes(self, int32_t seq_id):
+        """The blob as a new bytes object, written in place (no intermediate copy)."""
+        cdef Py_ssize_t n = self.size(seq_id)
+        cdef bytes blob = PyBytes_FromStringAndSize(NULL, n)
+        rc_advise_hugepages(PyBytes_AS_STRING(blob), n)
+        if self.write(<unsigned char*>PyBytes_AS_STRING(blob), n, seq_id) != n:
+            # only another thread changing the cache meanwhile can shrink the blob
+            raise CoreError("state_write: the cache changed while it was written")
+        return blob
+
+    def write_file(self, object file, int32_t seq_id):
+        """Write the blob to a binary file: the meta, then each range of rows straight from the tensors."""
+        cdef CellTable t = self.table
+        cdef Py_ssize_t k, n, total, n_meta = meta_size(&t.cells, seq_id)
+        cdef int32_t i, n_ranges
+        cdef unsigned char header[TENSOR_HEADER_BYTES]
+        cdef bytes meta = PyBytes_FromStringAndSize(NULL, n_meta + DATA_HEADER_BYTES)
+        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
+        cdef int32_t* begin = alloc_ranges(t.cells.size)
+        cdef int32_t* end = begin + max_ranges(t.cells.size)
+        try:
+            n_ranges = selected_ranges(&t.cells, seq_id, begin, end)
+            # the allocations above may have run Python code (a finalizer) that changed the cache
+            if meta_size(&t.cells, seq_id) != n_meta:
+                raise CoreError("state_write_into: the cache changed while it was written")
+            if write_meta(&t.cells, seq_id, p) < 0:
+                raise MemoryError("cannot allocate the seq-id slots")
+            put_u32(p + n_meta, 0)
+            put_u32(p + n_meta + 4, <uint32_t>self.n_layer)
+            fmt.write_all(file, meta)
+            total = len(meta)
+            # the ranges are fixed now: file.write may run other threads, not move these rows
+            for k in range(t.n_tensors):
+                put_u32(header, <uint32_t>self.type_ids[k])
+                put_u64(header + 4, <uint64_t>t.row_bytes[k])
+                fmt.write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
+                total += TENSOR_HEADER_BYTES
+                for i in range(n_ranges):
+                    n = (end[i] - begin[i]) * t.row_bytes[k]
+                    fmt.write_all(file, <unsigned char[:n]>(<unsigned char*>t.tensor_data[k]
+                                                            + begin[i] * t.row_bytes[k]))
+                    total += n
+        finally:
+            free(begin)
+        return total
+
+    # -- read --------------------------------------------------------------------
+
+    def read(self, const unsigned char[::1] data, int32_t seq_id):
+        """Check the whole blob, then restore it (SPEC §5); returns the bytes read."""
+        cdef CellTable t = self.table
+        cdef Cells* c = &t.cells
+        cdef Py_ssize_t length = data.shape[0]
+        cdef const unsigned char* p = &data[0] if length else NULL
+        cdef BlobLayout layout
+        cdef BlobDefect defect
+        cdef int code = check_blob(c, seq_id, p, length, t.n_tensors, self.type_ids, t.row_bytes,
+                                   &layout, &defect)
+        if code != BLOB_OK:
+            raise self.blob_error(code, &defect, length)
+        if seq_id < 0:
+            self.restore_cache(p, &layout)
+        else:
+            self.restore_sequence(p, &layout, seq_id)
+        return length
+
+    cdef int restore_cache(self, const unsigned char* data, const BlobLayout* layout) except -1:
+        """Cell i of the blob becomes cell i with its own row (src = i); the rest is cleared."""
+        cdef Cells* c = &self.table.cells
+        cdef Py_ssize_t off = 4
+        cdef uint32_t j, n_seq_id
+        cdef int32_t i
+        cells_clear(c)
+        for i in range(layout.cell_count):
+            n_seq_id = get_u32(data + off + 4)
+            for j in range(n_seq_id):
+                cells_join(c, i, get_i32(data + off + 8 + 4 * j))
+            c.pos[i] = get_i32(data + off)
+            c.src[i] = i
+            off += 8 + 4 * n_seq_id
+        with nogil:
+            read_rows(data, layout.data_offset, 0, layout.cell_count, layout.cell_count, c.size,
+                      self.table.n_tensors, self.table.tensor_data, self.table.row_bytes)
+        return 0
+
+    cdef int restore_sequence(self, const unsigned char* data, const BlobLayout* layout,
+                              int32_t seq_id) except -1:
+        """Remove the sequence, then place its one cell with find_slot and fill its row."""
+        cdef Cells* c = &self.table.cells
+        cdef int32_t seq_offset = 0, n_seq_id = 1
+        cdef int code
+        cells_seq_rm(c, seq_id, -1, -1)
+        if layout.cell_count == 0:
+            return 0
+        # The sequence is in no cell now, so at most size - 1 cells are taken
+        # and find_slot always finds one: it cannot fail after the removal.
+        code = cells_find_slot(c, 1, 1, &seq_id, &seq_offset, &n_seq_id, &layout.first_pos)
+        if code != RC_OK:
+            raise CoreError(f"state_read: find_slot failed (code {code}) for seq {seq_id}")
+        c.src[c.head] = c.head
+        with nogil:
+            read_rows(data, layout.data_offset, c.head, 1, c.size, c.size,
+                      self.table.n_tensors, self.table.tensor_data, self.table.row_bytes)
+        return 0
+
+    cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
+        """The StateError for a check_blob code: the one place codes become exceptions."""
+        cdef int32_t size = self.table.cells.size
+        cdef Py_ssize_t k = d.index
+        if code == BLOB_ERR_TRUNCATED:
+            field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
+                     FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
+                     FIELD_ROWS: "rows"}[d.field]
+            return fmt.truncated(fmt.field_name(field, d.cell, d.index, self.n_layer),
+                                 d.offset, d.need, length)
+        if code == BLOB_ERR_TRAILING:
+            return fmt.trailing(d.offset, length)
+        if code == BLOB_ERR_SEQ_CELL_COUNT:
+            return fmt.sequence_cell_count(d.value)
+        if code == BLOB_ERR_CELL_COUNT:
+            return fmt.cell_count_too_large(d.value, size)
+        if code == BLOB_ERR_NEGATIVE_POS:
+            return fmt.negative_pos(d.cell, d.offset, as_i32(d.value))
+        if code == BLOB_ERR_SEQ_N_SEQ_ID:
+            return fmt.sequence_n_seq_id(d.cell, d.offset, d.value)
+        if code == BLOB_ERR_NO_SEQ_ID:
+            return fmt.no_seq_id(d.cell, d.offset)
+        if code == BLOB_ERR_N_SEQ_ID:
+            return fmt.n_seq_id_too_large(d.cell, d.offset, d.value, size)
+        if code == BLOB_ERR_SEQ_ID_RANGE:
+            return fmt.seq_id_out_of_range(d.cell, d.offset, as_i32(d.value), size)
+        if code == BLOB_ERR_SEQ_ID_REPEATED:
+            return fmt.seq_id_repeated(d.cell, d.offset, as_i32(d.value), d.other)
+        if code == BLOB_ERR_V_TRANS:
+            return fmt.v_trans_set(d.offset, d.value)
+        if code == BLOB_ERR_N_LAYER:
+            return fmt.n_layer_mismatch(d.offset, d.value, self.n_layer)
+        if code == BLOB_ERR_TYPE:
+            return fmt.type_mismatch(fmt.tensor_name(k, self.n_layer), d.offset, as_i32(d.value),
+                                     self.type_ids[k])
+        if code == BLOB_ERR_ROW_BYTES:
+            return fmt.row_bytes_mismatch(fmt.tensor_name(k, self.n_layer), d.offset, d.value,
+                                          self.table.row_bytes[k])
+        return CoreError(f"check_blob failed with code {code}")

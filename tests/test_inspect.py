@@ -1,0 +1,106 @@
+"""``python -m recurrent_cache inspect FILE`` on blobs, sequence files and garbage."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_state_io import forked_cache
+
+import recurrent_cache
+from recurrent_cache import inspect
+
+
+@pytest.fixture
+def cache():
+    return forked_cache(recurrent_cache, "bf16", "f16")
+
+
+def run(capsys, *argv):
+    code = inspect.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_whole_cache_blob(cache, tmp_path, capsys):
+    path = tmp_path / "state.bin"
+    path.write_bytes(cache.state_write())
+    code, out, err = run(capsys, path)
+    assert code == 0 and err == ""
+    assert "whole-cache" in out and "cells: 3" in out
+    assert "pos          7  seq ids 3" in out and "seq ids 0 4 5" in out
+    assert "layers: 2" in out
+    assert out.count(" r    bf16 ") == 2 and out.count(" s    f16 ") == 2
+
+
+def test_report_values_match_the_cache(cache, tmp_path, capsys):
+    path = tmp_path / "state.bin"
+    path.write_bytes(cache.state_write())
+    code, out, _ = run(capsys, path, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["kind"] == "whole-cache" and report["cell_count"] == 3
+    assert report["cells"] == [{"pos": 0, "seq_ids": [1]}, {"pos": 7, "seq_ids": [3]},
+                               {"pos": 0, "seq_ids": [0, 4, 5]}]
+    tensors = list(cache.r) + list(cache.s)
+    for summary, tensor in zip(report["tensors"], tensors):
+        values = tensor[[1, 3, 4]].astype(np.float32)
+        assert summary["min"] == values.min() and summary["max"] == values.max()
+        assert summary["mean"] == pytest.approx(values.astype(np.float64).mean())
+        assert summary["n_embd"] == tensor.shape[1]
+    assert [t["type"] for t in report["tensors"]] == ["bf16", "bf16", "f16", "f16"]
+
+
+def test_sequence_file(cache, tmp_path, capsys):
+    path = tmp_path / "seq.ggsq"
+    recurrent_cache.save_seq_file(path, cache, 3, list(range(20)))
+    code, out, _ = run(capsys, path)
+    assert code == 0
+    assert "sequence file ('ggsq' version 2)" in out
+    assert "tokens: 20 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...]" in out
+    assert "at byte 92, single-sequence" in out and "cells: 1" in out
+
+
+def test_cell_list_is_cut_short_unless_asked(tmp_path, capsys):
+    cache = recurrent_cache.RecurrentCache(1, 1, 1, n_seq_max=40)
+    for _ in cache.init_batch(recurrent_cache.Batch(token=[0] * 40, pos=[0] * 40, seq_id=list(range(40)))):
+        pass
+    path = tmp_path / "state.bin"
+    path.write_bytes(cache.state_write())
+    assert "... 8 more" in run(capsys, path)[1]
+    assert "more" not in run(capsys, path, "--max-cells", "0")[1]
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "truncated at byte 0 of 0"),
+    (b"hello world, not a blob", "not a valid state blob"),
+    (struct.pack("<III", 0x67677371, 3, 0), "version 3"),
+    (struct.pack("<III", 0x67677371, 2, 5), "sequence file truncated"),
+    (struct.pack("<IIII", 0, 1, 0, 0), "v_trans is 1"),
+])
+def test_anything_else_fails_cleanly(tmp_path, capsys, content, message):
+    path = tmp_path / "junk"
+    path.write_bytes(content)
+    code, out, err = run(capsys, path)
+    assert code == 1 and out == ""
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_file_fails_cleanly(tmp_path, capsys):
+    code, _, err = run(capsys, tmp_path / "missing")
+    assert code == 1 and "cannot read" in err
+
+
+def test_command_line_entry_point(cache, tmp_path):
+    path = tmp_path / "state.bin"
+    path.write_bytes(cache.state_write(5))
+    done = subprocess.run([sys.executable, "-m", "recurrent_cache", "inspect", str(path)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "single-sequence" in done.stdout
+    path.write_bytes(b"\xff" * 7)
+    done = subprocess.run([sys.executable, "-m", "recurrent_cache", "inspect", str(path)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "inspect:" in done.stderr

@@ -1,0 +1,144 @@
+"""Sequence files ('ggsq', llama.cpp's llama_state_seq_save_file / _load_file)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import struct
+
+import numpy as np
+import pytest
+from golden import load
+from test_state_io import forked_cache, snapshot
+
+from recurrent_cache import load_seq_file, save_seq_file
+from recurrent_cache.errors import ArgumentError, SeqIdError, StateError
+
+MAGIC = 0x67677371
+
+
+def header(tokens):
+    return struct.pack("<III", MAGIC, 2, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def test_saved_file_is_header_tokens_and_sequence_blob(rc, tmp_path):
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+    tokens = [5, -1, 2**31 - 1, 0]
+    assert save_seq_file(path, cache, 3, np.array(tokens, dtype=np.int64)) == path.stat().st_size
+    assert path.read_bytes() == header(tokens) + cache.state_write(3)
+
+
+def test_load_restores_the_sequence_into_any_seq_id(rc, tmp_path):
+    source = forked_cache(rc, "bf16", "f16")
+    path = tmp_path / "seq.ggsq"
+    save_seq_file(path, source, 5, [7, 8, 9])
+    target = rc.RecurrentCache(2, 2, 3, n_seq_max=6, dtype_r="bf16", dtype_s="f16")
+    tokens = load_seq_file(path, target, 2)
+    assert tokens.dtype == np.int32 and tokens.tolist() == [7, 8, 9]
+    target.check()
+    assert target.state_write(2) == source.state_write(5)
+
+
+def test_empty_token_list_and_sequence_without_a_cell(rc, tmp_path):
+    cache = forked_cache(rc)
+    path = tmp_path / "empty.ggsq"
+    save_seq_file(path, cache, 2, [])
+    assert path.read_bytes() == header([]) + cache.state_write(2)
+    assert load_seq_file(path, cache, 3).tolist() == []
+    assert cache.seq_pos_max(3) == -1   # a 0-cell blob removes the sequence
+
+
+def test_llamacpp_sequence_blob_in_a_file(rc, tmp_path):
+    record = next(r for r in load("llamacpp_blobs.jsonl") if r["seq_id"] >= 0 and r["cell_count"] == 1)
+    blob = base64.b64decode(record["blob_b64"])
+    path = tmp_path / "llama.ggsq"
+    path.write_bytes(header([1, 2, 3]) + blob)
+    cache = rc.RecurrentCache(record["n_layer"], record["n_embd_r"], record["n_embd_s"],
+                              n_seq_max=record["size"])
+    assert load_seq_file(path, cache, record["seq_id"]).tolist() == [1, 2, 3]
+    assert cache.state_write(record["seq_id"]) == blob
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda data: b"", "truncated: 0 bytes"),
+    (lambda data: data[:11], "truncated: 11 bytes"),
+    (lambda data: struct.pack("<I", 0x67676C61) + data[4:], "magic 0x67676c61 at byte 0"),
+    (lambda data: data[:4] + struct.pack("<I", 1) + data[8:], "version 1 at byte 4, expected 2"),
+    (lambda data: data[:8] + struct.pack("<I", 2**32 - 1) + data[12:], "4294967295 tokens"),
+    # one token fewer: the second token (2) is read as the blob's cell_count
+    (lambda data: data[:8] + struct.pack("<I", 1) + data[12:], "at byte 16: sequence state blob has 2 cells"),
+    (lambda data: data + b"\0", "the state blob at byte 20: .*1 trailing bytes"),
+    (lambda data: data[:-1], "the state blob at byte 20: .*truncated"),
+])
+def test_bad_files_are_rejected_and_the_cache_is_untouched(rc, tmp_path, damage, message):
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+    save_seq_file(path, cache, 4, [1, 2])
+    path.write_bytes(damage(path.read_bytes()))
+    before = snapshot(cache)
+    with pytest.raises(StateError, match=message) as info:
+        load_seq_file(path, cache, 0)
+    assert str(path) in str(info.value)
+    assert snapshot(cache) == before
+
+
+def test_bad_arguments_create_no_file(rc, tmp_path):
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+    for tokens in ([1.5], [[1, 2]], [2**31], "abc"):
+        with pytest.raises(ArgumentError):
+            save_seq_file(path, cache, 0, tokens)
+    with pytest.raises(SeqIdError):
+        save_seq_file(path, cache, 6, [1])
+    assert os.listdir(tmp_path) == []
+
+
+class FailingCache:
+    """A cache whose state_write_into writes part of the blob, then fails."""
+
+    def __init__(self, cache, error):
+        self.cache = cache
+        self.error = error
+
+    def state_size(self, seq_id):
+        return self.cache.state_size(seq_id)
+
+    def state_write_into(self, file, seq_id):
+        file.write(self.cache.state_write(seq_id)[:10])
+        file.flush()
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failing_write_leaves_the_old_file_and_no_partial_one(rc, tmp_path, error):
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+    path.write_bytes(b"the previous file")
+    with pytest.raises(type(error)):
+        save_seq_file(path, FailingCache(cache, error), 4, [1, 2, 3])
+    assert path.read_bytes() == b"the previous file"
+    assert os.listdir(tmp_path) == ["seq.ggsq"]
+
+
+def test_a_failing_rename_leaves_no_temporary_file(rc, tmp_path, monkeypatch):
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+
+    def refuse(src, dst):
+        assert os.path.dirname(src) == str(tmp_path)   # the temporary file is next to the target
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(PermissionError):
+        save_seq_file(path, cache, 4, [1])
+    assert os.listdir(tmp_path) == []
+
+
+def test_saved_file_permissions_follow_the_umask(rc, tmp_path):
+    mask = os.umask(0o022)
+    try:
+        save_seq_file(tmp_path / "seq.ggsq", forked_cache(rc), 4, [1])
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "seq.ggsq").stat().st_mode & 0o777 == 0o644
