@@ -1,0 +1,61 @@
+"""How a state tensor stores numbers, and the rounding that implies.
+
+A model computes in float32 or float64 but the cache keeps its states in f32,
+f16 or bf16.  ``StateStorage`` converts between the two.  Every conversion to
+the storage type goes through float32 first, as ggml does (its compute type
+is f32), and bf16 rounds to nearest even, like ``ggml_compute_fp32_to_bf16``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._config import DTYPES
+
+__all__ = ["StateStorage"]
+
+# Without ml_dtypes the cache stores a bf16 row as its raw bits in uint16.
+_RAW_BF16 = np.dtype(np.uint16)
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(is_nan, (bits >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+class StateStorage:
+    """The storage dtype of one state tensor (``cache.r[il].dtype``)."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in {d.numpy for d in DTYPES.values()} | {_RAW_BF16}:
+            raise TypeError(f"no state storage for dtype {self.dtype}")
+
+    @classmethod
+    def named(cls, name: str) -> "StateStorage":
+        """The storage a cache built with ``dtype_r=name`` uses ("f32", "f16", "bf16")."""
+        if name not in DTYPES:
+            raise ValueError(f"unknown state dtype {name!r} (expected one of {', '.join(DTYPES)})")
+        return cls(DTYPES[name].numpy)
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        """``values`` as this storage holds them (a new array of the storage dtype)."""
+        as_f32 = np.asarray(values, dtype=np.float32)
+        if self.dtype == _RAW_BF16:
+            return _bf16_bits(as_f32)
+        return as_f32.astype(self.dtype)
+
+    def decode(self, stored: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """Stored values as a new float array of ``dtype``."""
+        if self.dtype == _RAW_BF16:
+            return (stored.astype(np.uint32) << 16).view(np.float32).astype(dtype)
+        return stored.astype(dtype)
+
+    def round(self, values: np.ndarray) -> np.ndarray:
+        """``values`` as they would read back after a store (the input itself when lossless)."""
+        if values.dtype == self.dtype:
+            return values
+        return self.decode(self.encode(values), values.dtype)

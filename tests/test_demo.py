@@ -1,0 +1,76 @@
+"""``python -m recurrent_cache demo`` runs, verifies itself, and its verification can fail."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from recurrent_cache import demo
+
+SMALL = ["--clients", "5", "--parallel", "3", "--n-predict", "5", "--ubatch", "4", "--quiet"]
+
+
+def report_number(out: str, label: str) -> int:
+    return int(re.search(rf"^{label}\s+(\d+)", out, re.MULTILINE).group(1))
+
+
+def test_small_run_passes_and_reports(capsys):
+    assert demo.main(SMALL) == 0
+    out = capsys.readouterr().out
+    for label in ("clients", "tokens", "steps", "throughput", "peak cells used", "time", "verification"):
+        assert re.search(rf"^{label} ", out, re.MULTILINE), f"report lacks {label!r}:\n{out}"
+    assert "verification     PASSED: 5 of 5 clients" in out
+    assert "tokens/s" in out and "cache" in out and "model" in out
+    assert report_number(out, "peak cells used") == 3
+    steps, ubatches = map(int, re.search(r"(\d+) init_batch, (\d+) ubatches", out).groups())
+    assert ubatches > steps, "n_ubatch 4 should split some steps"
+    # 5 clients on 3 slots: two of them ran in cells freed by seq_rm
+    assert "clients          5 (3 at a time)" in out and "25 generated" in out
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_half_precision_states_pass(capsys, dtype):
+    assert demo.main(SMALL + ["--dtype", dtype]) == 0
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_fork_run_passes(capsys):
+    assert demo.main(SMALL + ["--fork"]) == 0
+    out = capsys.readouterr().out
+    assert "1 prompt forked into 3 sequences" in out and "PASSED: 3 of 3" in out
+    continuations = re.findall(r"-> ([\d ]+?)\s+\[sampled", out)
+    assert len(set(continuations)) == 3, "each fork samples with its own seed"
+
+
+@pytest.mark.parametrize("mode", [[], ["--fork"]], ids=["queue", "fork"])
+def test_corrupted_state_fails_verification(capsys, mode):
+    assert demo.main(SMALL + mode + ["--corrupt-step", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "corrupted the layer-0 SSM state of client" in captured.out
+    assert "verification     FAILED" in captured.out
+    assert "VERIFICATION FAILED" in captured.err
+
+
+def test_written_model_runs_from_file(tmp_path, capsys):
+    pytest.importorskip("gguf", reason="--write-model / --model need the gguf package")
+    path = tmp_path / "demo.gguf"
+    assert demo.main(["--write-model", str(path), "--seed", "3"]) == 0
+    assert path.stat().st_size > 0
+    assert demo.main(SMALL + ["--model", str(path)]) == 0
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_missing_model_file_is_a_clear_error(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    assert demo.main(["--model", str(tmp_path / "absent.gguf"), "--quiet"]) == 2
+    assert "absent.gguf" in capsys.readouterr().err
+
+
+def test_command_line_entry_point():
+    result = subprocess.run([sys.executable, "-m", "recurrent_cache", "demo", *SMALL],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "PASSED" in result.stdout
