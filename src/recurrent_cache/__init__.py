@@ -32,8 +32,18 @@ else:
 
 __version__ = "0.1.0"
 
+
+def get_include() -> str:
+    """The directory to put on Cython's include path for ``cimport recurrent_cache.core``.
+
+    Like ``numpy.get_include()``: a downstream extension builds with
+    ``cythonize(..., include_path=[recurrent_cache.get_include()])``.
+    """
+    return _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+
+
 __all__ = [
     "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
-    "ArgumentError", "StateError", "CoreError", "save_seq_file", "load_seq_file",
+    "ArgumentError", "StateError", "CoreError", "get_include", "save_seq_file", "load_seq_file",
 ]

@@ -43,3 +43,7 @@ cdef int split_batch(Split* split, Cells* cells, int32_t n_tokens,
                      const int32_t* seq_id_flat, const int32_t* seq_id_offset,
                      const int32_t* pos, const int8_t* logits, bint logits_all,
                      int32_t n_ubatch, bint embd_pooled, SplitDetail* detail) noexcept nogil
+
+# Place every ubatch of a split on a journal of the cells, then roll it all back: RC_OK means
+# applying the ubatches in order cannot fail; otherwise the first RC_ERR_* code. Cells unchanged.
+cdef int split_prepare(const Split* split, Cells* cells, const int32_t* seq_id_flat) noexcept nogil

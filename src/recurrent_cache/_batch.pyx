@@ -11,7 +11,8 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
-from ._cells cimport cells_new_epoch, cells_seq_pos_max
+from ._cells cimport (RC_ERR_NO_MEMORY, RC_OK, cells_find_slot, cells_journal_begin,
+                      cells_journal_rollback, cells_new_epoch, cells_seq_pos_max)
 
 
 cdef struct SortContext:
@@ -374,3 +375,20 @@ cdef inline bint same_list(const int32_t* seq_id_flat, const int32_t* seq_id_off
         if seq_id_flat[seq_id_offset[t] + j] != seq_id_flat[list_offset + j]:
             return False
     return True
+
+
+cdef int split_prepare(const Split* split, Cells* cells, const int32_t* seq_id_flat) noexcept nogil:
+    cdef int32_t u, g0, head = cells.head, used = cells.used, n = cells.n
+    cdef int code = RC_OK
+    cells_journal_begin(cells)
+    for u in range(split.n_ubatches):
+        g0 = split.ub_group_start[u]
+        code = cells_find_slot(cells, split.ub_group_start[u + 1] - g0,
+                               split.ub_token_start[u + 1] - split.ub_token_start[u],
+                               seq_id_flat, split.group_seq_offset + g0,
+                               split.group_n_seq_id + g0, split.group_last_pos + g0)
+        if code != RC_OK:
+            break
+    if cells_journal_rollback(cells, head, used, n) != RC_OK and code == RC_OK:
+        code = RC_ERR_NO_MEMORY
+    return code

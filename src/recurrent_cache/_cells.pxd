@@ -22,6 +22,8 @@ cdef enum:
     RC_ERR_NO_FREE_CELL = -3  # a group needed a cell and none was free
     RC_ERR_NO_MEMORY = -4
     RC_ERR_PLACEMENT = -5     # groups did not end up in n_seqs distinct cells
+    RC_ERR_POSITION = -6      # seq_add would move a position below 0 or past INT32_MAX
+    RC_ERR_ARGUMENT = -7      # seq_div by d <= 0
 
 cdef struct JournalEntry:
     int32_t* addr32           # exactly one of addr32 / addr64 is set
@@ -59,8 +61,12 @@ cdef void cells_clear(Cells* c) noexcept nogil
 # sequence operations (positions already normalised by the caller: p1 < 0 means +inf)
 cdef bint cells_seq_rm(Cells* c, int32_t seq, int32_t p0, int32_t p1) noexcept nogil
 cdef void cells_seq_cp(Cells* c, int32_t seq_src, int32_t seq_dst) noexcept nogil
-cdef void cells_seq_keep(Cells* c, int32_t seq) noexcept nogil
+cdef int cells_seq_keep(Cells* c, int32_t seq) noexcept nogil  # RC_ERR_SEQ_RANGE: nothing changed
 cdef int32_t cells_tail_in_range(const Cells* c, int32_t seq, int32_t p0, int32_t p1) noexcept nogil
+# seq_add / seq_div move the pos of seq's cell when it lies in [p0, p1); RC_OK, RC_ERR_SEQ_RANGE,
+# RC_ERR_POSITION or RC_ERR_ARGUMENT (nothing changed then)
+cdef int cells_seq_add(Cells* c, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil
+cdef int cells_seq_div(Cells* c, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil
 cdef int32_t cells_seq_pos_min(const Cells* c, int32_t seq) noexcept nogil
 cdef int32_t cells_seq_pos_max(const Cells* c, int32_t seq) noexcept nogil
 cdef int32_t cells_next_free(const Cells* c, int32_t start) noexcept nogil
@@ -69,7 +75,10 @@ cdef void cells_join(Cells* c, int32_t cell, int32_t seq) noexcept nogil
 cdef void cells_new_epoch(Cells* c) noexcept nogil  # forget every stamp in O(1)
 
 # placement of one ubatch: n_seqs groups; group s lists seq ids
-# seq_ids[seq_offset[s]:seq_offset[s] + n_seq_id[s]] (owner first) and ends at last_pos[s]
+# seq_ids[seq_offset[s]:seq_offset[s] + n_seq_id[s]] (owner first) and ends at last_pos[s].
+# seq_offset and n_seq_id may be NULL when every group is one sequence: group s is seq_ids[s].
+# Seq ids are checked (range, each once per ubatch); positions are not: validate them first
+# (split_batch does) or find_slot places whatever it is given.
 cdef int cells_find_slot(Cells* c, int32_t n_seqs, int32_t n_tokens,
                          const int32_t* seq_ids, const int32_t* seq_offset,
                          const int32_t* n_seq_id, const int32_t* last_pos) noexcept nogil
@@ -81,9 +90,10 @@ cdef void cells_copy_plan(Cells* c, int32_t* copy_src, uint8_t* zero) noexcept n
 cdef void cells_journal_begin(Cells* c) noexcept nogil
 cdef int cells_journal_rollback(Cells* c, int32_t head, int32_t used, int32_t n) noexcept nogil
 
-# rows: apply a copy plan to one state tensor of row_bytes-wide rows
-cdef int rows_apply_plan(char* data, Py_ssize_t row_bytes, int32_t head, int32_t n,
-                         const int32_t* copy_src, const uint8_t* zero) noexcept nogil
+# rows: apply a copy plan to one state tensor whose row c starts at data + c * row_stride
+# (row_bytes of state each): row head+i <- row copy_src[i], all reads first; then zero rows
+cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes, int32_t head,
+                         int32_t n, const int32_t* copy_src, const uint8_t* zero) noexcept nogil
 
 
 cdef class CellTable:

@@ -291,10 +291,12 @@ cdef void cells_seq_cp(Cells* c, int32_t seq_src, int32_t seq_dst) noexcept nogi
         join(c, cell, seq_dst)
 
 
-cdef void cells_seq_keep(Cells* c, int32_t seq) noexcept nogil:
-    cdef int32_t cell, member, after
-    cdef int32_t kept = c.tail[seq] if 0 <= seq < c.size else -1
+cdef int cells_seq_keep(Cells* c, int32_t seq) noexcept nogil:
+    cdef int32_t cell, member, after, kept
     cdef int32_t new_head = c.size
+    if not 0 <= seq < c.size:
+        return RC_ERR_SEQ_RANGE   # llama.cpp would empty every cell
+    kept = c.tail[seq]
     for cell in range(c.size):
         if cell == kept:
             member = c.first[cell]
@@ -310,6 +312,7 @@ cdef void cells_seq_keep(Cells* c, int32_t seq) noexcept nogil:
             new_head = cell
     if new_head < c.head:
         c.head = new_head
+    return RC_OK
 
 
 cdef int32_t cells_tail_in_range(const Cells* c, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
@@ -324,6 +327,33 @@ cdef int32_t cells_tail_in_range(const Cells* c, int32_t seq, int32_t p0, int32_
     if cell < 0 or not (p0 <= c.pos[cell] < p1):
         return -1
     return cell
+
+
+cdef int cells_seq_add(Cells* c, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
+    cdef int32_t cell
+    cdef int64_t moved
+    if not 0 <= seq < c.size:
+        return RC_ERR_SEQ_RANGE
+    cell = cells_tail_in_range(c, seq, p0, p1)
+    if shift == 0 or cell < 0:
+        return RC_OK
+    moved = <int64_t>c.pos[cell] + shift
+    if moved < 0 or moved >= INT32_MAX:
+        return RC_ERR_POSITION
+    c.pos[cell] = <int32_t>moved   # the cell's pos: every sequence sharing it moves too
+    return RC_OK
+
+
+cdef int cells_seq_div(Cells* c, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
+    cdef int32_t cell
+    if not 0 <= seq < c.size:
+        return RC_ERR_SEQ_RANGE
+    if d <= 0:
+        return RC_ERR_ARGUMENT
+    cell = cells_tail_in_range(c, seq, p0, p1)
+    if d != 1 and cell >= 0:
+        c.pos[cell] = c.pos[cell] // d   # pos >= 0: floor is C's truncation
+    return RC_OK
 
 
 cdef int32_t cells_seq_pos_min(const Cells* c, int32_t seq) noexcept nogil:
@@ -346,16 +376,24 @@ cdef void cells_new_epoch(Cells* c) noexcept nogil:
 
 # -- find_slot -----------------------------------------------------------------
 
+cdef inline int32_t group_start(const int32_t* seq_offset, int32_t s) noexcept nogil:
+    return s if seq_offset == NULL else seq_offset[s]
+
+
+cdef inline int32_t group_size(const int32_t* n_seq_id, int32_t s) noexcept nogil:
+    return 1 if n_seq_id == NULL else n_seq_id[s]
+
+
 cdef int check_ubatch_seqs(Cells* c, int32_t n_seqs, const int32_t* seq_ids,
                            const int32_t* seq_offset, const int32_t* n_seq_id) noexcept nogil:
     """Every seq id in range and listed once in the whole ubatch; nothing written."""
     cdef int32_t s, j, seq
     cells_new_epoch(c)
     for s in range(n_seqs):
-        if n_seq_id[s] < 1:
+        if group_size(n_seq_id, s) < 1:
             return RC_ERR_SEQ_RANGE
-        for j in range(n_seq_id[s]):
-            seq = seq_ids[seq_offset[s] + j]
+        for j in range(group_size(n_seq_id, s)):
+            seq = seq_ids[group_start(seq_offset, s) + j]
             if not 0 <= seq < c.size:
                 return RC_ERR_SEQ_RANGE
             if c.stamp[seq] == c.stamp_epoch:
@@ -378,14 +416,14 @@ cdef int cells_find_slot(Cells* c, int32_t n_seqs, int32_t n_tokens,
         c.head = 0
     # 2. sequences that become shared leave their own cells
     for s in range(n_seqs):
-        for j in range(1, n_seq_id[s]):
-            leave(c, seq_ids[seq_offset[s] + j])
+        for j in range(1, group_size(n_seq_id, s)):
+            leave(c, seq_ids[group_start(seq_offset, s) + j])
     # 3.-4. every owner gets a cell it holds alone
     next_empty = cells_next_free(c, c.head)
     lo = c.size - 1
     hi = 0
     for s in range(n_seqs):
-        owner = seq_ids[seq_offset[s]]
+        owner = seq_ids[group_start(seq_offset, s)]
         cell = c.tail[owner]
         if cell < 0 or c.n_seq[cell] != 1:
             if next_empty < 0:
@@ -407,7 +445,7 @@ cdef int cells_find_slot(Cells* c, int32_t n_seqs, int32_t n_tokens,
     # 5. gather: group s into cell lo + s
     for s in range(n_seqs):
         dst = lo + s
-        cell = c.tail[seq_ids[seq_offset[s]]]
+        cell = c.tail[seq_ids[group_start(seq_offset, s)]]
         if cell != dst:
             if dst >= c.size:
                 return RC_ERR_PLACEMENT
@@ -416,8 +454,8 @@ cdef int cells_find_slot(Cells* c, int32_t n_seqs, int32_t n_tokens,
     for s in range(n_seqs):
         cell = lo + s
         set32(c, &c.pos[cell], last_pos[s])
-        for j in range(1, n_seq_id[s]):
-            join(c, cell, seq_ids[seq_offset[s] + j])
+        for j in range(1, group_size(n_seq_id, s)):
+            join(c, cell, seq_ids[group_start(seq_offset, s) + j])
     # 7.
     c.head = lo
     c.n = hi - lo + 1
@@ -434,8 +472,8 @@ cdef void cells_copy_plan(Cells* c, int32_t* copy_src, uint8_t* zero) noexcept n
             c.src[cell] = cell
 
 
-cdef int rows_apply_plan(char* data, Py_ssize_t row_bytes, int32_t head, int32_t n,
-                         const int32_t* copy_src, const uint8_t* zero) noexcept nogil:
+cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes, int32_t head,
+                         int32_t n, const int32_t* copy_src, const uint8_t* zero) noexcept nogil:
     cdef int32_t i, n_moves = 0, k
     cdef char* staging
     for i in range(n):
@@ -444,7 +482,7 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_bytes, int32_t head, int32_t
     if n_moves == 1:
         for i in range(n):
             if copy_src[i] != head + i:
-                memcpy(data + (head + i) * row_bytes, data + copy_src[i] * row_bytes, row_bytes)
+                memcpy(data + (head + i) * row_stride, data + copy_src[i] * row_stride, row_bytes)
     elif n_moves > 1:
         # every read happens before any write: a source may also be a destination
         staging = <char*>malloc(n_moves * row_bytes)
@@ -453,17 +491,17 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_bytes, int32_t head, int32_t
         k = 0
         for i in range(n):
             if copy_src[i] != head + i:
-                memcpy(staging + k * row_bytes, data + copy_src[i] * row_bytes, row_bytes)
+                memcpy(staging + k * row_bytes, data + copy_src[i] * row_stride, row_bytes)
                 k += 1
         k = 0
         for i in range(n):
             if copy_src[i] != head + i:
-                memcpy(data + (head + i) * row_bytes, staging + k * row_bytes, row_bytes)
+                memcpy(data + (head + i) * row_stride, staging + k * row_bytes, row_bytes)
                 k += 1
         free(staging)
     for i in range(n):
         if zero[i]:
-            memset(data + (head + i) * row_bytes, 0, row_bytes)
+            memset(data + (head + i) * row_stride, 0, row_bytes)
     return RC_OK
 
 
@@ -507,7 +545,8 @@ cdef class CellTable:
         cdef Py_ssize_t k
         cdef int code
         for k in range(self.n_tensors):
-            code = rows_apply_plan(self.tensor_data[k], self.row_bytes[k], head, n, copy_src, zero)
+            code = rows_apply_plan(self.tensor_data[k], self.row_bytes[k], self.row_bytes[k],
+                                   head, n, copy_src, zero)
             if code != RC_OK:
                 return code
         return RC_OK
@@ -551,13 +590,13 @@ cdef class CellTable:
         cells_seq_cp(&self.cells, seq_src, seq_dst)
 
     def seq_keep(self, int32_t seq):
-        cells_seq_keep(&self.cells, seq)
+        return cells_seq_keep(&self.cells, seq)
 
-    def tail_in_range(self, int32_t seq, int32_t p0, int32_t p1):
-        return cells_tail_in_range(&self.cells, seq, p0, p1)
+    def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
+        return cells_seq_add(&self.cells, seq, p0, p1, shift)
 
-    def set_pos(self, int32_t cell, int32_t pos):
-        self.cells.pos[cell] = pos
+    def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
+        return cells_seq_div(&self.cells, seq, p0, p1, d)
 
     def seq_pos_min(self, int32_t seq):
         return cells_seq_pos_min(&self.cells, seq)

@@ -15,13 +15,13 @@ import numpy as np
 
 from ._batch cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP, SPLIT_ERR_NEGATIVE_POS,
                       SPLIT_ERR_NO_MEMORY, SPLIT_ERR_SEQ_RANGE, SPLIT_OK, Split, SplitDetail,
-                      split_alloc, split_batch, split_release)
-from ._cells cimport (RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT,
-                      RC_ERR_SEQ_RANGE, RC_OK, CellTable, cells_copy_plan, cells_find_slot,
-                      cells_journal_begin, cells_journal_rollback)
+                      split_alloc, split_batch, split_prepare, split_release)
+from ._cells cimport (RC_ERR_ARGUMENT, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY,
+                      RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_SEQ_RANGE, RC_OK, CellTable, cells_copy_plan,
+                      cells_find_slot)
 
 from .batch import Batch
-from .errors import CoreError, PositionError, SeqIdError
+from .errors import ArgumentError, CoreError, PositionError, SeqIdError
 from .memory import MemoryStatus, Ubatch
 
 _EMPTY_PLAN = np.empty(0, dtype=np.int32)
@@ -47,37 +47,28 @@ cdef object split_error(int code, const SplitDetail* d, int32_t size):
     return CoreError(f"split_batch failed with code {code}")
 
 
-def core_error(int code):
-    """The exception for a failed cell-table operation."""
+def core_error(int code, str detail=""):
+    """The exception for a failed cell-table call: the one place RC_ERR_* codes become errors.
+
+    ``detail`` says what was asked (the caller knows the values); the code
+    decides the class.
+    """
+    text = f"{detail}: " if detail else ""
     if code == RC_ERR_SEQ_RANGE:
-        return CoreError("find_slot: a seq id is outside the cache")
+        return SeqIdError(f"{text}a seq id is outside the cache")
+    if code == RC_ERR_POSITION:
+        return PositionError(f"{text}the position would leave [0, 2**31 - 1)")
+    if code == RC_ERR_ARGUMENT:
+        return ArgumentError(f"{text}argument out of its domain")
     if code == RC_ERR_DUPLICATE_SEQ:
-        return CoreError("find_slot: a seq id appears twice in one ubatch")
+        return CoreError(f"{text}find_slot: a seq id appears twice in one ubatch")
     if code == RC_ERR_NO_FREE_CELL:
-        return CoreError("find_slot: no free cell left for a sequence")
+        return CoreError(f"{text}find_slot: no free cell left for a sequence")
     if code == RC_ERR_PLACEMENT:
-        return CoreError("find_slot: groups do not fit in consecutive cells")
+        return CoreError(f"{text}find_slot: groups do not fit in consecutive cells")
     if code == RC_ERR_NO_MEMORY:
-        return MemoryError("out of memory in the cell table")
-    return CoreError(f"cell table failed with code {code}")
-
-
-cdef int prepare(CellTable table, const Split* split, const int32_t* seq_id_flat) noexcept nogil:
-    """Place every ubatch on a journal, then undo it all: SUCCESS means apply() cannot fail."""
-    cdef int32_t u, g0, head = table.cells.head, used = table.cells.used, n = table.cells.n
-    cdef int code = RC_OK
-    cells_journal_begin(&table.cells)
-    for u in range(split.n_ubatches):
-        g0 = split.ub_group_start[u]
-        code = cells_find_slot(&table.cells, split.ub_group_start[u + 1] - g0,
-                               split.ub_token_start[u + 1] - split.ub_token_start[u],
-                               seq_id_flat, split.group_seq_offset + g0,
-                               split.group_n_seq_id + g0, split.group_last_pos + g0)
-        if code != RC_OK:
-            break
-    if cells_journal_rollback(&table.cells, head, used, n) != RC_OK and code == RC_OK:
-        code = RC_ERR_NO_MEMORY
-    return code
+        return MemoryError(f"{text}out of memory in the cell table")
+    return CoreError(f"{text}cell table failed with code {code}")
 
 
 @cython.final
@@ -203,7 +194,7 @@ cdef class MemoryState:
             raise MemoryError("cannot allocate a copy plan")
         if simulate:
             with nogil:
-                code = prepare(self.table, &self.split, &self.seq_id_flat[0])
+                code = split_prepare(&self.split, &self.table.cells, &self.seq_id_flat[0])
             if code != RC_OK:
                 self.status = MemoryStatus.FAILED_PREPARE
 

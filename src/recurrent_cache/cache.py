@@ -12,10 +12,10 @@ import numpy as np
 
 from ._cells import CellTable
 from ._config import Config, as_int
-from ._memory import MemoryState
+from ._memory import MemoryState, core_error
 from ._state_io import StateIO
 from .batch import Batch
-from .errors import ArgumentError, BatchError, PositionError, SeqIdError
+from .errors import BatchError, PositionError, SeqIdError
 from .state_format import blob_view, read_rest, target_view
 
 __all__ = ["RecurrentCache"]
@@ -58,6 +58,8 @@ class RecurrentCache:
     n_embd_s = property(lambda self: self._config.n_embd_s, doc="Width of an s row.")
     dtype_r = property(lambda self: self._config.dtype_r.name, doc="Element type of r.")
     dtype_s = property(lambda self: self._config.dtype_s.name, doc="Element type of s.")
+    cell_table = property(lambda self: self._cells,
+                          doc="The C-level handle (``recurrent_cache.core.CellTable``) for Cython code.")
     head = property(lambda self: self._cells.head, doc="Where the next free-cell search starts.")
     used = property(lambda self: self._cells.used, doc="Number of non-empty cells.")
     n = property(lambda self: self._cells.n, doc="Cells from head touched by the last placement.")
@@ -95,37 +97,34 @@ class RecurrentCache:
         self._cells.seq_cp(as_int(src, "src"), as_int(dst, "dst"))
 
     def seq_keep(self, seq: int) -> None:
-        """Free every cell that does not hold ``seq``; its cell keeps only ``seq``."""
-        self._cells.seq_keep(self._seq_in_range(seq, "seq_keep"))
+        """Free every cell that does not hold ``seq``; its cell keeps only ``seq``.
+
+        A ``seq`` outside ``[0, size)`` raises ``SeqIdError`` (llama.cpp would
+        empty every cell).
+        """
+        seq = as_int(seq, "seq")
+        self._check(self._cells.seq_keep(seq), f"seq_keep: seq_id {seq} (cache size {self.size})")
 
     def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> None:
         """Shift the pos of ``seq``'s cell by ``shift`` if it lies in ``[p0, p1)``.
 
         The pos is the cell's, so sequences sharing the cell move with it.
         """
-        seq = self._seq_in_range(seq, "seq_add")
-        p0, p1, shift = as_int(p0, "p0"), as_int(p1, "p1"), as_int(shift, "shift")
-        cell = self._cells.tail_in_range(seq, p0, p1)
-        if shift == 0 or cell < 0:
-            return
-        pos = self._cells.cell(cell)[0] + shift
-        if pos < 0:
-            raise PositionError(f"seq_add: seq {seq} at pos {pos - shift} shifted by {shift} "
-                                f"gives negative position {pos}")
-        if pos >= POS_MAX:
-            raise PositionError(f"seq_add: position {pos} overflows int32")
-        self._cells.set_pos(cell, pos)
+        seq, p0, p1, shift = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(shift, "shift")
+        self._check(self._cells.seq_add(seq, p0, p1, shift),
+                    f"seq_add: seq_id {seq} (cache size {self.size}) at pos {self.seq_pos_max(seq)} "
+                    f"shifted by {shift}")
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         """Divide the pos of ``seq``'s cell by ``d`` (truncating) if it lies in ``[p0, p1)``."""
-        seq = self._seq_in_range(seq, "seq_div")
-        p0, p1, d = as_int(p0, "p0"), as_int(p1, "p1"), as_int(d, "d")
-        if d <= 0:
-            raise ArgumentError(f"seq_div: divisor d must be positive, got {d}")
-        cell = self._cells.tail_in_range(seq, p0, p1)
-        if d == 1 or cell < 0:
-            return
-        self._cells.set_pos(cell, self._cells.cell(cell)[0] // d)
+        seq, p0, p1, d = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(d, "d")
+        self._check(self._cells.seq_div(seq, p0, p1, d),
+                    f"seq_div: seq_id {seq} (cache size {self.size}), divisor d = {d} (must be positive)")
+
+    @staticmethod
+    def _check(code: int, detail: str) -> None:
+        if code:
+            raise core_error(code, detail)
 
     def seq_pos_min(self, seq: int) -> int:
         """Smallest pos of ``seq``'s cells; -1 when it has none."""
@@ -134,13 +133,6 @@ class RecurrentCache:
     def seq_pos_max(self, seq: int) -> int:
         """Largest pos of ``seq``'s cells; -1 when it has none."""
         return self._cells.seq_pos_max(as_int(seq, "seq"))
-
-    def _seq_in_range(self, seq: int, op: str) -> int:
-        seq = as_int(seq, "seq")
-        if not 0 <= seq < self.size:
-            # llama.cpp would empty every cell on seq_keep(-2): refuse instead
-            raise SeqIdError(f"{op}: seq_id {seq} is out of range [0, {self.size})")
-        return seq
 
     # -- batches -----------------------------------------------------------------
 
