@@ -28,7 +28,7 @@ def cache():
 ])
 def test_failed_prepare_leaves_the_cache_unchanged(cache, ubatches, why):
     before = snapshot(cache)
-    st = MemoryState.for_ubatches(cache._cells, cache, ubatches)
+    st = MemoryState._from_ubatches(cache._cells, cache, ubatches)
     assert st.status == rc.MemoryStatus.FAILED_PREPARE, why
     assert snapshot(cache) == before
     cache.check()
@@ -40,7 +40,7 @@ def test_failed_prepare_leaves_the_cache_unchanged(cache, ubatches, why):
 def test_prepared_hand_built_ubatch_places_and_moves_rows(cache):
     # cells 0, 1, 2 hold seqs 2, 1, 0 (groups are consumed from the end);
     # a new seq 3 and seq 1 must end up in consecutive cells 1 and 2
-    st = MemoryState.for_ubatches(cache._cells, cache, [(1, [[3], [1]])])
+    st = MemoryState._from_ubatches(cache._cells, cache, [(1, [[3], [1]])])
     assert st.status == rc.MemoryStatus.SUCCESS
     assert snapshot(cache)["cells"] == [[0, 0, 2, [2]], [0, 1, 1, [1]], [0, 2, 0, [0]], [-1, -1, -1, []]]
     row_of_seq_0 = cache.s[0][2].copy()

@@ -119,7 +119,7 @@ cdef class MemoryState:
         return st
 
     @staticmethod
-    def for_batch(CellTable table, object cache, object batch, object pos, int32_t n_ubatch,
+    def _from_batch(CellTable table, object cache, object batch, object pos, int32_t n_ubatch,
                   bint embd_pooled, bint logits_all, bint simulate=True):
         """Validate, split and prepare; raise for bad input (nothing changed)."""
         cdef MemoryState st = MemoryState._new(table, cache, MemoryStatus.SUCCESS)
@@ -145,7 +145,7 @@ cdef class MemoryState:
         return st
 
     @staticmethod
-    def for_ubatches(CellTable table, object cache, list ubatches):
+    def _from_ubatches(CellTable table, object cache, list ubatches):
         """A prepared state of hand-built ubatches: the core's internal entry point.
 
         ``ubatches[u]`` is ``(n_seq_tokens, groups)`` with ``groups`` a list of
@@ -199,7 +199,7 @@ cdef class MemoryState:
                 self.status = MemoryStatus.FAILED_PREPARE
 
     @staticmethod
-    def for_full(CellTable table, object cache):
+    def _from_full(CellTable table, object cache):
         cdef MemoryState st = MemoryState._new(table, cache, MemoryStatus.SUCCESS)
         st.full = True
         st.applied = True

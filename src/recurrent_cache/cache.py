@@ -153,12 +153,12 @@ class RecurrentCache:
             if start + batch.n_tokens > POS_MAX:
                 raise PositionError(f"default positions from {start} overflow int32")
             pos = np.arange(start, start + batch.n_tokens, dtype=np.int32)
-        return MemoryState.for_batch(self._cells, self, batch, pos, min(int(n_ubatch), POS_MAX),
+        return MemoryState._from_batch(self._cells, self, batch, pos, min(int(n_ubatch), POS_MAX),
                                      bool(embd_pooled), bool(logits_all))
 
     def init_full(self) -> MemoryState:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
-        return MemoryState.for_full(self._cells, self)
+        return MemoryState._from_full(self._cells, self)
 
     # -- state serialisation (SPEC §5) ---------------------------------------------
 

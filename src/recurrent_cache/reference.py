@@ -163,12 +163,13 @@ class RecurrentCache:
     def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
                  size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32") -> None:
         self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
-        self.r, self.s = self._config.allocate()
+        r, s = self._config.allocate()
+        self.r, self.s = tuple(r), tuple(s)
         size = self._config.size
-        self.pos = [-1] * size
-        self.src = [-1] * size
-        self.tail = [-1] * size
-        self.seq_ids: list[set[int]] = [set() for _ in range(size)]
+        self._pos = [-1] * size
+        self._src = [-1] * size
+        self._tail = [-1] * size
+        self._seq_ids: list[set[int]] = [set() for _ in range(size)]
         self.head = 0
         self.used = 0
         self.n = 0
@@ -187,39 +188,39 @@ class RecurrentCache:
         i = as_int(i, "cell index")
         if not 0 <= i < self.size:
             raise SeqIdError(f"cell index {i} out of range [0, {self.size})")
-        return self.pos[i], self.src[i], self.tail[i], tuple(sorted(self.seq_ids[i]))
+        return self._pos[i], self._src[i], self._tail[i], tuple(sorted(self._seq_ids[i]))
 
     def _free(self, c: int) -> None:
-        self.pos[c] = -1
-        self.src[c] = -1
+        self._pos[c] = -1
+        self._src[c] = -1
         self.used -= 1
 
     def _leave(self, seq: int) -> None:
         """Remove ``seq`` from its tail cell, freeing the cell if it empties."""
-        c = self.tail[seq]
+        c = self._tail[seq]
         if c < 0:
             return
-        self.seq_ids[c].discard(seq)
-        self.tail[seq] = -1
-        if not self.seq_ids[c]:
+        self._seq_ids[c].discard(seq)
+        self._tail[seq] = -1
+        if not self._seq_ids[c]:
             self._free(c)
 
     def check(self) -> None:
         """Raise CoreError if an invariant of SPEC §1 is broken."""
         holder = [-1] * self.size
         for c in range(self.size):
-            if not self.seq_ids[c] and (self.pos[c] != -1 or self.src[c] != -1):
-                raise CoreError(f"empty cell {c} has pos {self.pos[c]} / src {self.src[c]}")
-            for seq in self.seq_ids[c]:
+            if not self._seq_ids[c] and (self._pos[c] != -1 or self._src[c] != -1):
+                raise CoreError(f"empty cell {c} has pos {self._pos[c]} / src {self._src[c]}")
+            for seq in self._seq_ids[c]:
                 if not 0 <= seq < self.size:
                     raise CoreError(f"cell {c} holds seq {seq} outside [0, {self.size})")
                 if holder[seq] != -1:
                     raise CoreError(f"seq {seq} is in cells {holder[seq]} and {c}")
                 holder[seq] = c
         for seq in range(self.size):
-            if holder[seq] != self.tail[seq]:
-                raise CoreError(f"tail of seq {seq} is {self.tail[seq]}, but it is in cell {holder[seq]}")
-        used = sum(1 for ids in self.seq_ids if ids)
+            if holder[seq] != self._tail[seq]:
+                raise CoreError(f"tail of seq {seq} is {self._tail[seq]}, but it is in cell {holder[seq]}")
+        used = sum(1 for ids in self._seq_ids if ids)
         if used != self.used:
             raise CoreError(f"used is {self.used}, but {used} cells are not empty")
 
@@ -227,39 +228,39 @@ class RecurrentCache:
 
     def clear(self) -> None:
         for c in range(self.size):
-            self.pos[c] = self.src[c] = self.tail[c] = -1
-            self.seq_ids[c].clear()
+            self._pos[c] = self._src[c] = self._tail[c] = -1
+            self._seq_ids[c].clear()
         self.head = self.used = 0
         for tensor in self.r + self.s:
             tensor[...] = 0
 
-    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         seq, p0, p1 = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1")
         p0, p1 = _range(p0, p1)
         if seq >= self.size:
             return False
         if seq >= 0:
-            t = self.tail[seq]
+            t = self._tail[seq]
             if t >= 0:
-                pos = self.pos[t]
+                pos = self._pos[t]
                 if (0 < p0 <= pos) or (0 < p1 <= pos):
                     return False
         elif p0 != p1 and (p0 != 0 or p1 != POS_INF):
             return False
         new_head = self.size
         for c in range(self.size):
-            if not p0 <= self.pos[c] < p1:
+            if not p0 <= self._pos[c] < p1:
                 continue
             if seq < 0:
-                for member in self.seq_ids[c]:
-                    self.tail[member] = -1  # FIX: the reference leaves these dangling
-                self.seq_ids[c].clear()
-            elif seq in self.seq_ids[c]:
-                self.seq_ids[c].discard(seq)
-                self.tail[seq] = -1
+                for member in self._seq_ids[c]:
+                    self._tail[member] = -1  # FIX: the reference leaves these dangling
+                self._seq_ids[c].clear()
+            elif seq in self._seq_ids[c]:
+                self._seq_ids[c].discard(seq)
+                self._tail[seq] = -1
             else:
                 continue
-            if not self.seq_ids[c]:
+            if not self._seq_ids[c]:
                 self._free(c)
                 new_head = min(new_head, c)
         if new_head < self.head:
@@ -272,10 +273,10 @@ class RecurrentCache:
         if src == dst or not (0 <= src < self.size and 0 <= dst < self.size):
             return
         self._leave(dst)
-        t = self.tail[src]
+        t = self._tail[src]
         if t >= 0:
-            self.seq_ids[t].add(dst)
-            self.tail[dst] = t
+            self._seq_ids[t].add(dst)
+            self._tail[dst] = t
 
     def _check_seq(self, seq: int, op: str) -> int:
         seq = as_int(seq, "seq")
@@ -288,12 +289,12 @@ class RecurrentCache:
         new_head = self.size
         for c in range(self.size):
             if c != seq:
-                self.tail[c] = -1
-            if seq in self.seq_ids[c]:
-                self.seq_ids[c] = {seq}
+                self._tail[c] = -1
+            if seq in self._seq_ids[c]:
+                self._seq_ids[c] = {seq}
             else:
-                if self.seq_ids[c]:
-                    self.seq_ids[c].clear()
+                if self._seq_ids[c]:
+                    self._seq_ids[c].clear()
                     self._free(c)
                 new_head = min(new_head, c)
         if new_head < self.head:
@@ -301,8 +302,8 @@ class RecurrentCache:
 
     def _tail_cell_in_range(self, seq: int, p0: int, p1: int) -> int:
         p0, p1 = _range(p0, p1)
-        t = self.tail[seq]
-        if p0 == p1 or t < 0 or not p0 <= self.pos[t] < p1:
+        t = self._tail[seq]
+        if p0 == p1 or t < 0 or not p0 <= self._pos[t] < p1:
             return -1
         return t
 
@@ -312,13 +313,13 @@ class RecurrentCache:
         t = self._tail_cell_in_range(seq, p0, p1)
         if shift == 0 or t < 0:
             return
-        new_pos = self.pos[t] + shift
+        new_pos = self._pos[t] + shift
         if new_pos < 0:
-            raise PositionError(f"seq_add: seq {seq} at pos {self.pos[t]} shifted by {shift} "
+            raise PositionError(f"seq_add: seq {seq} at pos {self._pos[t]} shifted by {shift} "
                                 f"gives negative position {new_pos}")
         if new_pos >= POS_INF:
             raise PositionError(f"seq_add: position {new_pos} overflows int32")
-        self.pos[t] = new_pos
+        self._pos[t] = new_pos
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         seq = self._check_seq(seq, "seq_div")
@@ -328,16 +329,16 @@ class RecurrentCache:
         t = self._tail_cell_in_range(seq, p0, p1)
         if d == 1 or t < 0:
             return
-        self.pos[t] //= d  # pos >= 0 here, so floor division is C truncation
+        self._pos[t] //= d  # pos >= 0 here, so floor division is C truncation
 
     def seq_pos_min(self, seq: int) -> int:
         seq = as_int(seq, "seq")
-        found = [self.pos[c] for c in range(self.size) if seq in self.seq_ids[c]]
+        found = [self._pos[c] for c in range(self.size) if seq in self._seq_ids[c]]
         return min(found) if found else -1
 
     def seq_pos_max(self, seq: int) -> int:
         seq = as_int(seq, "seq")
-        found = [self.pos[c] for c in range(self.size) if seq in self.seq_ids[c]]
+        found = [self._pos[c] for c in range(self.size) if seq in self._seq_ids[c]]
         return max(found) if found else -1
 
     # -- find_slot (SPEC §2) -------------------------------------------------
@@ -345,7 +346,7 @@ class RecurrentCache:
     def _next_empty(self, start: int) -> int:
         for k in range(self.size):
             c = (start + k) % self.size
-            if not self.seq_ids[c]:
+            if not self._seq_ids[c]:
                 return c
         return -1
 
@@ -364,40 +365,40 @@ class RecurrentCache:
         lo, hi = self.size - 1, 0
         for s, ids in enumerate(ub.seq_id):
             owner = ids[0]
-            t = self.tail[owner]
-            if not (t >= 0 and len(self.seq_ids[t]) == 1):
+            t = self._tail[owner]
+            if not (t >= 0 and len(self._seq_ids[t]) == 1):
                 if next_empty < 0:
                     return False
                 if t >= 0:
-                    self.pos[next_empty], self.src[next_empty] = self.pos[t], self.src[t]
-                    self.seq_ids[t].discard(owner)
-                    self.seq_ids[next_empty].add(owner)
-                t = self.tail[owner] = next_empty
+                    self._pos[next_empty], self._src[next_empty] = self._pos[t], self._src[t]
+                    self._seq_ids[t].discard(owner)
+                    self._seq_ids[next_empty].add(owner)
+                t = self._tail[owner] = next_empty
                 if s + 1 < n_seqs:
                     next_empty = self._next_empty(next_empty + 1)
             lo, hi = min(lo, t), max(hi, t)
         # gather: group s must end up in cell lo + s
         for s, ids in enumerate(ub.seq_id):
-            dst, src = lo + s, self.tail[ids[0]]
+            dst, src = lo + s, self._tail[ids[0]]
             if dst == src:
                 continue
-            self.pos[dst], self.pos[src] = self.pos[src], self.pos[dst]
-            self.src[dst], self.src[src] = self.src[src], self.src[dst]
-            self.seq_ids[dst], self.seq_ids[src] = self.seq_ids[src], self.seq_ids[dst]
+            self._pos[dst], self._pos[src] = self._pos[src], self._pos[dst]
+            self._src[dst], self._src[src] = self._src[src], self._src[dst]
+            self._seq_ids[dst], self._seq_ids[src] = self._seq_ids[src], self._seq_ids[dst]
             for seq in range(self.size):  # FIX: every tail, not just the assumed ones
-                if self.tail[seq] == dst:
-                    self.tail[seq] = src
-                elif self.tail[seq] == src:
-                    self.tail[seq] = dst
+                if self._tail[seq] == dst:
+                    self._tail[seq] = src
+                elif self._tail[seq] == src:
+                    self._tail[seq] = dst
         for s, ids in enumerate(ub.seq_id):
             c = lo + s
-            self.pos[c] = int(ub.pos[s * ub.n_seq_tokens + ub.n_seq_tokens - 1])
-            self.seq_ids[c] = set(ids)
+            self._pos[c] = int(ub.pos[s * ub.n_seq_tokens + ub.n_seq_tokens - 1])
+            self._seq_ids[c] = set(ids)
             for seq in ids:
-                self.tail[seq] = c
+                self._tail[seq] = c
         self.head = lo
         self.n = hi - lo + 1
-        self.used = sum(1 for ids in self.seq_ids if ids)
+        self.used = sum(1 for ids in self._seq_ids if ids)
         return self.n >= n_seqs
 
     def _copy_plan(self) -> tuple[np.ndarray, np.ndarray]:
@@ -405,10 +406,10 @@ class RecurrentCache:
         zero = np.empty(self.n, dtype=bool)
         for i in range(self.n):
             c = self.head + i
-            copy_src[i] = self.src[c] if self.src[c] >= 0 else c
-            zero[i] = self.src[c] < 0
-            if self.seq_ids[c]:
-                self.src[c] = c
+            copy_src[i] = self._src[c] if self._src[c] >= 0 else c
+            zero[i] = self._src[c] < 0
+            if self._seq_ids[c]:
+                self._src[c] = c
         return copy_src, zero
 
     def _apply_plan(self, head: int, copy_src: np.ndarray, zero: np.ndarray) -> None:
@@ -494,12 +495,12 @@ class RecurrentCache:
         return ubatches, out_ids
 
     def _prepare(self, ubatches: list[Ubatch]) -> bool:
-        saved = (self.pos[:], self.src[:], self.tail[:], [set(ids) for ids in self.seq_ids],
+        saved = (self._pos[:], self._src[:], self._tail[:], [set(ids) for ids in self._seq_ids],
                  self.head, self.used, self.n)
         try:
             return all(self._find_slot(ub) for ub in ubatches)
         finally:
-            (self.pos, self.src, self.tail, self.seq_ids, self.head, self.used, self.n) = saved
+            (self._pos, self._src, self._tail, self._seq_ids, self.head, self.used, self.n) = saved
 
     def init_batch(self, batch: Batch, n_ubatch: int = 512, embd_pooled: bool = False,
                    logits_all: bool = False) -> MemoryState:
@@ -533,9 +534,9 @@ class RecurrentCache:
     def _state_parts(self, seq_id: int) -> list[Any]:
         """The blob of ``state_write(seq_id)`` in pieces: headers, then the rows range by range."""
         if seq_id == -1:
-            cells = [c for c in range(self.size) if self.seq_ids[c]]
+            cells = [c for c in range(self.size) if self._seq_ids[c]]
         else:
-            cells = [c for c in range(self.size) if seq_id in self.seq_ids[c]]
+            cells = [c for c in range(self.size) if seq_id in self._seq_ids[c]]
         ranges: list[list[int]] = []   # runs of consecutive cells, [begin, end)
         for c in cells:
             if ranges and ranges[-1][1] == c:
@@ -544,8 +545,8 @@ class RecurrentCache:
                 ranges.append([c, c + 1])
         parts: list[Any] = [struct.pack("<I", len(cells))]
         for c in cells:
-            ids = sorted(self.seq_ids[c]) if seq_id == -1 else []
-            parts.append(struct.pack(f"<iI{len(ids)}i", self.pos[c], len(ids), *ids))
+            ids = sorted(self._seq_ids[c]) if seq_id == -1 else []
+            parts.append(struct.pack(f"<iI{len(ids)}i", self._pos[c], len(ids), *ids))
         shape = self._shape()
         parts.append(struct.pack("<II", 0, self.n_layer))   # v_trans = 0
         for k, tensor in enumerate(self.r + self.s):
@@ -590,11 +591,11 @@ class RecurrentCache:
             # the whole cache: blob cell i becomes cell i, with its own row
             self.clear()
             for i, cell in enumerate(blob.cells):
-                self.pos[i] = cell.pos
-                self.src[i] = i
-                self.seq_ids[i] = set(cell.seq_ids)
+                self._pos[i] = cell.pos
+                self._src[i] = i
+                self._seq_ids[i] = set(cell.seq_ids)
                 for seq in cell.seq_ids:
-                    self.tail[seq] = i
+                    self._tail[seq] = i
             self.used = blob.cell_count
             self.head = 0
         else:
@@ -608,7 +609,7 @@ class RecurrentCache:
                         batch_index=np.zeros(1, dtype=np.int64))
             if not self._find_slot(ub):   # cannot happen: the sequence left every cell
                 raise CoreError(f"state_read: find_slot failed for seq {seq_id}")
-            self.src[self.head] = self.head
+            self._src[self.head] = self.head
         for k, tensor in enumerate(self.r + self.s):
             tensor.view(np.uint8)[self.head:self.head + blob.cell_count] = blob.rows(data, blob.tensors[k])
         return blob.n_bytes
