@@ -19,6 +19,33 @@ from recurrent_cache.core cimport (RC_OK, SPLIT_OK, CellTable, Split, SplitDetai
 
 cdef enum:
     MAX_PROMPT = 8
+    NO_MEMORY = -1000
+
+
+cdef struct Scratch:
+    int32_t* seq_ids      # [max_tokens] one seq id per token
+    int32_t* offsets      # [max_tokens + 1] token t's seq ids: seq_ids[offsets[t]:offsets[t + 1]]
+    int32_t* pos          # [max_tokens]
+    int32_t* copy_src     # [size] copy plan
+    uint8_t* zero         # [size]
+
+
+cdef bint scratch_alloc(Scratch* scratch, int32_t max_tokens, int32_t size) noexcept nogil:
+    scratch.seq_ids = <int32_t*>malloc(max_tokens * sizeof(int32_t))
+    scratch.offsets = <int32_t*>malloc((max_tokens + 1) * sizeof(int32_t))
+    scratch.pos = <int32_t*>malloc(max_tokens * sizeof(int32_t))
+    scratch.copy_src = <int32_t*>malloc(size * sizeof(int32_t))
+    scratch.zero = <uint8_t*>malloc(size)
+    return (scratch.seq_ids != NULL and scratch.offsets != NULL and scratch.pos != NULL
+            and scratch.copy_src != NULL and scratch.zero != NULL)
+
+
+cdef void scratch_free(Scratch* scratch) noexcept nogil:
+    free(scratch.seq_ids)
+    free(scratch.offsets)
+    free(scratch.pos)
+    free(scratch.copy_src)
+    free(scratch.zero)
 
 
 cdef inline uint32_t next_random(uint32_t* state) noexcept nogil:
@@ -27,13 +54,13 @@ cdef inline uint32_t next_random(uint32_t* state) noexcept nogil:
     return state[0] >> 8
 
 
-cdef int decode_batch(CellTable table, int32_t n_tokens, int32_t* seq_ids, int32_t* offsets,
-                      int32_t* pos, int32_t n_ubatch, int32_t* copy_src, uint8_t* zero) noexcept nogil:
+cdef int decode_batch(CellTable table, int32_t n_tokens, Scratch* scratch, int32_t n_ubatch) noexcept nogil:
     """init_batch + apply of every ubatch; returns RC_OK or the first error code."""
+    cdef int32_t* seq_ids = scratch.seq_ids
     cdef Split split
     cdef SplitDetail detail
     cdef int32_t u, g0
-    cdef int code = split_batch(&split, &table.cells, n_tokens, seq_ids, offsets, pos,
+    cdef int code = split_batch(&split, &table.cells, n_tokens, seq_ids, scratch.offsets, scratch.pos,
                                 NULL, False, n_ubatch, False, &detail)
     if code != SPLIT_OK:
         return code
@@ -46,8 +73,8 @@ cdef int decode_batch(CellTable table, int32_t n_tokens, int32_t* seq_ids, int32
                                split.group_seq_offset + g0, split.group_n_seq_id + g0,
                                split.group_last_pos + g0)
         if code == RC_OK:
-            cells_copy_plan(&table.cells, copy_src, zero)
-            code = table.apply_plan_rows(table.cells.head, table.cells.n, copy_src, zero)
+            cells_copy_plan(&table.cells, scratch.copy_src, scratch.zero)
+            code = table.apply_plan_rows(table.cells.head, table.cells.n, scratch.copy_src, scratch.zero)
         u += 1
     split_release(&split)
     return code
@@ -55,18 +82,12 @@ cdef int decode_batch(CellTable table, int32_t n_tokens, int32_t* seq_ids, int32
 
 cdef int run_schedule(CellTable table, int32_t n_seqs, int32_t n_steps, uint32_t seed,
                       int32_t n_ubatch) noexcept nogil:
-    cdef int32_t size = table.cells.size
-    cdef int32_t max_tokens = n_seqs * MAX_PROMPT
-    cdef int32_t* seq_ids = <int32_t*>malloc(max_tokens * sizeof(int32_t))
-    cdef int32_t* offsets = <int32_t*>malloc((max_tokens + 1) * sizeof(int32_t))
-    cdef int32_t* pos = <int32_t*>malloc(max_tokens * sizeof(int32_t))
-    cdef int32_t* copy_src = <int32_t*>malloc(size * sizeof(int32_t))
-    cdef uint8_t* zero = <uint8_t*>malloc(size)
+    cdef Scratch scratch
     cdef int32_t step, seq, k, n_tokens, length, start, donor
     cdef uint32_t rng = seed, roll
     cdef int code = RC_OK
-    if seq_ids == NULL or offsets == NULL or pos == NULL or copy_src == NULL or zero == NULL:
-        code = -1000
+    if not scratch_alloc(&scratch, n_seqs * MAX_PROMPT, table.cells.size):
+        code = NO_MEMORY
     step = 0
     while code == RC_OK and step < n_steps:
         n_tokens = 0
@@ -84,19 +105,15 @@ cdef int run_schedule(CellTable table, int32_t n_seqs, int32_t n_steps, uint32_t
             if start == 0 and roll >= 8:
                 continue                                    # slot stays free this step
             for k in range(length):
-                seq_ids[n_tokens] = seq
-                offsets[n_tokens] = n_tokens
-                pos[n_tokens] = start + k
+                scratch.seq_ids[n_tokens] = seq
+                scratch.offsets[n_tokens] = n_tokens
+                scratch.pos[n_tokens] = start + k
                 n_tokens += 1
-        offsets[n_tokens] = n_tokens
+        scratch.offsets[n_tokens] = n_tokens
         if n_tokens:
-            code = decode_batch(table, n_tokens, seq_ids, offsets, pos, n_ubatch, copy_src, zero)
+            code = decode_batch(table, n_tokens, &scratch, n_ubatch)
         step += 1
-    free(seq_ids)
-    free(offsets)
-    free(pos)
-    free(copy_src)
-    free(zero)
+    scratch_free(&scratch)
     return code
 
 
@@ -112,28 +129,20 @@ def continuous_batching(CellTable table, int n_seqs, int n_steps, unsigned int s
 
 def decode_steps(CellTable table, int n_seqs, int n_steps):
     """Benchmark kernel: n_steps decode steps of one token for sequences 0..n_seqs-1."""
-    cdef int32_t* seq_ids = <int32_t*>malloc(n_seqs * sizeof(int32_t))
-    cdef int32_t* offsets = <int32_t*>malloc((n_seqs + 1) * sizeof(int32_t))
-    cdef int32_t* pos = <int32_t*>malloc(n_seqs * sizeof(int32_t))
-    cdef int32_t* copy_src = <int32_t*>malloc(table.cells.size * sizeof(int32_t))
-    cdef uint8_t* zero = <uint8_t*>malloc(table.cells.size)
+    cdef Scratch scratch
     cdef int32_t step, seq
     cdef int code = RC_OK
-    if seq_ids == NULL or offsets == NULL or pos == NULL or copy_src == NULL or zero == NULL:
-        code = -1000
     with nogil:
+        if not scratch_alloc(&scratch, n_seqs, table.cells.size):
+            code = NO_MEMORY
         step = 0
         while code == RC_OK and step < n_steps:
             for seq in range(n_seqs):
-                seq_ids[seq] = seq
-                offsets[seq] = seq
-                pos[seq] = cells_seq_pos_max(&table.cells, seq) + 1
-            offsets[n_seqs] = n_seqs
-            code = decode_batch(table, n_seqs, seq_ids, offsets, pos, 512, copy_src, zero)
+                scratch.seq_ids[seq] = seq
+                scratch.offsets[seq] = seq
+                scratch.pos[seq] = cells_seq_pos_max(&table.cells, seq) + 1
+            scratch.offsets[n_seqs] = n_seqs
+            code = decode_batch(table, n_seqs, &scratch, 512)
             step += 1
-    free(seq_ids)
-    free(offsets)
-    free(pos)
-    free(copy_src)
-    free(zero)
+        scratch_free(&scratch)
     return code

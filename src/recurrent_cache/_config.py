@@ -38,13 +38,18 @@ DTYPES = {
 }
 
 
+def _integer(value: Any, name: str, error: type[Exception]) -> int:
+    """``value`` as an int, or ``error`` naming it (a bool is not an integer here)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise error(f"{name} must be an integer, got {value!r}")
+
+
 def _count(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    number = _integer(value, name, ConfigError)
     if number < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {number}")
     if number >= 2**31:
@@ -90,13 +95,8 @@ class Config:
 
 
 def as_int(value: Any, name: str) -> int:
-    """An int32 method argument (a bool is not an integer here)."""
-    if isinstance(value, bool):
-        raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ArgumentError(f"{name} must be an integer, got {value!r}") from None
+    """An int32 method argument."""
+    number = _integer(value, name, ArgumentError)
     if not -2**31 <= number < 2**31:
         raise ArgumentError(f"{name} must fit in int32, got {number}")
     return number
