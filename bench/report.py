@@ -1,0 +1,202 @@
+"""The markdown report: header, the latency table, the bandwidth table and the targets."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+import recurrent_cache as compiled
+from recurrent_cache import reference
+
+from .bandwidth import BandwidthRow
+from .measure import Stats
+
+DECODE_STEP = "decode step"
+TARGET_CIMPORT_STEP_US = 10.0   # cimport API, 64 sequences, any size up to 65536
+TARGET_STEP_SCALING = 1.5       # Python API, 64 sequences: size 65536 / size 64, at most
+TARGET_SPEEDUP = 30.0           # decode step, 64 sequences: reference / Python API, at least
+TARGET_STATE_IO = 0.8           # state_write_into and state_read: throughput / numpy, at least
+TARGET_STATE_IO_ROWS = ("state_write_into(buffer)", "state_read(blob)")
+TARGET_SEQS = 64
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    """One operation at one cache size and number of active sequences, per API."""
+
+    workload: str
+    size: Optional[int]
+    active: Optional[int]
+    python: Optional[Stats]
+    cimport: Optional[Stats] = None
+    reference: Optional[Stats] = None
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """reference / Python API (both are the Python API, the same calls)."""
+        if self.python is None or self.reference is None:
+            return None
+        return self.reference.median / self.python.median
+
+
+# -- cells ---------------------------------------------------------------------------
+
+
+def number(value: float) -> str:
+    return f"{value:,.2f}" if value < 10 else f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
+
+
+def timing_cell(stats: Optional[Stats]) -> str:
+    """``median (min–max)``, or ``–`` when not measured."""
+    if stats is None:
+        return "–"
+    return f"{number(stats.median)} ({number(stats.low)}–{number(stats.high)})"
+
+
+def ratio_cell(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value:,.1f}x" if value >= 10 else f"{value:.2f}x"
+
+
+def gb_per_s(n_bytes: int, stats: Stats) -> str:
+    return f"{n_bytes / (stats.median * 1e3):.2f}"
+
+
+def rows_cell(row: BandwidthRow) -> str:
+    return "–" if row.rows_moved is None else f"{row.rows_moved} + {row.rows_zeroed}"
+
+
+def throughput_ratio(row: BandwidthRow, stats: Stats) -> float:
+    """Throughput of ``stats`` / throughput of numpy on the same bytes."""
+    return row.numpy.median / stats.median
+
+
+# -- tables --------------------------------------------------------------------------
+
+
+def latency_table(rows: list[LatencyRow]) -> str:
+    lines = ["| workload | cache size | active seqs | Python API µs/op | cimport API µs/op "
+             "| reference µs/op | reference / Python API |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row.workload} | {row.size or '–'} | {row.active or '–'} "
+                     f"| {timing_cell(row.python)} | {timing_cell(row.cimport)} "
+                     f"| {timing_cell(row.reference)} | {ratio_cell(row.speedup)} |")
+    return "\n".join(lines)
+
+
+def bandwidth_table(rows: list[BandwidthRow]) -> str:
+    lines = ["| workload | MiB per op | rows moved + zeroed | core µs/op | core GB/s | numpy baseline "
+             "| numpy GB/s | core / numpy | reference GB/s | reference / numpy |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(
+            f"| {row.workload} | {row.bytes_per_op / 2**20:,.2f} | {rows_cell(row)} "
+            f"| {timing_cell(row.core)} | {gb_per_s(row.bytes_per_op, row.core)} "
+            f"| {row.baseline} | {gb_per_s(row.bytes_per_op, row.numpy)} "
+            f"| {ratio_cell(throughput_ratio(row, row.core))} "
+            f"| {gb_per_s(row.bytes_per_op, row.reference)} "
+            f"| {ratio_cell(throughput_ratio(row, row.reference))} |")
+    return "\n".join(lines)
+
+
+# -- summary -------------------------------------------------------------------------
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return "n/a" if ok is None else "PASS" if ok else "FAIL"
+
+
+def decode_steps_of(rows: list[LatencyRow], active: int) -> dict[int, LatencyRow]:
+    return {row.size: row for row in rows if row.workload == DECODE_STEP and row.active == active}
+
+
+def decode_step_line(row: LatencyRow) -> str:
+    return (f"- decode step, {row.active} seqs, size {row.size}: Python API {timing_cell(row.python)} µs, "
+            f"cimport API {timing_cell(row.cimport)} µs, reference {timing_cell(row.reference)} µs "
+            f"(reference / Python API {ratio_cell(row.speedup)})")
+
+
+def cimport_target_line(steps: dict[int, LatencyRow]) -> str:
+    measured = [row for row in steps.values() if row.cimport is not None]
+    if not measured:
+        return "- n/a: cimport API decode step (not measured)"
+    worst = max(measured, key=lambda row: row.cimport.median)
+    return (f"- {verdict(worst.cimport.median <= TARGET_CIMPORT_STEP_US)}: cimport API {TARGET_SEQS}-seq "
+            f"decode step <= {TARGET_CIMPORT_STEP_US:.0f} µs at every size: worst "
+            f"{number(worst.cimport.median)} µs at size {worst.size}")
+
+
+def scaling_target_line(small: LatencyRow, large: LatencyRow) -> str:
+    scaling = large.python.median / small.python.median
+    return (f"- {verdict(scaling <= TARGET_STEP_SCALING)}: Python API {TARGET_SEQS}-seq decode step, "
+            f"size {large.size} / size {small.size} = {scaling:.2f} (target <= {TARGET_STEP_SCALING})")
+
+
+def speedup_target_line(row: LatencyRow) -> str:
+    ok = None if row.speedup is None else row.speedup >= TARGET_SPEEDUP
+    return (f"- {verdict(ok)}: reference / Python API, {TARGET_SEQS}-seq decode step at size {row.size} = "
+            f"{ratio_cell(row.speedup)} (target >= {TARGET_SPEEDUP:.0f}x)")
+
+
+def decode_summary(rows: list[LatencyRow]) -> list[str]:
+    steps = decode_steps_of(rows, TARGET_SEQS)
+    small, large = steps[min(steps)], steps[max(steps)]
+    return [decode_step_line(small), decode_step_line(large), cimport_target_line(steps),
+            scaling_target_line(small, large), speedup_target_line(small)]
+
+
+def bandwidth_line(row: BandwidthRow) -> str:
+    ratio = throughput_ratio(row, row.core)
+    is_target = row.workload in TARGET_STATE_IO_ROWS
+    return (f"- {verdict(ratio >= TARGET_STATE_IO) + ': ' if is_target else ''}{row.workload}, "
+            f"{row.bytes_per_op / 2**20:,.1f} MiB: core / numpy ({row.baseline}) = {ratio:.2f}"
+            f"{f' (target >= {TARGET_STATE_IO})' if is_target else ''}; "
+            f"reference / numpy = {throughput_ratio(row, row.reference):.2f}")
+
+
+def bandwidth_summary(rows: list[BandwidthRow]) -> list[str]:
+    """One line per workload, at its largest size."""
+    largest: dict[str, BandwidthRow] = {}
+    for row in rows:
+        if row.workload not in largest or row.bytes_per_op > largest[row.workload].bytes_per_op:
+            largest[row.workload] = row
+    return [bandwidth_line(row) for row in largest.values()]
+
+
+# -- header --------------------------------------------------------------------------
+
+
+def origin(cls: type) -> str:
+    """``module.Class (file name)``: which implementation a name resolved to."""
+    path = getattr(sys.modules[cls.__module__], "__file__", None) or "?"
+    return f"{cls.__module__}.{cls.__qualname__} ({Path(path).name})"
+
+
+def header(mode: str, notes: list[str]) -> list[str]:
+    load = ", load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    lines = [
+        f"# recurrent_cache benchmark suite ({mode})", "",
+        f"- Python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs{load}",
+        f"- compiled = {origin(compiled.RecurrentCache)}, {origin(compiled.MemoryState)}; "
+        f"reference = {origin(reference.RecurrentCache)}",
+    ]
+    if compiled.RecurrentCache is reference.RecurrentCache:
+        lines.append("- WARNING: the package exports the reference (RECURRENT_CACHE_IMPL=reference?): "
+                     "the compiled columns time the reference and every ratio is ~1.")
+    return lines + [f"- {note}" for note in notes]
+
+
+def report(mode: str, notes: list[str], latency: list[LatencyRow], bandwidth: list[BandwidthRow]) -> str:
+    parts = header(mode, notes) + [
+        "", "Times: median (min–max) over the repeats. See bench/README.md for what each row measures.",
+        "", "## Operations", "", latency_table(latency),
+        "", "## Row moves and state I/O vs numpy", "", bandwidth_table(bandwidth), "", "## Summary", "",
+    ] + decode_summary(latency) + bandwidth_summary(bandwidth)
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,100 @@
+"""The benchmark suite runs: ``python bench/run.py --quick`` into a temporary directory.
+
+Checks that results.md has a row for every workload the quick settings ask
+for, with numbers where numbers belong, and the plots when matplotlib is
+installed.  Times are not checked (the machine may be busy); only that the
+suite cannot rot.  Takes ~15 s (~25 s when the cimport kernel must be built).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the suite's settings: bench.run.QUICK
+
+NUMBER = re.compile(r"^[\d,.]+ \([\d,.]+–[\d,.]+\)$")   # "median (min–max)"
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def table_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| workload")]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    if os.environ.get("RECURRENT_CACHE_IMPL") == "reference":
+        pytest.skip("the suite compares the compiled core with the reference; this run selects the reference")
+    out_dir = tmp_path_factory.mktemp("bench")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out-dir", str(out_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out_dir, done.stdout
+
+
+def test_results_file_is_the_printed_report(quick_run):
+    out_dir, stdout = quick_run
+    assert (out_dir / "results.md").read_text(encoding="utf-8").strip() == stdout.strip()
+
+
+def test_every_decode_step_row_is_measured(quick_run):
+    from bench.run import QUICK
+
+    rows = {(row[0], row[1], row[2]): row for row in table_rows((quick_run[0] / "results.md").read_text())}
+    cimport_built = has("Cython") and has("setuptools")
+    for size in QUICK.decode_sizes:
+        for active in (a for a in QUICK.decode_active if a <= size):
+            row = rows[("decode step", str(size), str(active))]
+            assert NUMBER.match(row[3]), row                       # Python API
+            assert bool(NUMBER.match(row[4])) or not cimport_built, row   # cimport API
+            assert bool(NUMBER.match(row[5])) == (size * active <= QUICK.reference_cells), row
+
+
+def test_ingestion_churn_and_batch_rows(quick_run):
+    from bench import churn
+    from bench.run import QUICK
+
+    rows = {(row[0], row[1], row[2]): row for row in table_rows((quick_run[0] / "results.md").read_text())}
+    expected = [("Batch() for a decode step", "–", "64")]
+    expected += [("prompt ingestion (4096 tokens)", "256", str(n)) for n in QUICK.ingest_seqs]
+    expected += [(f"churn: {kind}", str(size), str(churn.SLOTS))
+                 for size in QUICK.churn_sizes for kind in (churn.ALL_OPS, *churn.KINDS)]
+    for key in expected:
+        assert NUMBER.match(rows[key][3]), rows[key]
+    for kind in (churn.ALL_OPS, "seq_rm", "decode batch"):
+        assert NUMBER.match(rows[(f"churn: {kind}", "64", str(churn.SLOTS))][5])  # the reference ran
+
+
+def test_bandwidth_rows_compare_with_numpy(quick_run):
+    from bench.run import QUICK
+
+    rows = [row for row in table_rows((quick_run[0] / "results.md").read_text()) if len(row) == 10]
+    names = [row[0] for row in rows]
+    assert names.count("copy plan: fork + decode step") == len(QUICK.copy_moves)
+    assert names.count("copy plan: gather after seq_rm") == len(QUICK.copy_moves)
+    for name in ("state_write_into(buffer)", "state_read(blob)", "state_write() -> bytes"):
+        assert names.count(name) == len(QUICK.state_io_mib)
+    for row in rows:
+        assert NUMBER.match(row[3]) and re.match(r"^[\d.,]+x$", row[7]), row   # core time, core / numpy
+
+
+def test_summary_and_plots(quick_run):
+    out_dir, stdout = quick_run
+    summary = stdout.split("## Summary", 1)[1]
+    assert len(re.findall(r"^- (PASS|FAIL|n/a): ", summary, re.M)) == 5
+    plots = [out_dir / "decode_step.png", out_dir / "throughput.png"]
+    if has("matplotlib"):
+        assert all(path.stat().st_size > 10_000 for path in plots)
+    else:
+        assert "plots skipped" in stdout and not any(path.exists() for path in plots)
