@@ -64,6 +64,12 @@ cdef int stable_sort(int32_t* items, int32_t n, compare_fn compare, const SortCo
     cdef int32_t* buffer
     cdef int32_t* swap
     cdef int32_t* source = items
+    # batches usually arrive in order (a decode step lists its sequences once, ascending)
+    i = 1
+    while i < n and compare(ctx, items[i - 1], items[i]) <= 0:
+        i += 1
+    if i >= n:
+        return 0
     start = 0
     while start < n:
         end = min(start + run, n)

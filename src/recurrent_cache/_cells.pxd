@@ -102,5 +102,7 @@ cdef class CellTable:
     cdef char** tensor_data   # [n_tensors] base pointers of r[0..], s[0..]
     cdef Py_ssize_t* row_bytes
     cdef object tensors       # keeps the numpy arrays alive
+    cdef int32_t* plan_copy_src  # [size] scratch for the copy plan of the ubatch being applied
+    cdef uint8_t* plan_zero      # [size]
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil

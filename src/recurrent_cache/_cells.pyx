@@ -524,7 +524,11 @@ cdef class CellTable:
         self.n_tensors = len(tensors)
         self.tensor_data = <char**>malloc(max(1, self.n_tensors) * sizeof(char*))
         self.row_bytes = <Py_ssize_t*>malloc(max(1, self.n_tensors) * sizeof(Py_ssize_t))
-        if self.tensor_data == NULL or self.row_bytes == NULL:
+        # allocated once: a plan covers at most every cell
+        self.plan_copy_src = <int32_t*>malloc(size * sizeof(int32_t))
+        self.plan_zero = <uint8_t*>malloc(size)
+        if (self.tensor_data == NULL or self.row_bytes == NULL or self.plan_copy_src == NULL
+                or self.plan_zero == NULL):
             raise MemoryError("cannot allocate the tensor table")
         for k in range(self.n_tensors):
             array = tensors[k]
@@ -539,6 +543,8 @@ cdef class CellTable:
         cells_release(&self.cells)
         free(self.tensor_data)
         free(self.row_bytes)
+        free(self.plan_copy_src)
+        free(self.plan_zero)
 
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil:

@@ -9,7 +9,8 @@ copy plan once (no later mutation, SPEC §2 FIX) and moves the state rows.
 
 cimport cython
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, realloc
+from libc.string cimport memcpy
 
 import numpy as np
 
@@ -93,8 +94,9 @@ cdef class MemoryState:
     cdef readonly object status
     cdef int32_t plan_head
     cdef int32_t plan_n
-    cdef int32_t* copy_src_buf
+    cdef int32_t* copy_src_buf   # [plan_capacity] this state's last plan (the table's scratch is shared)
     cdef uint8_t* zero_buf
+    cdef int32_t plan_capacity
     cdef object ubatch_cache
 
     def __cinit__(self):
@@ -185,13 +187,9 @@ cdef class MemoryState:
         return st
 
     cdef _finish(self, object flat, bint simulate):
-        """Keep the seq ids, allocate the plan buffers and run prepare."""
+        """Keep the seq ids and run prepare."""
         cdef int code
         self.seq_id_flat = flat
-        self.copy_src_buf = <int32_t*>malloc(self.table.cells.size * sizeof(int32_t))
-        self.zero_buf = <uint8_t*>malloc(self.table.cells.size)
-        if self.copy_src_buf == NULL or self.zero_buf == NULL:
-            raise MemoryError("cannot allocate a copy plan")
         if simulate:
             with nogil:
                 code = split_prepare(&self.split, &self.table.cells, &self.seq_id_flat[0])
@@ -228,13 +226,32 @@ cdef class MemoryState:
             if code == RC_OK:
                 self.plan_head = self.table.cells.head
                 self.plan_n = self.table.cells.n
-                cells_copy_plan(&self.table.cells, self.copy_src_buf, self.zero_buf)
+                cells_copy_plan(&self.table.cells, self.table.plan_copy_src, self.table.plan_zero)
                 code = self.table.apply_plan_rows(self.plan_head, self.plan_n,
-                                                  self.copy_src_buf, self.zero_buf)
+                                                  self.table.plan_copy_src, self.table.plan_zero)
         if code != RC_OK:
             raise core_error(code)
         self.applied = True
+        self._keep_plan()
         return True
+
+    cdef _keep_plan(self):
+        """Copy the plan out of the table's scratch: a later state's apply() reuses it."""
+        cdef int32_t* grown_src
+        cdef uint8_t* grown_zero
+        if self.plan_n > self.plan_capacity:
+            grown_src = <int32_t*>realloc(self.copy_src_buf, self.plan_n * sizeof(int32_t))
+            if grown_src != NULL:
+                self.copy_src_buf = grown_src
+            grown_zero = <uint8_t*>realloc(self.zero_buf, self.plan_n)
+            if grown_zero != NULL:
+                self.zero_buf = grown_zero
+            if grown_src == NULL or grown_zero == NULL:
+                self.plan_head = -1  # the cache is consistent; only this record of the plan is lost
+                raise MemoryError("cannot keep a copy plan")
+            self.plan_capacity = self.plan_n
+        memcpy(self.copy_src_buf, self.table.plan_copy_src, self.plan_n * sizeof(int32_t))
+        memcpy(self.zero_buf, self.table.plan_zero, self.plan_n)
 
     def next(self):
         """Move to the next ubatch; False after the last one."""
