@@ -3,11 +3,12 @@
 A hypothesis ``RuleBasedStateMachine`` builds one cache of each implementation
 with the same random shape and applies the same random operations to both:
 prompts, decode steps, shared prompts, forks, removals, seq_keep, seq_add /
-seq_div, clear, init_full and invalid operations.  After every applied ubatch it
-compares the ubatch, the copy plan, the cells and every state byte, then writes
-the same deterministic values into the group rows of both caches (standing in
-for the model's forward pass); after every rule the invariant compares the
-whole cache and runs both ``check()``s.
+seq_div, clear, init_full, invalid operations and state serialisation (writes,
+sequence reads, whole-cache round trips and corrupted blobs).  After every
+applied ubatch it compares the ubatch, the copy plan, the cells and every state
+byte, then writes the same deterministic values into the group rows of both
+caches (standing in for the model's forward pass); after every rule the
+invariant compares the whole cache and runs both ``check()``s.
 
 Operations are generated from the live sequences of the reference cache, so
 most of them are valid and the machine gets deep into interesting cell tables
@@ -19,6 +20,10 @@ reference; the test then only checks the invariants.
 
 from __future__ import annotations
 
+import os
+
+import io
+import struct
 
 import hypothesis.strategies as st
 import numpy as np
@@ -73,6 +78,72 @@ def ubatch_fields(ub):
         "output": [bool(x) for x in ub.output],
         "batch_index": np.asarray(ub.batch_index).tolist(),
     }
+
+
+# -- state blobs (SPEC §5), built here independently of both implementations ----------
+
+GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
+READ_FORMS = st.sampled_from(["bytes", "bytearray", "memoryview", "numpy", "file"])
+
+
+def expected_blob(cache, seq):
+    """SPEC §5's layout of ``state_write(seq)``, from ``cell()`` and the state rows."""
+    cells = [cache.cell(c) for c in range(cache.size)]
+    chosen = [c for c, (_, _, _, ids) in enumerate(cells) if (ids if seq == -1 else seq in ids)]
+    out = [struct.pack("<I", len(chosen))]
+    for c in chosen:
+        ids = sorted(int(s) for s in cells[c][3]) if seq == -1 else []
+        out.append(struct.pack(f"<iI{len(ids)}i", int(cells[c][0]), len(ids), *ids))
+    out.append(struct.pack("<II", 0, cache.n_layer))
+    for tensors, dtype in ((cache.r, cache.dtype_r), (cache.s, cache.dtype_s)):
+        for tensor in tensors:
+            rows = np.ascontiguousarray(tensor)
+            out.append(struct.pack("<iQ", GGML_TYPE[dtype], rows.shape[1] * rows.itemsize))
+            out.extend(rows[c].tobytes() for c in chosen)
+    return b"".join(out)
+
+
+def blob_fields(blob):
+    """The fields of a well-formed blob, in order: (name, start, end) byte ranges."""
+    (count,) = struct.unpack_from("<I", blob, 0)
+    fields = [("cell_count", 0, 4)]
+    at = 4
+    for _ in range(count):
+        (n_seq_id,) = struct.unpack_from("<I", blob, at + 4)
+        fields += [("pos", at, at + 4), ("n_seq_id", at + 4, at + 8)]
+        if n_seq_id:
+            fields.append(("seq_ids", at + 8, at + 8 + 4 * n_seq_id))
+        at += 8 + 4 * n_seq_id
+    fields.append(("data header", at, at + 8))
+    at += 8
+    while at < len(blob):
+        (row_bytes,) = struct.unpack_from("<Q", blob, at + 4)
+        fields.append(("tensor header", at, at + 12))
+        at += 12
+        if count * row_bytes:
+            fields.append(("rows", at, at + count * row_bytes))
+        at += count * row_bytes
+    assert at == len(blob), (at, len(blob))
+    return fields
+
+
+def read_as(cache, blob, seq, form):
+    """``state_read`` of ``blob`` handed over as ``form`` (``state_read_from`` for "file")."""
+    if form == "file":
+        file = io.BytesIO(b"skip" + bytes(blob))
+        file.seek(4)  # state_read_from reads from the file's position to its end
+        return cache.state_read_from(file, seq)
+    data = {"bytes": lambda: bytes(blob), "bytearray": lambda: bytearray(blob),
+            "memoryview": lambda: memoryview(bytes(blob)),
+            "numpy": lambda: np.frombuffer(bytes(blob), dtype=np.uint8)}[form]()
+    return cache.state_read(data, seq)
+
+
+def row_bytes_of(snap, key, il, c, size):
+    """Row ``c`` of layer ``il`` of tensor ``key`` ("r" / "s") in a ``snapshot``."""
+    whole = snap[key][il]
+    n = len(whole) // size
+    return whole[c * n:(c + 1) * n]
 
 
 class CoreMatchesReference(RuleBasedStateMachine):
@@ -491,6 +562,211 @@ class CoreMatchesReference(RuleBasedStateMachine):
             outcomes = self.both(lambda impl, c: c.cell(bad_seq), f"cell({bad_seq})")
             assert outcomes[0][0] == "raise" and isinstance(outcomes[0][1], IndexError)
 
+    # -- rules: state serialisation (SPEC §5) --------------------------------------------
+
+    def draw_state_seq(self, data, label, whole=True, bad=False):
+        """("whole", -1), ("live", s), ("absent", s) or, with ``bad``, ("out of range", s)."""
+        live = sorted(self.live())
+        absent = [s for s in range(self.size) if s not in live]
+        kinds = (["whole"] if whole else []) + (["live"] * 2 if live else []) + \
+            (["absent"] if absent else []) + (["out of range"] if bad else [])
+        kind = data.draw(st.sampled_from(kinds), label=f"{label} kind")
+        if kind == "whole":
+            return kind, -1
+        choices = {"live": live, "absent": absent,
+                   "out of range": [-2, -5, self.size, self.size + 2]}[kind]
+        return kind, data.draw(st.sampled_from(choices), label=label)
+
+    def some_cells(self, data):
+        """Mostly run a batch first when the cache is empty: a blob of no cells tests little."""
+        if not self.ref.used and data.draw(st.integers(0, 3), label="fill gate"):
+            self.prompts_only(data)
+
+    def write_both(self, seq):
+        """``state_write(seq)`` of both caches, which must be the same bytes; returns them."""
+        a, b = self.core.state_write(seq), self.ref.state_write(seq)
+        assert type(a) is bytes and type(b) is bytes, (type(a), type(b))
+        assert a == b, f"state_write({seq}): the blobs differ\n core      {a.hex()}\n reference {b.hex()}"
+        return b
+
+    @rule(data=st.data())
+    def write_state(self, data):
+        """state_write / state_size / state_write_into of the whole cache or one sequence."""
+        kind, seq = self.draw_state_seq(data, "written seq", bad=True)
+        event(f"state_write: {kind}")
+        outcomes = self.both(lambda impl, c: c.state_write(seq), f"state_write({seq})")
+        if kind == "out of range":
+            assert outcomes[0][0] == "raise" and isinstance(outcomes[0][1], IndexError), outcomes[0]
+            for op in ("state_size", "state_write_into"):
+                args = (seq,) if op == "state_size" else (bytearray(1 << 12), seq)
+                outcomes = self.both(lambda impl, c, op=op, args=args: getattr(c, op)(*args),
+                                     f"{op}({seq})")
+                assert outcomes[0][0] == "raise" and isinstance(outcomes[0][1], IndexError), outcomes[0]
+            return
+        assert outcomes[0][0] == "ok", outcomes   # same_outcome has compared the bytes
+        blob = outcomes[1][1]
+        assert type(outcomes[0][1]) is bytes and type(blob) is bytes
+        assert blob == expected_blob(self.ref, seq), f"state_write({seq}) is not SPEC §5's layout"
+        (count,) = struct.unpack_from("<I", blob, 0)
+        assert count == (self.ref.used if seq == -1 else int(kind == "live")), count
+        spare = data.draw(st.integers(0, 8), label="spare bytes")
+        for name, (_, cache) in zip(("core", "reference"), self.pairs):
+            assert cache.state_size(seq) == len(blob), f"{name}: state_size({seq}) != len(blob)"
+            target = bytearray(b"\xa5" * (len(blob) + spare))
+            n = cache.state_write_into(target, seq)
+            assert n == len(blob), f"{name}: state_write_into({seq}) returned {n}, blob has {len(blob)}"
+            assert bytes(target[:n]) == blob, f"{name}: state_write_into({seq}) wrote other bytes"
+            assert target[n:] == b"\xa5" * spare, f"{name}: state_write_into({seq}) wrote past the blob"
+
+    def rows_of_cell(self, cache, c):
+        """Every state row of cell ``c``: r of each layer, then s."""
+        return [np.ascontiguousarray(t[c]).tobytes() for t in list(cache.r) + list(cache.s)]
+
+    @rule(data=st.data())
+    def read_sequence_blob(self, data):
+        """A blob of one sequence (live or absent) read into another id (new or live) or itself;
+        sometimes a whole-cache blob read as a sequence (the two must simply agree)."""
+        self.some_cells(data)
+        live = self.live()
+        free = [s for s in range(self.size) if s not in live]
+        if data.draw(st.integers(0, 5), label="whole-cache blob gate") == 0:
+            src_kind, src = "whole", -1
+        else:
+            src_kind, src = self.draw_state_seq(data, "source seq", whole=False)
+        dst_kinds = ["same"] * (src >= 0) + ["live"] * bool(live) + ["new"] * bool(free)
+        dst_kind = data.draw(st.sampled_from(dst_kinds), label="target kind")
+        dst = src if dst_kind == "same" else \
+            data.draw(st.sampled_from(sorted(live) if dst_kind == "live" else free), label="target seq")
+        form = data.draw(READ_FORMS, label="read form")
+        blob = self.write_both(src)
+        src_cell = self.ref.cell(src)[2] if src >= 0 else -1   # the tail: the cell holding src
+        saved = self.rows_of_cell(self.ref, src_cell) if src_cell >= 0 else None
+        outcomes = self.both(lambda impl, c: read_as(c, blob, dst, form),
+                             f"state_read(<blob of {src}>, {dst}) as {form}")
+        event(f"state_read seq: {src_kind} -> {dst_kind}: {outcomes[0][0]}")
+        if src_kind == "whole":
+            return
+        assert outcomes[0] == ("ok", len(blob)), f"state_read(<blob of {src}>, {dst}): {outcomes[0]}"
+        after = self.live()
+        for s, p in live.items():   # the other sequences keep their positions
+            if s != dst:
+                assert after.get(s) == p, f"state_read into {dst} moved seq {s}: {p} -> {after.get(s)}"
+        if saved is None:
+            assert dst not in after, f"an empty blob read into {dst} left it live"
+            return
+        assert after.get(dst) == live[src], f"pos of {dst}: {after.get(dst)}, blob has {live[src]}"
+        for name, (_, cache) in zip(("core", "reference"), self.pairs):
+            cell = cache.cell(dst)[2]
+            pos, cell_src, _, ids = normal_cell(cache.cell(cell))
+            assert (pos, cell_src, ids) == (live[src], cell, (dst,)), f"{name}: cell {cell} is {cache.cell(cell)}"
+            assert self.rows_of_cell(cache, cell) == saved, f"{name}: rows of the read sequence"
+
+    @rule(data=st.data())
+    def whole_cache_round_trip(self, data):
+        """state_write(-1), change the cache, state_read the blob back: the state before,
+        compacted to cells 0..used-1 with src = i and head = 0 (SPEC §5)."""
+        self.some_cells(data)
+        before = snapshot(self.ref)
+        blob = self.write_both(-1)
+        live = sorted(self.live())
+        mutations = ["batch", "clear"] + ["seq_rm", "finish_oldest", "decode", "fork", "shift",
+                                          "sequence read"] * bool(live)
+        mutation = data.draw(st.sampled_from(mutations), label="mutation")
+        seq = data.draw(st.sampled_from(live), label="mutated seq") if live else None
+        other = data.draw(st.integers(0, self.size - 1), label="other seq")
+        if mutation == "seq_rm":
+            self.both(lambda impl, c: c.seq_rm(seq, -1, -1), f"seq_rm({seq}, -1, -1)")
+        elif mutation == "finish_oldest":
+            self.finish_oldest(data)
+        elif mutation == "decode":
+            self.decode_every_sequence(data)
+        elif mutation == "batch":
+            self.continuous_batch(data)
+        elif mutation == "fork":
+            self.both(lambda impl, c: c.seq_cp(seq, other, -1, -1), f"seq_cp({seq}, {other})")
+        elif mutation == "shift":
+            self.both(lambda impl, c: c.seq_add(seq, -1, -1, 1 + other), f"seq_add({seq}, {1 + other})")
+        elif mutation == "sequence read":
+            part = self.write_both(seq)
+            self.both(lambda impl, c: c.state_read(part, other), f"state_read(<blob of {seq}>, {other})")
+        else:
+            self.both(lambda impl, c: c.clear(), "clear()")
+        mutated = snapshot(self.ref)
+        assert snapshot(self.core) == mutated, f"after the mutation {mutation}: the caches differ"
+        form = data.draw(READ_FORMS, label="read form")
+        outcomes = self.both(lambda impl, c: read_as(c, blob, -1, form), f"state_read(<whole cache>) as {form}")
+        assert outcomes[0] == ("ok", len(blob)), f"state_read(<whole cache>): {outcomes[0]}"
+        kept = [c for c, cell in enumerate(before["cells"]) if cell[3]]
+        event(f"round trip after {mutation}: {'changed' if mutated != before else 'unchanged'}, "
+              + ("no cells" if not kept else "cells 0..k" if kept[-1] == len(kept) - 1 else "cells with holes"))
+        tail = {s: i for i, c in enumerate(kept) for s in before["cells"][c][3]}
+        expected = [(before["cells"][kept[i]][0], i, tail.get(i, -1), before["cells"][kept[i]][3])
+                    if i < len(kept) else (-1, -1, tail.get(i, -1), ()) for i in range(self.size)]
+        for name, (_, cache) in zip(("core", "reference"), self.pairs):
+            snap = snapshot(cache)
+            assert snap["cells"] == expected, f"{name}: cells\n got      {snap['cells']}\n expected {expected}"
+            assert (snap["head"], snap["used"]) == (0, len(kept)), \
+                f"{name}: head/used {snap['head']}, {snap['used']}"
+            for key in ("r", "s"):
+                for il in range(cache.n_layer):
+                    row = len(before[key][il]) // self.size
+                    want = b"".join(before[key][il][c * row:(c + 1) * row] for c in kept)
+                    want += bytes(row * (self.size - len(kept)))   # the other rows are cleared
+                    assert snap[key][il] == want, f"{name}: {key}[{il}] rows after the round trip"
+        assert self.write_both(-1) == blob, "state_write(-1) after the round trip differs from the blob"
+
+    @rule(data=st.data())
+    def read_corrupted_blob(self, data):
+        """A blob truncated, with one byte flipped, or with trailing bytes: both reject it
+        alike, changing nothing, or both accept it (a flip in row data, a pos, a seq id)."""
+        self.some_cells(data)
+        kind, seq = self.draw_state_seq(data, "written seq")
+        blob = self.write_both(seq)
+        if data.draw(st.integers(0, 7), label="cross-kind gate") == 0:
+            target = data.draw(st.integers(0, self.size - 1), label="target") if seq == -1 else -1
+        elif seq == -1:
+            target = -1
+        else:
+            target = data.draw(st.sampled_from([seq, seq, *range(self.size)]), label="target")
+        matching = (seq == -1) == (target == -1)
+        corruption = data.draw(st.sampled_from(["truncate", "flip", "append"]), label="corruption")
+        if corruption == "append":
+            where = "end"
+            bad = blob + data.draw(st.binary(min_size=1, max_size=9), label="trailing bytes")
+        else:
+            # a field first, then a byte in it: row data and seq ids are rare among uniform offsets
+            fields = blob_fields(blob)
+            names = sorted({name for name, _, _ in fields})
+            where = data.draw(st.sampled_from(names), label="field")
+            start, end = data.draw(st.sampled_from([(a, b) for n, a, b in fields if n == where]),
+                                   label="which one")
+            at = data.draw(st.integers(start, end - 1), label="byte")
+            if corruption == "truncate":
+                bad = blob[:at]
+            else:
+                bad = blob[:at] + bytes([blob[at] ^ data.draw(st.integers(1, 255), label="xor")]) + blob[at + 1:]
+        form = data.draw(READ_FORMS, label="read form")
+        what = f"state_read(<{kind} blob, {corruption} in {where}>, {target}) as {form}"
+        before = [snapshot(cache) for _, cache in self.pairs]
+        outcomes = [call(lambda cache=cache: read_as(cache, bad, target, form)) for _, cache in self.pairs]
+        self.same_outcome(outcomes, what)   # same class (and the same built-in bases)
+        status, result = outcomes[0]
+        event(f"corrupt {corruption} in {where}: {'rejected' if status == 'raise' else 'accepted'}"
+              + ("" if matching else " (cross-kind)"))
+        if status == "raise":
+            assert isinstance(result, recurrent_cache.StateError), f"{what}: {result!r}"
+            assert str(result) == str(outcomes[1][1]), f"{what}: messages differ: {result} / {outcomes[1][1]}"
+            for name, snap, (_, cache) in zip(("core", "reference"), before, self.pairs):
+                assert snapshot(cache) == snap, f"{what}: the {name} changed the cache before raising"
+        else:
+            assert result == len(bad), f"{what} returned {result}"
+        if corruption != "flip":
+            assert status == "raise", f"{what} was accepted"
+        elif where in ("data header", "tensor header"):
+            assert status == "raise", f"{what} was accepted"
+        elif where == "rows" and matching:
+            assert status == "ok", f"{what} was rejected: {result}"
+
     # -- the comparison ------------------------------------------------------------------
 
     @invariant()
@@ -502,8 +778,9 @@ class CoreMatchesReference(RuleBasedStateMachine):
         self.ref.check()
 
 
+# RECURRENT_CACHE_SM_EXAMPLES=3000 for a long soak; CI keeps the suite fast
 CoreMatchesReference.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("RECURRENT_CACHE_SM_EXAMPLES", "200")), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 TestCoreMatchesReference = CoreMatchesReference.TestCase
