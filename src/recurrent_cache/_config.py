@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ArgumentError, ConfigError
+from .errors import ArgumentError, ConfigError, SeqIdError
 
 try:  # bfloat16 as a real numpy dtype when ml_dtypes is installed
     from ml_dtypes import bfloat16 as _bfloat16
@@ -23,10 +23,6 @@ class DType:
     name: str
     numpy: np.dtype
     ggml_type: int
-
-    @property
-    def itemsize(self) -> int:
-        return self.numpy.itemsize
 
 
 DTYPES = {
@@ -100,3 +96,11 @@ def as_int(value: Any, name: str) -> int:
     if not -2**31 <= number < 2**31:
         raise ArgumentError(f"{name} must fit in int32, got {number}")
     return number
+
+
+def state_seq_id(seq_id: Any, size: int, op: str) -> int:
+    """The seq_id of a state call: -1 (the whole cache) or a sequence of the cache."""
+    seq_id = as_int(seq_id, "seq_id")
+    if not -1 <= seq_id < size:
+        raise SeqIdError(f"{op}: seq_id {seq_id} out of range [-1, {size})")
+    return seq_id

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._cells import CellTable
-from ._config import Config, as_int
+from ._config import Config, as_int, state_seq_id
 from ._memory import MemoryState, core_error
 from ._state_io import StateIO
 from .batch import Batch
@@ -164,7 +164,7 @@ class RecurrentCache:
 
     def state_size(self, seq_id: int = -1) -> int:
         """Length in bytes of ``state_write(seq_id)``."""
-        return self._state_io.size(self._state_seq_id(seq_id, "state_size"))
+        return self._state_io.size(state_seq_id(seq_id, self.size, "state_size"))
 
     def state_write(self, seq_id: int = -1) -> bytes:
         """The state of the whole cache (``seq_id = -1``) or of one sequence, as llama.cpp writes it.
@@ -172,7 +172,7 @@ class RecurrentCache:
         Raises ``SeqIdError`` for a ``seq_id`` outside ``[-1, size)`` (llama.cpp
         would write an empty blob).
         """
-        return self._state_io.write_bytes(self._state_seq_id(seq_id, "state_write"))
+        return self._state_io.write_bytes(state_seq_id(seq_id, self.size, "state_write"))
 
     def state_write_into(self, target: object, seq_id: int = -1) -> int:
         """Write ``state_write(seq_id)`` into ``target``; returns the bytes written.
@@ -182,7 +182,7 @@ class RecurrentCache:
         its start, or a binary file object, written at its position.  Rows go
         from the state tensors to the target with no intermediate copy.
         """
-        seq_id = self._state_seq_id(seq_id, "state_write_into")
+        seq_id = state_seq_id(seq_id, self.size, "state_write_into")
         view = target_view(target)
         if view is None:
             return self._state_io.write_file(target, seq_id)
@@ -196,19 +196,13 @@ class RecurrentCache:
         whole blob is checked first: a ``StateError`` naming the defect and its
         byte offset leaves the cache, cells and rows, exactly as it was.
         """
-        seq_id = self._state_seq_id(seq_id, "state_read")
+        seq_id = state_seq_id(seq_id, self.size, "state_read")
         return self._state_io.read(blob_view(data), seq_id)
 
     def state_read_from(self, file: object, seq_id: int = -1) -> int:
         """``state_read`` of everything from a binary file's position to its end."""
-        seq_id = self._state_seq_id(seq_id, "state_read_from")
+        seq_id = state_seq_id(seq_id, self.size, "state_read_from")
         return self.state_read(read_rest(file), seq_id)
-
-    def _state_seq_id(self, seq_id: int, op: str) -> int:
-        seq_id = as_int(seq_id, "seq_id")
-        if not -1 <= seq_id < self.size:
-            raise SeqIdError(f"{op}: seq_id {seq_id} out of range [-1, {self.size})")
-        return seq_id
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "

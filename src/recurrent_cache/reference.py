@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._config import Config, as_int
+from ._config import Config, as_int, state_seq_id
 from .batch import Batch
 from .errors import ArgumentError, BatchError, CoreError, PositionError, RecurrentCacheError, SeqIdError
 from .memory import MemoryStatus, Ubatch
@@ -518,12 +518,6 @@ class RecurrentCache:
 
     # -- state serialisation (SPEC §5) ---------------------------------------
 
-    def _state_seq_id(self, seq_id: int, op: str) -> int:
-        seq_id = as_int(seq_id, "seq_id")
-        if not -1 <= seq_id < self.size:
-            raise SeqIdError(f"{op}: seq_id {seq_id} out of range [-1, {self.size})")
-        return seq_id
-
     def _shape(self) -> CacheShape:
         n_layer, config = self.n_layer, self._config
         return CacheShape(
@@ -557,16 +551,16 @@ class RecurrentCache:
 
     def state_size(self, seq_id: int = -1) -> int:
         """Length of ``state_write(seq_id)``."""
-        seq_id = self._state_seq_id(seq_id, "state_size")
+        seq_id = state_seq_id(seq_id, self.size, "state_size")
         return sum(memoryview(part).nbytes for part in self._state_parts(seq_id))
 
     def state_write(self, seq_id: int = -1) -> bytes:
         """The non-empty cells (``seq_id = -1``) or the cell of ``seq_id``, their rows after them."""
-        return b"".join(self._state_parts(self._state_seq_id(seq_id, "state_write")))
+        return b"".join(self._state_parts(state_seq_id(seq_id, self.size, "state_write")))
 
     def state_write_into(self, target: Any, seq_id: int = -1) -> int:
         """``state_write`` into a writable buffer (from its start) or a binary file; returns the length."""
-        parts = self._state_parts(self._state_seq_id(seq_id, "state_write_into"))
+        parts = self._state_parts(state_seq_id(seq_id, self.size, "state_write_into"))
         length = sum(memoryview(part).nbytes for part in parts)
         view = target_view(target)
         if view is None:
@@ -584,7 +578,7 @@ class RecurrentCache:
 
     def state_read(self, data: Any, seq_id: int = -1) -> int:
         """Check the whole blob, then replace the cache (``-1``) or sequence ``seq_id`` with it."""
-        seq_id = self._state_seq_id(seq_id, "state_read")
+        seq_id = state_seq_id(seq_id, self.size, "state_read")
         data = blob_view(data)
         blob = parse_blob(data, self._shape(), seq_id)   # every check, before any change
         if seq_id == -1:
@@ -616,7 +610,7 @@ class RecurrentCache:
 
     def state_read_from(self, file: Any, seq_id: int = -1) -> int:
         """``state_read`` of everything from a binary file's position to its end."""
-        seq_id = self._state_seq_id(seq_id, "state_read_from")
+        seq_id = state_seq_id(seq_id, self.size, "state_read_from")
         return self.state_read(read_rest(file), seq_id)
 
     def __repr__(self) -> str:
