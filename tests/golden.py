@@ -1,21 +1,22 @@
-"""Replay of ../shared/vectors/golden*.jsonl (format: that folder's README)."""
+"""Replay of the conformance data in tests/data/ (format: tests/data/README.md)."""
 
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-VECTORS = Path(os.environ.get("RECURRENT_CACHE_VECTORS",
-                              Path(__file__).resolve().parents[2] / "shared" / "vectors"))
+# Recorded from llama.cpp; the repository carries them so a fresh clone tests alone.
+VECTORS = Path(__file__).resolve().parent / "data"
 
 
 def load(name: str) -> list[dict]:
-    with open(VECTORS / name) as f:
+    """The objects of ``name`` (a ``.jsonl`` file, stored gzip-compressed)."""
+    with gzip.open(VECTORS / f"{name}.gz", "rt") as f:
         return [json.loads(line) for line in f]
 
 

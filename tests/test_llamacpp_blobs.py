@@ -1,6 +1,6 @@
 """State blobs written by llama.cpp itself read back and re-written byte for byte.
 
-../shared/vectors/llamacpp_blobs.jsonl (README §3): 229 blobs, 91 of whole
+tests/data/llamacpp_blobs.jsonl.gz (README §3): 229 blobs, 91 of whole
 caches and 138 of single sequences, from 3-layer f32 caches and from
 tiny-mamba.gguf's shapes.
 """
