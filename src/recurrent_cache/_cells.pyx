@@ -604,6 +604,24 @@ cdef class CellTable:
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
         return cells_seq_div(&self.cells, seq, p0, p1, d)
 
+    def place(self, int32_t seq, int32_t pos):
+        """Give ``seq`` (in range, in no cell) a cell of its own at ``pos`` whose row is kept.
+
+        Placed as a one-cell ``state_read`` places it (find_slot of one group);
+        returns the cell, whose row the caller fills, or a negative RC_ERR_* code.
+        """
+        cdef int32_t seq_offset = 0, n_seq_id = 1
+        cdef int code
+        if not 0 <= seq < self.cells.size or self.cells.tail[seq] >= 0:
+            return RC_ERR_SEQ_RANGE
+        if pos < 0 or pos == INT32_MAX:
+            return RC_ERR_POSITION
+        code = cells_find_slot(&self.cells, 1, 1, &seq, &seq_offset, &n_seq_id, &pos)
+        if code != RC_OK:
+            return code
+        self.cells.src[self.cells.head] = self.cells.head
+        return self.cells.head
+
     def seq_pos_min(self, int32_t seq):
         return cells_seq_pos_min(&self.cells, seq)
 

@@ -134,6 +134,17 @@ class RecurrentCache:
         """Largest pos of ``seq``'s cells; -1 when it has none."""
         return self._cells.seq_pos_max(as_int(seq, "seq"))
 
+    def _place_sequence(self, seq: int, pos: int) -> int:
+        """Give ``seq`` (holding no cell) a cell of its own at ``pos``; returns its row.
+
+        Placed as ``state_read`` of a one-cell blob would place it; the caller
+        fills the row (``r[il][row]``, ``s[il][row]``).  For ``PrefixCache``.
+        """
+        cell = self._cells.place(as_int(seq, "seq"), as_int(pos, "pos"))
+        if cell < 0:
+            raise core_error(cell, f"place seq {seq} at pos {pos}")
+        return cell
+
     # -- batches -----------------------------------------------------------------
 
     def init_batch(self, batch: Batch, n_ubatch: int = 512, embd_pooled: bool = False,

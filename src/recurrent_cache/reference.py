@@ -494,6 +494,21 @@ class RecurrentCache:
                 output=output, batch_index=index))
         return ubatches, out_ids
 
+    def _place_sequence(self, seq: int, pos: int) -> int:
+        """Give ``seq`` (holding no cell) a cell of its own at ``pos``; returns its row."""
+        seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
+        if not 0 <= seq < self.size or self._tail[seq] >= 0:
+            raise SeqIdError(f"place seq {seq} at pos {pos}: a seq id is outside the cache")
+        if not 0 <= pos < POS_INF:
+            raise PositionError(f"place seq {seq} at pos {pos}: the position would leave [0, 2**31 - 1)")
+        ub = Ubatch(n_tokens=1, n_seq_tokens=1, n_seqs=1, token=None, embd=None,
+                    pos=np.array([pos], dtype=np.int32), seq_id=((seq,),), output=np.zeros(1, dtype=bool),
+                    batch_index=np.zeros(1, dtype=np.int64))
+        if not self._find_slot(ub):
+            raise CoreError(f"place seq {seq} at pos {pos}: find_slot: no free cell left for a sequence")
+        self._src[self.head] = self.head
+        return self.head
+
     def _prepare(self, ubatches: list[Ubatch]) -> bool:
         saved = (self._pos[:], self._src[:], self._tail[:], [set(ids) for ids in self._seq_ids],
                  self.head, self.used, self.n)
