@@ -17,10 +17,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 import recurrent_cache as compiled
-from recurrent_cache import reference
 
 from .measure import Case, Stats, Timing, expect, measure_interleaved
-from .workloads import DECODE_PROMPT, decode, decode_batch, make_cache, prompt_batch
+from .workloads import DECODE_PROMPT, reference, decode, decode_batch, make_cache, prompt_batch
 
 
 @dataclass(frozen=True)

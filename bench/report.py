@@ -12,7 +12,6 @@ from typing import Optional
 import numpy as np
 
 import recurrent_cache as compiled
-from recurrent_cache import reference
 
 from .bandwidth import BandwidthRow
 from .measure import Stats
@@ -172,24 +171,15 @@ def bandwidth_summary(rows: list[BandwidthRow]) -> list[str]:
 # -- header --------------------------------------------------------------------------
 
 
-def origin(cls: type) -> str:
-    """``module.Class (file name)``: which implementation a name resolved to."""
-    path = getattr(sys.modules[cls.__module__], "__file__", None) or "?"
-    return f"{cls.__module__}.{cls.__qualname__} ({Path(path).name})"
-
-
 def header(mode: str, notes: list[str]) -> list[str]:
     load = ", load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
     lines = [
         f"# recurrent_cache benchmark suite ({mode})", "",
         f"- Python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs{load}",
-        f"- compiled = {origin(compiled.RecurrentCache)}, {origin(compiled.MemoryState)}; "
-        f"reference = {origin(reference.RecurrentCache)}",
+        f"- engines: the compiled columns run on `{compiled.RecurrentCache(0, 1, 1).engine}`, "
+        "the reference column on `reference`",
     ]
-    if compiled.RecurrentCache is reference.RecurrentCache:
-        lines.append("- WARNING: the package exports the reference (RECURRENT_CACHE_IMPL=reference?): "
-                     "the compiled columns time the reference and every ratio is ~1.")
     return lines + [f"- {note}" for note in notes]
 
 

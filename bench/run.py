@@ -31,7 +31,7 @@ from bench.workloads import (INGEST_CACHE_SIZE, INGEST_TOKENS, BatchBuild, Cimpo
                              PromptIngestion, PythonDecodeStep)
 
 import recurrent_cache as compiled  # noqa: E402
-from recurrent_cache import reference  # noqa: E402
+from bench.workloads import reference  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,8 +1,8 @@
 """Bookkeeping workloads for ``measure``: decode steps, Batch construction, prompt ingestion.
 
-A workload owns one cache of one implementation (``impl`` is
-``recurrent_cache`` or ``recurrent_cache.reference``, used through the same
-code) and talks only to it.  The caches have one layer of 16-float rows: the
+A workload owns one cache of one engine (``impl`` is ``recurrent_cache``, the
+compiled engine, or ``reference`` below: the same facade on the pure-Python
+engine, used through the same code) and talks only to it.  The caches have one layer of 16-float rows: the
 rows are tiny, so the times are the cell bookkeeping, not the state copies
 (``bandwidth.py`` measures those).
 """
@@ -12,9 +12,20 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable
 
+import functools
+import types
+
 import numpy as np
 
+import recurrent_cache
+
 from .measure import expect, loop_over
+
+# the package with its caches on the reference engine, usable where the package is
+reference = types.SimpleNamespace(
+    __name__="recurrent_cache (reference engine)", Batch=recurrent_cache.Batch,
+    MemoryStatus=recurrent_cache.MemoryStatus,
+    RecurrentCache=functools.partial(recurrent_cache.RecurrentCache, engine="reference"))
 
 N_LAYER, N_EMBD = 1, 16
 N_UBATCH = 512

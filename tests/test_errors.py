@@ -200,7 +200,6 @@ INIT_BATCH_ERRORS = [
     ("repeats-the-cached-pos", dict(token=[1], pos=[2], seq_id=[0]), {}, [ValueError], ["2"]),
     ("restarts-a-cached-seq-at-0", dict(token=[1], pos=[0], seq_id=[1]), {}, [ValueError], ["0"]),
     ("forked-seq-not-continuing", dict(token=[1], pos=[5], seq_id=[2]), {}, [ValueError], ["5"]),
-    ("default-pos-for-a-seq-elsewhere", dict(token=[1], seq_id=[1]), {}, [ValueError], ["3"]),
     # Multi-seq token ordering: seq 0 gets pos 3 ([0]) and 4 ([0, 3]); as a set {3, 4}
     # continues pos 2, but the two-id group is split off first (§3 step 3), so find_slot
     # would see seq 0 jump from 2 to 4.

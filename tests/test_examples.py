@@ -731,10 +731,14 @@ def test_default_seq_ids_positions_and_outputs(rc):
     # the next default batch continues seq 0 at 3
     (ub,) = list(cache.init_batch(rc.Batch(token=[4, 5])))
     assert ub.pos.tolist() == [3, 4]
-    # the default positions continue seq 0 even for tokens of another sequence
+    # each token continues its own (first) sequence, as current llama.cpp does
     (ub,) = list(cache.init_batch(rc.Batch(token=[6, 7], seq_id=[1, 1])))
-    assert ub.pos.tolist() == [5, 6]
-    assert table(cache) == [(4, 0, 0, (0,)), (6, 1, 1, (1,))]
+    assert ub.pos.tolist() == [0, 1]
+    assert table(cache) == [(4, 0, 0, (0,)), (1, 1, 1, (1,))]
+    # counting the earlier tokens of each sequence in the same batch, in batch order
+    st = cache.init_batch(rc.Batch(token=[8, 9, 10, 11], seq_id=[1, 0, 1, 0]))
+    assert [ub.pos.tolist() for ub in st] == [[2, 3, 5, 6]]   # groups: seq 1, then seq 0
+    assert sorted(zip(st.ubatch.batch_index.tolist(), st.ubatch.pos.tolist())) == [(0, 2), (1, 5), (2, 3), (3, 6)]
 
 
 def test_init_full_covers_the_whole_cache(rc):

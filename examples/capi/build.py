@@ -19,18 +19,20 @@ HERE = Path(__file__).resolve().parent
 MODULE = "continuous_batching"
 
 
-def build(target_dir: Path | None = None):
-    """Compile the example and return the imported module."""
+def build(target_dir: Path | None = None, source_file: Path | None = None):
+    """Compile the example (or another ``.pyx`` using the C-level API) and return the imported module."""
     from Cython.Build import cythonize
     from setuptools import Distribution, Extension
 
     import recurrent_cache
 
     target_dir = Path(target_dir or HERE)
+    source_file = Path(source_file or HERE / f"{MODULE}.pyx")
+    name = source_file.stem
     with tempfile.TemporaryDirectory() as work:
-        source = Path(work) / f"{MODULE}.pyx"
-        shutil.copy(HERE / f"{MODULE}.pyx", source)
-        extension = Extension(MODULE, [str(source)], extra_compile_args=["-O3"])
+        source = Path(work) / source_file.name
+        shutil.copy(source_file, source)
+        extension = Extension(name, [str(source)], extra_compile_args=["-O3"])
         modules = cythonize([extension], include_path=[recurrent_cache.get_include()],
                             build_dir=work, quiet=True)
         distribution = Distribution({"ext_modules": modules, "script_args": ["--quiet", "build_ext"]})
@@ -39,8 +41,8 @@ def build(target_dir: Path | None = None):
         command.build_lib = str(target_dir)
         command.build_temp = work
         distribution.run_commands()
-        built = command.get_ext_fullpath(MODULE)
-    spec = importlib.util.spec_from_file_location(MODULE, built)
+        built = command.get_ext_fullpath(name)
+    spec = importlib.util.spec_from_file_location(name, built)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

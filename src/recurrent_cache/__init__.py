@@ -5,32 +5,25 @@
     for ub in cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 0, 1], pos=[0, 1, 0])):
         ...  # run the model on ub, reading and writing st.r(il) / st.s(il)
 
-The compiled core is required; ``recurrent_cache.reference`` is the same API in
-pure Python (set RECURRENT_CACHE_IMPL=reference to make the package export it).
+One facade over two engines: the compiled Cython core (the default) and the
+pure-Python reference (``engine="reference"``, or ``RECURRENT_CACHE_IMPL=reference``).
 """
 
 import os as _os
+from importlib.metadata import PackageNotFoundError as _NotInstalled
+from importlib.metadata import version as _version
 
 from .batch import Batch
-from .errors import (ArgumentError, BatchError, ConfigError, CoreError, PositionError,
-                     RecurrentCacheError, SeqIdError, StateError)
-from .memory import MemoryStatus, Ubatch
+from .cache import RecurrentCache
+from .errors import (ArgumentError, BatchError, ConfigError, CoreError, OutOfRangeError, PositionError,
+                     RecurrentCacheError, SeqIdError, StateError, UsageError)
+from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
 from .seqfile import load_seq_file, save_seq_file
 
-if _os.environ.get("RECURRENT_CACHE_IMPL", "core") == "reference":
-    from .reference import MemoryState, RecurrentCache
-else:
-    try:
-        from ._memory import MemoryState
-        from .cache import RecurrentCache
-    except ImportError as _exc:  # pragma: no cover - only without a build
-        raise ImportError(
-            "recurrent_cache's compiled core is missing or was built for another Python "
-            f"({_exc}). Build it from the source tree with `pip install .` (needs a C compiler), "
-            "or set RECURRENT_CACHE_IMPL=reference to use the slow pure-Python implementation."
-        ) from _exc
-
-__version__ = "0.1.0"
+try:
+    __version__ = _version("recurrent_cache")
+except _NotInstalled:  # pragma: no cover - a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 
 def get_include() -> str:
@@ -43,7 +36,8 @@ def get_include() -> str:
 
 
 __all__ = [
-    "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch",
+    "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
-    "ArgumentError", "StateError", "CoreError", "get_include", "save_seq_file", "load_seq_file",
+    "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError",
+    "get_include", "save_seq_file", "load_seq_file",
 ]

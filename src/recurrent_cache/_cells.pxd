@@ -3,7 +3,7 @@
 
 Every function here is ``noexcept nogil``: failures are reported as the
 negative codes below and turned into exceptions in one place
-(``recurrent_cache._memory.core_error``).
+(``recurrent_cache.errors.engine_error``).
 
 Cell membership is an intrusive doubly linked list per cell (``first`` /
 ``next`` / ``prev``, indexed by seq id), so joining, leaving and counting are
@@ -24,6 +24,8 @@ cdef enum:
     RC_ERR_PLACEMENT = -5     # groups did not end up in n_seqs distinct cells
     RC_ERR_POSITION = -6      # seq_add would move a position below 0 or past INT32_MAX
     RC_ERR_ARGUMENT = -7      # seq_div by d <= 0
+    RC_ERR_SEQ_HAS_CELL = -8  # a sequence to be placed already holds a cell
+    RC_ERR_BROKEN = -9        # an invariant of the cell table is broken (a bug)
 
 cdef struct JournalEntry:
     int32_t* addr32           # exactly one of addr32 / addr64 is set
@@ -86,6 +88,18 @@ cdef int cells_find_slot(Cells* c, int32_t n_seqs, int32_t n_tokens,
 # copy plan for cells [head, head + n): copy_src[i], zero[i]; then src = own index
 cdef void cells_copy_plan(Cells* c, int32_t* copy_src, uint8_t* zero) noexcept nogil
 
+# every invariant of SPEC §1: 0, or the CHECK_* it breaks, with the offending cell in *where
+cdef enum:
+    CHECK_SEQ_RANGE = 1
+    CHECK_TAIL = 2
+    CHECK_LIST = 3
+    CHECK_COUNT = 4
+    CHECK_FREE_BIT = 5
+    CHECK_EMPTY = 6
+    CHECK_DANGLING = 7
+    CHECK_USED = 8
+cdef int cells_check(const Cells* c, int32_t* where=*) noexcept nogil
+
 # prepare support: journal every write, then undo them all
 cdef void cells_journal_begin(Cells* c) noexcept nogil
 cdef int cells_journal_rollback(Cells* c, int32_t head, int32_t used, int32_t n) noexcept nogil
@@ -104,5 +118,6 @@ cdef class CellTable:
     cdef object tensors       # keeps the numpy arrays alive
     cdef int32_t* plan_copy_src  # [size] scratch for the copy plan of the ubatch being applied
     cdef uint8_t* plan_zero      # [size]
+    cdef readonly bint self_check  # check every invariant after each placement (debug builds)
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil

@@ -12,7 +12,11 @@ from libc.stdint cimport INT32_MAX
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from .errors import CoreError
+from .errors import CELL_INDEX, engine_error
+
+
+cdef extern from "rc_debug.h":
+    const bint RC_SELF_CHECK
 
 cdef extern from "rc_bits.h":
     int rc_ctz64(uint64_t x) noexcept nogil
@@ -85,8 +89,9 @@ cdef int cells_init(Cells* c, int32_t size) noexcept nogil:
     memset(c, 0, sizeof(Cells))
     c.size = size
     c.n_words = (size + 63) // 64
-    c.pos = <int32_t*>malloc(9 * size * sizeof(int32_t))
-    c.free_bits = <uint64_t*>malloc(c.n_words * sizeof(uint64_t))
+    # sizes in size_t: 9 * size overflows int32 from size = 238,609,295 on
+    c.pos = <int32_t*>malloc(<size_t>9 * <size_t>size * sizeof(int32_t))
+    c.free_bits = <uint64_t*>malloc(<size_t>c.n_words * sizeof(uint64_t))
     if c.pos == NULL or c.free_bits == NULL:
         cells_release(c)
         return RC_ERR_NO_MEMORY
@@ -99,7 +104,7 @@ cdef int cells_init(Cells* c, int32_t size) noexcept nogil:
     c.prev = c.pos + 6 * size
     c.stamp = c.pos + 7 * size
     c.scratch = c.pos + 8 * size
-    memset(c.stamp, 0, size * sizeof(int32_t))
+    memset(c.stamp, 0, <size_t>size * sizeof(int32_t))
     cells_clear(c)
     return RC_OK
 
@@ -115,8 +120,8 @@ cdef void cells_release(Cells* c) noexcept nogil:
 
 cdef void cells_clear(Cells* c) noexcept nogil:
     cdef int32_t i
-    memset(c.pos, 0xFF, 7 * c.size * sizeof(int32_t))   # -1 everywhere ...
-    memset(c.n_seq, 0, c.size * sizeof(int32_t))         # ... but counts
+    memset(c.pos, 0xFF, <size_t>7 * <size_t>c.size * sizeof(int32_t))   # -1 everywhere ...
+    memset(c.n_seq, 0, <size_t>c.size * sizeof(int32_t))                # ... but counts
     for i in range(c.n_words):
         c.free_bits[i] = ALL_ONES
     if c.size % 64:
@@ -369,7 +374,7 @@ cdef int32_t cells_seq_pos_max(const Cells* c, int32_t seq) noexcept nogil:
 
 cdef void cells_new_epoch(Cells* c) noexcept nogil:
     if c.stamp_epoch == INT32_MAX:
-        memset(c.stamp, 0, c.size * sizeof(int32_t))
+        memset(c.stamp, 0, <size_t>c.size * sizeof(int32_t))
         c.stamp_epoch = 0
     c.stamp_epoch += 1
 
@@ -505,6 +510,50 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
     return RC_OK
 
 
+# -- invariants ----------------------------------------------------------------
+
+cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
+    """0, or which invariant of SPEC §1 is broken (CHECK_*), with the cell or seq in *where."""
+    cdef int32_t cell, seq, count, before, used = 0, members = 0, tails = 0, at = -1
+    cdef int broken = 0
+    for cell in range(c.size):
+        count = 0
+        before = -1
+        seq = c.first[cell]
+        while seq >= 0 and count <= c.size and not broken:
+            if not seq < c.size:
+                broken = CHECK_SEQ_RANGE
+            elif c.tail[seq] != cell:
+                broken = CHECK_TAIL
+            elif c.prev[seq] != before:
+                broken = CHECK_LIST
+            else:
+                before = seq
+                seq = c.next[seq]
+                count += 1
+        if not broken and count != c.n_seq[cell]:
+            broken = CHECK_COUNT
+        if not broken and ((c.free_bits[cell >> 6] >> (cell & 63)) & 1) != (count == 0):
+            broken = CHECK_FREE_BIT
+        if not broken and count == 0 and (c.pos[cell] != -1 or c.src[cell] != -1):
+            broken = CHECK_EMPTY
+        if broken:
+            at = cell
+            break
+        used += count > 0
+        members += count
+    if not broken:
+        for seq in range(c.size):
+            tails += c.tail[seq] >= 0
+        if tails != members:
+            broken = CHECK_DANGLING   # every member's tail was checked, so a surplus tail dangles
+        elif used != c.used:
+            broken = CHECK_USED
+    if where != NULL:
+        where[0] = at
+    return broken
+
+
 # -- the Python-facing handle --------------------------------------------------
 
 cdef class CellTable:
@@ -538,6 +587,7 @@ cdef class CellTable:
             self.tensor_data[k] = &view[0, 0]
             self.row_bytes[k] = view.shape[1]
         self.tensors = tensors
+        self.self_check = RC_SELF_CHECK
 
     def __dealloc__(self):
         cells_release(&self.cells)
@@ -574,9 +624,12 @@ cdef class CellTable:
         return self.cells.n
 
     def cell(self, int32_t i):
-        """(pos, src, tail, sorted seq ids) of cell i; i must be in range."""
+        """(pos, src, tail, sorted seq ids) of cell i."""
         cdef list members = []
-        cdef int32_t seq = self.cells.first[i]
+        cdef int32_t seq
+        if not 0 <= i < self.cells.size:
+            raise engine_error(CELL_INDEX, what="cell", index=i, size=self.cells.size)
+        seq = self.cells.first[i]
         while seq >= 0:
             members.append(seq)
             seq = self.cells.next[seq]
@@ -612,8 +665,10 @@ cdef class CellTable:
         """
         cdef int32_t seq_offset = 0, n_seq_id = 1
         cdef int code
-        if not 0 <= seq < self.cells.size or self.cells.tail[seq] >= 0:
+        if not 0 <= seq < self.cells.size:
             return RC_ERR_SEQ_RANGE
+        if self.cells.tail[seq] >= 0:
+            return RC_ERR_SEQ_HAS_CELL
         if pos < 0 or pos == INT32_MAX:
             return RC_ERR_POSITION
         code = cells_find_slot(&self.cells, 1, 1, &seq, &seq_offset, &n_seq_id, &pos)
@@ -629,38 +684,18 @@ cdef class CellTable:
         return cells_seq_pos_max(&self.cells, seq)
 
     def check(self):
-        """Raise CoreError naming the first broken invariant of SPEC §1."""
-        cdef Cells* c = &self.cells
-        cdef int32_t cell, seq, count, before, used = 0, members = 0, tails = 0
-        cdef bint is_free
-        for cell in range(c.size):
-            count = 0
-            before = -1
-            seq = c.first[cell]
-            while seq >= 0 and count <= c.size:
-                if not 0 <= seq < c.size:
-                    raise CoreError(f"cell {cell} holds seq {seq} outside [0, {c.size})")
-                if c.tail[seq] != cell:
-                    raise CoreError(f"seq {seq} is in cell {cell} but its tail is {c.tail[seq]}")
-                if c.prev[seq] != before:
-                    raise CoreError(f"broken member list of cell {cell} at seq {seq}")
-                before = seq
-                seq = c.next[seq]
-                count += 1
-            if count != c.n_seq[cell]:
-                raise CoreError(f"cell {cell} counts {c.n_seq[cell]} sequences but lists {count}")
-            is_free = (c.free_bits[cell >> 6] >> (cell & 63)) & 1
-            if is_free != (count == 0):
-                raise CoreError(f"free bit of cell {cell} is {is_free} with {count} sequences")
-            if count == 0 and (c.pos[cell] != -1 or c.src[cell] != -1):
-                raise CoreError(f"empty cell {cell} has pos {c.pos[cell]} / src {c.src[cell]}")
-            if count:
-                used += 1
-            members += count
-        for seq in range(c.size):
-            tails += c.tail[seq] >= 0
-        if tails != members:
-            # every member's tail was checked above, so a surplus tail is dangling
-            raise CoreError(f"{tails} sequences have a tail but cells hold {members}")
-        if used != c.used:
-            raise CoreError(f"used is {c.used}, but {used} cells are not empty")
+        """None, or a sentence naming the first broken invariant of SPEC §1 (the facade raises it)."""
+        cdef int32_t at
+        cdef int broken = cells_check(&self.cells, &at)
+        if not broken:
+            return None
+        return {
+            CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {self.cells.size})",
+            CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
+            CHECK_LIST: f"broken member list of cell {at}",
+            CHECK_COUNT: f"cell {at} counts {self.cells.n_seq[at] if at >= 0 else 0} sequences but lists another number",
+            CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
+            CHECK_EMPTY: f"empty cell {at} has pos {self.cells.pos[at] if at >= 0 else 0} / src {self.cells.src[at] if at >= 0 else 0}",
+            CHECK_DANGLING: "a sequence has a tail but no cell holds it",
+            CHECK_USED: f"used is {self.cells.used}, but another number of cells is not empty",
+        }[broken]

@@ -83,6 +83,10 @@ class Config:
             dtype_s=_dtype(dtype_s, "dtype_s"),
         )
 
+    def type_ids(self) -> list[int]:
+        """The ggml type id of every state tensor: r[0..n_layer), then s[0..n_layer)."""
+        return [self.dtype_r.ggml_type] * self.n_layer + [self.dtype_s.ggml_type] * self.n_layer
+
     def allocate(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Zeroed per-layer tensors ``r[il]`` (size, n_embd_r) and ``s[il]`` (size, n_embd_s)."""
         r = [np.zeros((self.size, self.n_embd_r), dtype=self.dtype_r.numpy) for _ in range(self.n_layer)]
@@ -91,11 +95,24 @@ class Config:
 
 
 def as_int(value: Any, name: str) -> int:
-    """An int32 method argument."""
+    """An int32 method argument (numpy integers too; bools are not integers here)."""
     number = _integer(value, name, ArgumentError)
     if not -2**31 <= number < 2**31:
         raise ArgumentError(f"{name} must fit in int32, got {number}")
     return number
+
+
+def as_flag(value: Any, name: str) -> bool:
+    """A bool argument: a bool, or an integer 0 / 1 (numpy's included)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number in (0, 1):
+        return bool(number)
+    raise ArgumentError(f"{name} must be True or False, got {value!r}")
 
 
 def state_seq_id(seq_id: Any, size: int, op: str) -> int:

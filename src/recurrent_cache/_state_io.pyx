@@ -10,7 +10,7 @@ stored.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport uint8_t
+from libc.stdint cimport INT32_MAX, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
@@ -208,7 +208,7 @@ cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssiz
             return BLOB_ERR_TRUNCATED
         pos = get_i32(data + off)
         n_seq_id = get_u32(data + off + 4)
-        if pos < 0:
+        if pos < 0 or pos == INT32_MAX:   # 2**31 - 1 means "to the end" in ranges
             d.offset = off
             d.value = <uint32_t>pos
             return BLOB_ERR_NEGATIVE_POS

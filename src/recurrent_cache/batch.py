@@ -6,6 +6,10 @@ its size, positions against the cached ones) is checked by ``init_batch``.
 Seq-id lists are stored in CSR form — ``seq_id_flat`` holds every list back
 to back and ``seq_id_offset[i]:seq_id_offset[i+1]`` is token ``i``'s list —
 so the compiled core reads them without touching a Python object.
+
+A batch is immutable: it keeps read-only copies of what it was given, so a
+caller refilling its own buffers after ``init_batch`` cannot change what was
+validated.
 """
 
 from __future__ import annotations
@@ -20,31 +24,48 @@ from .errors import BatchError
 __all__ = ["Batch"]
 
 
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def _plain(values: Any, name: str) -> Any:
+    """Refuse containers whose meaning numpy would silently change (mask dropped, keys taken)."""
+    if isinstance(values, np.ma.MaskedArray):
+        raise BatchError(f"batch {name} is a masked array: pass the values you mean (np.ma.filled)")
+    if isinstance(values, (dict, set, frozenset, str, bytes)):
+        raise BatchError(f"batch {name} must be a sequence or array, got {type(values).__name__}")
+    return values
+
+
 def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
     if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 \
             and values.flags.c_contiguous:
-        return values  # the common case costs nothing
+        return _frozen(values.copy())  # the common case: one copy, no conversion
     try:
-        array = np.asarray(values)
+        array = np.asarray(_plain(values, name))
     except (TypeError, ValueError) as exc:
         raise BatchError(f"batch {name} is not an array of integers: {exc}") from None
     if array.ndim != 1:
         raise BatchError(f"batch {name} must be 1-D, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iub":
+    if array.size and array.dtype.kind not in "iu":
         raise BatchError(f"batch {name} must hold integers, got dtype {array.dtype}")
     if array.size and array.dtype.kind in "iu" and array.dtype.itemsize >= np.dtype(dtype).itemsize:
         info = np.iinfo(dtype)
         if array.min() < info.min or array.max() > info.max:
             raise BatchError(f"batch {name} has a value outside the {np.dtype(dtype).name} range")
-    return np.ascontiguousarray(array, dtype=dtype)
+    return _frozen(np.array(array, dtype=dtype, order="C"))
 
 
 def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Turn 1-D ids, a 2-D array or a list of lists into (flat ids, offsets)."""
+    _plain(seq_id, "seq_id")
     try:
         array = seq_id if isinstance(seq_id, np.ndarray) else np.asarray(seq_id)
     except (TypeError, ValueError):
         array = None  # ragged lists: several sequences per token, in varying numbers
+    if array is not None and array.size and array.dtype.kind == "b":
+        raise BatchError(f"batch seq_id must hold integers, got dtype {array.dtype}")
     if array is not None and array.ndim in (1, 2) and (array.dtype.kind in "iu" or array.size == 0):
         if array.shape[0] != n_tokens:
             raise BatchError(f"batch seq_id has {array.shape[0]} entries for {n_tokens} tokens")
@@ -52,10 +73,13 @@ def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
             raise BatchError("token 0 has no seq id")
         if array.ndim == 1 or array.shape[1] == 1:
             # one sequence per token: the fast path
-            return _int_array(array.reshape(-1), "seq_id"), np.arange(n_tokens + 1, dtype=np.int32)
+            return (_int_array(array.reshape(-1), "seq_id"),
+                    _frozen(np.arange(n_tokens + 1, dtype=np.int32)))
         width = array.shape[1]
         flat = _int_array(array.reshape(-1), "seq_id")
-        offsets = np.arange(0, (n_tokens + 1) * width, width, dtype=np.int32)
+        if (n_tokens + 1) * width >= 2**31:
+            raise BatchError(f"batch seq_id has {n_tokens * width} entries: too many for int32 offsets")
+        offsets = _frozen(np.arange(0, (n_tokens + 1) * width, width, dtype=np.int32))
     else:
         flat, offsets = _ragged_seq_id_lists(seq_id, n_tokens)
     _check_seq_id_lists(flat, offsets)
@@ -73,18 +97,31 @@ def _ragged_seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.nda
     ids: list[int] = []
     for i, entry in enumerate(entries):
         try:
-            members = [operator.index(entry)]
+            members = [_seq_id_value(entry)]
         except TypeError:
             try:
-                members = [operator.index(x) for x in entry]
+                members = [_seq_id_value(x) for x in _plain(entry, "seq_id")]
             except TypeError:
                 raise BatchError(f"token {i}: seq_id {entry!r} is not an integer or a list of integers") from None
         counts[i] = len(members)
         ids.extend(members)
-    flat = _int_array(np.array(ids, dtype=np.int64), "seq_id")
+    if int(counts.sum()) >= 2**31:
+        raise BatchError(f"batch seq_id has {int(counts.sum())} entries: too many for int32 offsets")
+    try:
+        wide = np.array(ids, dtype=np.int64)
+    except OverflowError:
+        raise BatchError("batch seq_id has a value outside the int32 range") from None
+    flat = _int_array(wide, "seq_id")
     offsets = np.zeros(n_tokens + 1, dtype=np.int32)
     offsets[1:] = np.cumsum(counts)
-    return flat, offsets
+    return flat, _frozen(offsets)
+
+
+def _seq_id_value(value: Any) -> int:
+    """One seq id: an integer, never a bool (True would silently mean sequence 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("a bool is not a seq id")
+    return operator.index(value)
 
 
 def _check_seq_id_lists(flat: np.ndarray, offsets: np.ndarray) -> None:
@@ -108,8 +145,9 @@ class Batch:
 
     token : 1-D ints, shape ``[n_tokens]`` — or
     embd : 2-D floats, shape ``[n_tokens, n_embd]``
-    pos : 1-D ints ``[n_tokens]``; default: continue sequence 0
-        (``seq_pos_max(0) + 1, ...``, resolved by ``init_batch``).
+    pos : 1-D ints ``[n_tokens]``; default: each token continues its first
+        sequence (``seq_pos_max(seq) + 1``, counting that sequence's earlier
+        tokens in the batch), resolved by ``init_batch`` as llama_decode does.
     seq_id : 1-D ints ``[n_tokens]`` (one sequence per token), a 2-D int
         array, or a list of lists (several sequences per token, the first
         is the owner); default: ``[0]`` for every token.
@@ -118,6 +156,14 @@ class Batch:
     """
 
     __slots__ = ("n_tokens", "token", "embd", "pos", "seq_id_flat", "seq_id_offset", "logits")
+
+    n_tokens: int
+    token: np.ndarray | None          # [n_tokens] int32, read-only
+    embd: np.ndarray | None           # [n_tokens, n_embd] float32, read-only
+    pos: np.ndarray | None            # [n_tokens] int32, read-only; None: llama_decode's defaults
+    seq_id_flat: np.ndarray           # [entries] int32, read-only: every token's seq ids back to back
+    seq_id_offset: np.ndarray         # [n_tokens + 1] int32, read-only
+    logits: np.ndarray | None         # [n_tokens] int8 output flags, read-only
 
     def __init__(
         self,
@@ -128,15 +174,16 @@ class Batch:
         *,
         embd: Any = None,
     ) -> None:
+        init = object.__setattr__  # the batch is immutable once built
         if (token is None) == (embd is None):
             raise BatchError("a batch takes exactly one of token= and embd=")
         if token is not None:
-            self.token: np.ndarray | None = _int_array(token, "token")
-            self.embd: np.ndarray | None = None
-            n_tokens = self.token.shape[0]
+            init(self, "token", _int_array(token, "token"))
+            init(self, "embd", None)
+            n_tokens = self.token.shape[0]  # type: ignore[union-attr]
         else:
             try:
-                embd_array = np.asarray(embd)
+                embd_array = np.asarray(_plain(embd, "embd"))
             except (TypeError, ValueError) as exc:
                 raise BatchError(f"batch embd is not an array of floats: {exc}") from None
             if embd_array.ndim != 2:
@@ -145,33 +192,43 @@ class Batch:
                 raise BatchError(f"batch embd must be 2-D (n_tokens, n_embd), got shape {embd_array.shape}")
             if embd_array.dtype.kind not in "fiub":
                 raise BatchError(f"batch embd must hold numbers, got dtype {embd_array.dtype}")
-            self.token = None
-            self.embd = np.ascontiguousarray(embd_array, dtype=np.float32)
-            n_tokens = self.embd.shape[0]
+            init(self, "token", None)
+            init(self, "embd", _frozen(np.array(embd_array, dtype=np.float32, order="C")))
+            n_tokens = self.embd.shape[0]  # type: ignore[union-attr]
         if n_tokens == 0:
             raise BatchError("batch has no tokens")
-        self.n_tokens: int = n_tokens
+        if n_tokens >= 2**31 - 1:
+            raise BatchError(f"batch has {n_tokens} tokens: at most 2**31 - 2")
+        init(self, "n_tokens", n_tokens)
 
-        self.pos: np.ndarray | None = None
+        init(self, "pos", None)
         if pos is not None:
-            self.pos = _int_array(pos, "pos")
-            if self.pos.shape[0] != n_tokens:
-                raise BatchError(f"batch pos has {self.pos.shape[0]} entries for {n_tokens} tokens")
+            init(self, "pos", _int_array(pos, "pos"))
+            if self.pos.shape[0] != n_tokens:  # type: ignore[union-attr]
+                raise BatchError(f"batch pos has {self.pos.shape[0]} entries for {n_tokens} tokens")  # type: ignore[union-attr]
 
         if seq_id is None:
-            self.seq_id_flat: np.ndarray = np.zeros(n_tokens, dtype=np.int32)
-            self.seq_id_offset: np.ndarray = np.arange(n_tokens + 1, dtype=np.int32)
+            init(self, "seq_id_flat", _frozen(np.zeros(n_tokens, dtype=np.int32)))
+            init(self, "seq_id_offset", _frozen(np.arange(n_tokens + 1, dtype=np.int32)))
         else:
-            self.seq_id_flat, self.seq_id_offset = _seq_id_lists(seq_id, n_tokens)
+            flat, offsets = _seq_id_lists(seq_id, n_tokens)
+            init(self, "seq_id_flat", flat)
+            init(self, "seq_id_offset", offsets)
 
-        self.logits: np.ndarray | None = None
+        init(self, "logits", None)
         if logits is not None:
-            flags = np.asarray(logits)
+            flags = np.asarray(_plain(logits, "logits"))
             if flags.ndim != 1 or flags.dtype.kind not in "biuf":
                 raise BatchError(f"batch logits must be 1-D flags, got shape {flags.shape} dtype {flags.dtype}")
             if flags.shape[0] != n_tokens:
                 raise BatchError(f"batch logits has {flags.shape[0]} entries for {n_tokens} tokens")
-            self.logits = (flags != 0).view(np.int8)
+            init(self, "logits", _frozen((flags != 0).view(np.int8)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a Batch is immutable: build a new one instead of setting {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a Batch is immutable: cannot delete {name!r}")
 
     def seq_ids(self, i: int) -> tuple[int, ...]:
         """The seq-id list of token ``i`` (owner first)."""

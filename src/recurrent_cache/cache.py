@@ -1,26 +1,29 @@
-"""`RecurrentCache`: the public face of the compiled core.
+"""`RecurrentCache`: the one facade over the two engines.
 
-This module checks arguments and owns the numpy state tensors; the cell table
-and every loop live in the Cython modules (``_cells``, ``_batch``,
-``_memory``).  A rejected call raises before the core is touched, so the
-cache is left exactly as it was.
+This module owns every argument check, their order, every message and the
+default positions; an *engine* (``_engines``) owns the cell table, the loops and
+the state tensors' pointers: the compiled core (``_cells``, ``_split``,
+``_placement``, ``_state_io``) or the pure-Python reference
+(``recurrent_cache.reference``).  A rejected call raises before the engine is
+touched, so the cache is left exactly as it was.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Literal
+
 import numpy as np
 
-from ._cells import CellTable
-from ._config import Config, as_int, state_seq_id
-from ._memory import MemoryState, core_error
-from ._state_io import StateIO
+from . import _engines
+from ._config import Config, as_flag, as_int, state_seq_id
 from .batch import Batch
-from .errors import BatchError, PositionError, SeqIdError
+from .errors import (POS_MAX, ArgumentError, CoreError, OutOfRangeError, PositionError, UsageError,
+                     engine_error)
+from .memory_state import MemoryState, MemoryStatus
 from .state_format import blob_view, read_rest, target_view
 
 __all__ = ["RecurrentCache"]
-
-POS_MAX = 2**31 - 1
 
 
 class RecurrentCache:
@@ -37,51 +40,138 @@ class RecurrentCache:
     dtype_r / dtype_s: ``"f32"``, ``"f16"`` or ``"bf16"`` (a
     ``ml_dtypes.bfloat16`` array when ml_dtypes is installed, else raw
     ``uint16`` bits: the upper half of each float32).
+
+    engine: ``"compiled"`` (the Cython core) or ``"reference"`` (pure Python,
+    the readable oracle; thousands of times slower); default: the environment
+    variable ``RECURRENT_CACHE_IMPL``, else ``"compiled"``.
+
+    One thread at a time: a call while another thread is inside the same cache
+    raises ``UsageError`` instead of corrupting it.
     """
 
     def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
-                 size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32") -> None:
+                 size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32", *,
+                 engine: Literal["compiled", "reference"] | None = None) -> None:
         self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
+        self._engine = _engines.load(engine)
         r, s = self._config.allocate()
         self.r: tuple[np.ndarray, ...] = tuple(r)
         self.s: tuple[np.ndarray, ...] = tuple(s)
-        self._cells = CellTable(self._config.size, r + s)
-        self._state_io = StateIO(self._cells, [self._config.dtype_r.ggml_type] * self._config.n_layer
-                                 + [self._config.dtype_s.ggml_type] * self._config.n_layer)
+        self._table = self._engine.CellTable(self._config.size, r + s)
+        self._state_io = self._engine.StateIO(self._table, self._config.type_ids())
+        self._lock = threading.Lock()
+        # bumped by every change of the cells: a MemoryState applies only on the generation
+        # it was prepared on (or its own previous apply left)
+        self._generation = 0
 
-    # -- shape -------------------------------------------------------------------
+    # -- one thread at a time ----------------------------------------------------------
 
-    size = property(lambda self: self._config.size, doc="Number of cells.")
-    n_seq_max = property(lambda self: self._config.n_seq_max, doc="Sequences the cache was sized for.")
-    n_layer = property(lambda self: self._config.n_layer, doc="Layers (pairs of state tensors).")
-    n_embd_r = property(lambda self: self._config.n_embd_r, doc="Width of an r row.")
-    n_embd_s = property(lambda self: self._config.n_embd_s, doc="Width of an s row.")
-    dtype_r = property(lambda self: self._config.dtype_r.name, doc="Element type of r.")
-    dtype_s = property(lambda self: self._config.dtype_s.name, doc="Element type of s.")
-    cell_table = property(lambda self: self._cells,
-                          doc="The C-level handle (``recurrent_cache.core.CellTable``) for Cython code.")
-    head = property(lambda self: self._cells.head, doc="Where the next free-cell search starts.")
-    used = property(lambda self: self._cells.used, doc="Number of non-empty cells.")
-    n = property(lambda self: self._cells.n, doc="Cells from head touched by the last placement.")
+    def _enter(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise UsageError("this RecurrentCache is in use by another thread: a cache belongs to one "
+                             "thread at a time (use one cache per thread, or a lock around every call)")
 
-    # -- cells -------------------------------------------------------------------
+    def _leave(self) -> None:
+        self._lock.release()
+
+    # -- shape -------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Number of cells."""
+        return self._config.size
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequences the cache was sized for."""
+        return self._config.n_seq_max
+
+    @property
+    def n_layer(self) -> int:
+        """Layers (pairs of state tensors)."""
+        return self._config.n_layer
+
+    @property
+    def n_embd_r(self) -> int:
+        """Width of an r row."""
+        return self._config.n_embd_r
+
+    @property
+    def n_embd_s(self) -> int:
+        """Width of an s row."""
+        return self._config.n_embd_s
+
+    @property
+    def dtype_r(self) -> str:
+        """Element type of r: ``"f32"``, ``"f16"`` or ``"bf16"``."""
+        return self._config.dtype_r.name
+
+    @property
+    def dtype_s(self) -> str:
+        """Element type of s."""
+        return self._config.dtype_s.name
+
+    @property
+    def engine(self) -> str:
+        """``"compiled"`` or ``"reference"``."""
+        return self._engine.name
+
+    @property
+    def cell_table(self) -> object:
+        """The C-level handle (``recurrent_cache.core.CellTable``) for Cython code; compiled engine only."""
+        if self._engine.name != "compiled":
+            raise ArgumentError("cell_table is the compiled engine's C-level handle; this cache runs "
+                                "on the reference engine")
+        return self._table
+
+    @property
+    def head(self) -> int:
+        """Where the next free-cell search starts / first cell of the last placement."""
+        return int(self._table.head)
+
+    @property
+    def used(self) -> int:
+        """Number of non-empty cells."""
+        return int(self._table.used)
+
+    @property
+    def n(self) -> int:
+        """Cells from head touched by the last placement."""
+        return int(self._table.n)
+
+    # -- cells -------------------------------------------------------------------------
 
     def cell(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
         """``(pos, src, tail, seq_ids)`` of cell ``i``; ``tail`` is the cell holding sequence ``i``."""
         i = as_int(i, "cell index")
         if not 0 <= i < self.size:
-            raise SeqIdError(f"cell index {i} out of range [0, {self.size})")
-        return self._cells.cell(i)
+            raise OutOfRangeError(f"cell index {i} is out of range [0, {self.size})")
+        self._enter()
+        try:
+            return self._table.cell(i)  # type: ignore[no-any-return]
+        finally:
+            self._leave()
 
     def check(self) -> None:
         """Raise ``CoreError`` if an invariant of SPEC §1 is broken (O(size))."""
-        self._cells.check()
+        self._enter()
+        try:
+            broken = self._table.check()
+        finally:
+            self._leave()
+        if broken is not None:
+            raise CoreError(f"invariant broken: {broken}")
 
-    # -- sequence operations -------------------------------------------------------
+    # -- sequence operations -------------------------------------------------------------
 
     def clear(self) -> None:
         """Empty every cell and zero every state row."""
-        self._cells.clear()
+        self._enter()
+        try:
+            self._table.clear()
+            self._generation += 1
+        finally:
+            self._leave()
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         """Drop ``seq`` (every sequence when ``seq < 0``) from positions ``[p0, p1)``.
@@ -89,12 +179,33 @@ class RecurrentCache:
         A recurrent state cannot be cut: returns False, changing nothing, when
         the range would split a state (or for ``seq >= size``).
         """
-        return self._cells.seq_rm(as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"))
+        seq, p0, p1 = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1")
+        self._enter()
+        try:
+            removed = bool(self._table.seq_rm(seq, p0, p1))
+            self._generation += 1
+        finally:
+            self._leave()
+        return removed
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Make ``dst`` share ``src``'s cell (a fork); the range is ignored."""
+        """Make ``dst`` share ``src``'s cell (a fork); the range is ignored.
+
+        A no-op when ``src == dst`` or either is outside ``[0, size)``, as in llama.cpp.
+        """
+        src, dst = as_int(src, "src"), as_int(dst, "dst")
         as_int(p0, "p0"), as_int(p1, "p1")
-        self._cells.seq_cp(as_int(src, "src"), as_int(dst, "dst"))
+        self._enter()
+        try:
+            self._table.seq_cp(src, dst)
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def _seq_op(self, op: str, code: int, seq: int, what: str) -> None:
+        if code:
+            raise engine_error(code, what=f"{op}: {what}", seq=seq, size=self.size)
+        self._generation += 1
 
     def seq_keep(self, seq: int) -> None:
         """Free every cell that does not hold ``seq``; its cell keeps only ``seq``.
@@ -103,7 +214,11 @@ class RecurrentCache:
         empty every cell).
         """
         seq = as_int(seq, "seq")
-        self._check(self._cells.seq_keep(seq), f"seq_keep: seq_id {seq} (cache size {self.size})")
+        self._enter()
+        try:
+            self._seq_op("seq_keep", self._table.seq_keep(seq), seq, f"seq_id {seq}")
+        finally:
+            self._leave()
 
     def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> None:
         """Shift the pos of ``seq``'s cell by ``shift`` if it lies in ``[p0, p1)``.
@@ -111,28 +226,40 @@ class RecurrentCache:
         The pos is the cell's, so sequences sharing the cell move with it.
         """
         seq, p0, p1, shift = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(shift, "shift")
-        self._check(self._cells.seq_add(seq, p0, p1, shift),
-                    f"seq_add: seq_id {seq} (cache size {self.size}) at pos {self.seq_pos_max(seq)} "
-                    f"shifted by {shift}")
+        self._enter()
+        try:
+            self._seq_op("seq_add", self._table.seq_add(seq, p0, p1, shift), seq,
+                         f"seq_id {seq} at pos {self._table.seq_pos_max(seq)} shifted by {shift}")
+        finally:
+            self._leave()
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
-        """Divide the pos of ``seq``'s cell by ``d`` (truncating) if it lies in ``[p0, p1)``."""
+        """Divide the pos of ``seq``'s cell by ``d`` (truncating) if it lies in ``[p0, p1)``; ``d >= 1``."""
         seq, p0, p1, d = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(d, "d")
-        self._check(self._cells.seq_div(seq, p0, p1, d),
-                    f"seq_div: seq_id {seq} (cache size {self.size}), divisor d = {d} (must be positive)")
-
-    @staticmethod
-    def _check(code: int, detail: str) -> None:
-        if code:
-            raise core_error(code, detail)
+        self._enter()
+        try:
+            self._seq_op("seq_div", self._table.seq_div(seq, p0, p1, d), seq,
+                         f"seq_id {seq} divided by d = {d} (d must be positive)")
+        finally:
+            self._leave()
 
     def seq_pos_min(self, seq: int) -> int:
         """Smallest pos of ``seq``'s cells; -1 when it has none."""
-        return self._cells.seq_pos_min(as_int(seq, "seq"))
+        seq = as_int(seq, "seq")
+        self._enter()
+        try:
+            return int(self._table.seq_pos_min(seq))
+        finally:
+            self._leave()
 
     def seq_pos_max(self, seq: int) -> int:
         """Largest pos of ``seq``'s cells; -1 when it has none."""
-        return self._cells.seq_pos_max(as_int(seq, "seq"))
+        seq = as_int(seq, "seq")
+        self._enter()
+        try:
+            return int(self._table.seq_pos_max(seq))
+        finally:
+            self._leave()
 
     def _place_sequence(self, seq: int, pos: int) -> int:
         """Give ``seq`` (holding no cell) a cell of its own at ``pos``; returns its row.
@@ -140,12 +267,18 @@ class RecurrentCache:
         Placed as ``state_read`` of a one-cell blob would place it; the caller
         fills the row (``r[il][row]``, ``s[il][row]``).  For ``PrefixCache``.
         """
-        cell = self._cells.place(as_int(seq, "seq"), as_int(pos, "pos"))
+        seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
+        self._enter()
+        try:
+            cell = int(self._table.place(seq, pos))
+            self._generation += 1
+        finally:
+            self._leave()
         if cell < 0:
-            raise core_error(cell, f"place seq {seq} at pos {pos}")
+            raise engine_error(cell, what=f"place seq_id {seq} at pos {pos}", seq=seq, size=self.size)
         return cell
 
-    # -- batches -----------------------------------------------------------------
+    # -- batches -------------------------------------------------------------------------
 
     def init_batch(self, batch: Batch, n_ubatch: int = 512, embd_pooled: bool = False,
                    logits_all: bool = False) -> MemoryState:
@@ -153,29 +286,57 @@ class RecurrentCache:
 
         Raises (changing nothing) for a batch this cache cannot take; returns a
         ``MemoryState`` to ``apply()`` ubatch by ubatch, or to iterate over.
+        ``embd_pooled`` splits one sequence per ubatch (``split_seq``);
+        ``logits_all`` makes every token an output.
         """
         if not isinstance(batch, Batch):
-            raise BatchError(f"init_batch takes a Batch, got {type(batch).__name__}")
-        if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer)) or n_ubatch < 1:
-            raise BatchError(f"n_ubatch must be an integer >= 1, got {n_ubatch!r}")
-        pos = batch.pos
-        if pos is None:
-            start = self._cells.seq_pos_max(0) + 1
-            if start + batch.n_tokens > POS_MAX:
-                raise PositionError(f"default positions from {start} overflow int32")
-            pos = np.arange(start, start + batch.n_tokens, dtype=np.int32)
-        return MemoryState._from_batch(self._cells, self, batch, pos, min(int(n_ubatch), POS_MAX),
-                                     bool(embd_pooled), bool(logits_all))
+            raise ArgumentError(f"init_batch takes a Batch, got {type(batch).__name__}")
+        n_ubatch = as_int(n_ubatch, "n_ubatch")
+        if n_ubatch < 1:
+            raise ArgumentError(f"n_ubatch must be >= 1, got {n_ubatch}")
+        pooled, every = as_flag(embd_pooled, "embd_pooled"), as_flag(logits_all, "logits_all")
+        self._enter()
+        try:
+            pos = batch.pos if batch.pos is not None else self._default_positions(batch)
+            placement = self._engine.split_batch(self._table, batch.seq_id_flat, batch.seq_id_offset, pos,
+                                                 batch.logits, every, n_ubatch, pooled)
+            status = MemoryStatus.SUCCESS if placement.prepare() == 0 else MemoryStatus.FAILED_PREPARE
+        finally:
+            self._leave()
+        return MemoryState(self, placement, batch, pos, status, self._generation)
+
+    def _default_positions(self, batch: Batch) -> np.ndarray:
+        """llama_decode's defaults: each token continues its first sequence (seq_pos_max + 1, ...)."""
+        owners = batch.seq_id_flat[batch.seq_id_offset[:-1]]
+        order = np.argsort(owners, kind="stable")
+        ranked = owners[order]
+        starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+        counts = np.diff(np.r_[starts, ranked.size])
+        pos = np.empty(batch.n_tokens, dtype=np.int64)
+        for first, count in zip(starts.tolist(), counts.tolist()):
+            seq = int(ranked[first])
+            # an owner out of range keeps position 0: the split reports its seq id
+            base = self._table.seq_pos_max(seq) + 1 if 0 <= seq < self.size else 0
+            pos[order[first:first + count]] = base + np.arange(count)
+        if pos.size and pos.max() >= POS_MAX:
+            raise PositionError(f"default positions of sequence {int(owners[int(pos.argmax())])} reach "
+                                f"{int(pos.max())}: positions must be < 2**31 - 1")
+        return pos.astype(np.int32)
 
     def init_full(self) -> MemoryState:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
-        return MemoryState._from_full(self._cells, self)
+        return MemoryState(self, None, None, None, MemoryStatus.SUCCESS, self._generation)
 
-    # -- state serialisation (SPEC §5) ---------------------------------------------
+    # -- state serialisation (SPEC §5) ---------------------------------------------------
 
     def state_size(self, seq_id: int = -1) -> int:
         """Length in bytes of ``state_write(seq_id)``."""
-        return self._state_io.size(state_seq_id(seq_id, self.size, "state_size"))
+        seq_id = state_seq_id(seq_id, self.size, "state_size")
+        self._enter()
+        try:
+            return int(self._state_io.size(seq_id))
+        finally:
+            self._leave()
 
     def state_write(self, seq_id: int = -1) -> bytes:
         """The state of the whole cache (``seq_id = -1``) or of one sequence, as llama.cpp writes it.
@@ -183,7 +344,12 @@ class RecurrentCache:
         Raises ``SeqIdError`` for a ``seq_id`` outside ``[-1, size)`` (llama.cpp
         would write an empty blob).
         """
-        return self._state_io.write_bytes(state_seq_id(seq_id, self.size, "state_write"))
+        seq_id = state_seq_id(seq_id, self.size, "state_write")
+        self._enter()
+        try:
+            return self._state_io.write_bytes(seq_id)  # type: ignore[no-any-return]
+        finally:
+            self._leave()
 
     def state_write_into(self, target: object, seq_id: int = -1) -> int:
         """Write ``state_write(seq_id)`` into ``target``; returns the bytes written.
@@ -195,9 +361,13 @@ class RecurrentCache:
         """
         seq_id = state_seq_id(seq_id, self.size, "state_write_into")
         view = target_view(target)
-        if view is None:
-            return self._state_io.write_file(target, seq_id)
-        return self._state_io.write_into(view, seq_id)
+        self._enter()
+        try:
+            if view is None:
+                return int(self._state_io.write_file(target, seq_id))
+            return int(self._state_io.write_into(view, seq_id))
+        finally:
+            self._leave()
 
     def state_read(self, data: object, seq_id: int = -1) -> int:
         """Restore a blob of ``state_write`` (any bytes-like object); returns its length.
@@ -208,7 +378,14 @@ class RecurrentCache:
         byte offset leaves the cache, cells and rows, exactly as it was.
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
-        return self._state_io.read(blob_view(data), seq_id)
+        view = blob_view(data)
+        self._enter()
+        try:
+            n = int(self._state_io.read(view, seq_id))
+            self._generation += 1
+        finally:
+            self._leave()
+        return n
 
     def state_read_from(self, file: object, seq_id: int = -1) -> int:
         """``state_read`` of everything from a binary file's position to its end."""
@@ -218,4 +395,4 @@ class RecurrentCache:
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "
                 f"n_layer={self.n_layer}, n_embd_r={self.n_embd_r}, n_embd_s={self.n_embd_s}, "
-                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r})")
+                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r})")

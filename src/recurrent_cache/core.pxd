@@ -40,7 +40,7 @@ A decode step, as ``init_batch`` + ``apply`` do it::
 See examples/capi/continuous_batching.pyx for a complete loop.
 """
 
-from recurrent_cache._batch cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP,
+from recurrent_cache._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP,
                                      SPLIT_ERR_NEGATIVE_POS, SPLIT_ERR_NO_MEMORY, SPLIT_ERR_SEQ_RANGE,
                                      SPLIT_OK, Split, SplitDetail, split_batch, split_prepare,
                                      split_release)

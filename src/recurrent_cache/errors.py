@@ -15,6 +15,9 @@ __all__ = [
     "StateError",
     "ArgumentError",
     "CoreError",
+    "UsageError",
+    "OutOfRangeError",
+    "engine_error",
 ]
 
 
@@ -46,9 +49,78 @@ class ArgumentError(RecurrentCacheError, ValueError):
     """A method argument is out of its domain (``seq_div`` by ``d <= 0``, ...)."""
 
 
+class OutOfRangeError(RecurrentCacheError, IndexError):
+    """A cell, layer or ubatch index outside its range (a seq id out of range is a SeqIdError)."""
+
+
 class StateError(RecurrentCacheError, ValueError):
     """A state blob is truncated, has trailing bytes or does not fit this cache."""
 
 
 class CoreError(RecurrentCacheError, RuntimeError):
-    """The compiled core reported a failure that validation should have prevented."""
+    """An invariant of the cache is broken: a bug of recurrent_cache, never the caller's input."""
+
+
+class UsageError(RecurrentCacheError, RuntimeError):
+    """A call out of order: a ``MemoryState`` applied twice, stale, or read before ``apply()``;
+    one cache used by two threads at once."""
+
+
+# -- the engine codes ------------------------------------------------------------------------
+# Both engines (the Cython core and the pure-Python reference) report failures as these
+# codes plus the values involved; ``engine_error`` is the one place a code becomes an
+# exception.  The Cython enums (``_cells.pxd``, ``_split.pxd``) carry the same numbers, and
+# a test checks that they agree and that every code below formats.
+
+OK = 0
+SEQ_RANGE = -1          # a seq id outside [0, size)
+DUPLICATE_SEQ = -2      # a seq id listed twice in one ubatch
+NO_FREE_CELL = -3       # a group needed a cell and none was free
+NO_MEMORY = -4
+PLACEMENT = -5          # groups did not end up in n_seqs consecutive cells
+POSITION = -6           # a position would leave [0, 2**31 - 1)
+ARGUMENT = -7           # seq_div by d <= 0
+SEQ_HAS_CELL = -8       # a sequence to be placed already holds a cell
+BROKEN = -9             # an invariant of the cell table is broken: a bug of ours
+CELL_INDEX = -20        # a cell / layer / ubatch index `index` outside [0, `size`)
+SPLIT_SEQ_RANGE = -10   # token `token` lists `seq` outside [0, size)
+SPLIT_NEGATIVE_POS = -11
+SPLIT_GAP = -12         # sequence `seq`: `pos` follows `prev` within the batch
+SPLIT_CONTINUE = -13    # sequence `seq` starts at `pos`, its cell is at `prev`
+SPLIT_FIND_SLOT = -14   # find_slot would see `pos` after `prev` with `n` new tokens
+SPLIT_NO_MEMORY = -15
+SPLIT_POS_MAX = -16     # token `token` at position 2**31 - 1, which means "to infinity"
+
+POS_MAX = 2**31 - 1     # llama_pos is int32; this value stands for +infinity in ranges
+
+_TABLE: dict[int, tuple[type[Exception], str]] = {
+    SEQ_RANGE: (SeqIdError, "{what}: seq_id {seq} is out of range [0, {size})"),
+    DUPLICATE_SEQ: (CoreError, "{what}: find_slot: a seq id appears twice in one ubatch"),
+    NO_FREE_CELL: (CoreError, "{what}: find_slot: no free cell left for a sequence"),
+    NO_MEMORY: (MemoryError, "{what}: out of memory in the cell table"),
+    PLACEMENT: (CoreError, "{what}: find_slot: groups do not fit in consecutive cells"),
+    POSITION: (PositionError, "{what}: the position would leave [0, 2**31 - 1)"),
+    ARGUMENT: (ArgumentError, "{what}: argument out of its domain"),
+    SEQ_HAS_CELL: (ArgumentError, "{what}: seq_id {seq} already holds a cell"),
+    BROKEN: (CoreError, "{what}: an invariant of the cell table is broken after placement"),
+    CELL_INDEX: (OutOfRangeError, "{what} index {index} is out of range [0, {size})"),
+    SPLIT_SEQ_RANGE: (SeqIdError, "token {token}: seq_id {seq} is out of range [0, {size}) (cache size {size})"),
+    SPLIT_NEGATIVE_POS: (PositionError, "token {token} has negative position {pos}"),
+    SPLIT_GAP: (PositionError, "sequence {seq} has non-consecutive positions in the batch: {pos} follows {prev}"),
+    SPLIT_CONTINUE: (PositionError, "sequence {seq} continues at position {pos}, "
+                                    "but its cached state is at position {prev}"),
+    SPLIT_FIND_SLOT: (PositionError, "find_slot: non-consecutive token position {pos} after {prev} "
+                                     "for sequence {seq} with {n} new tokens"),
+    SPLIT_NO_MEMORY: (MemoryError, "out of memory while splitting a batch"),
+    SPLIT_POS_MAX: (PositionError, "token {token} has position {pos}: positions must be < 2**31 - 1 "
+                                   "(2**31 - 1 means \"to the end\" in sequence ranges)"),
+}
+
+
+def engine_error(code: int, **detail: object) -> Exception:
+    """The exception for an engine's failure ``code``; ``detail`` fills its message."""
+    try:
+        cls, template = _TABLE[code]
+    except KeyError:
+        return CoreError(f"{detail.get('what', 'engine')}: unknown engine code {code}")
+    return cls(template.format(**detail))

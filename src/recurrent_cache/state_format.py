@@ -92,7 +92,8 @@ def cell_count_too_large(count: int, size: int) -> StateError:
 
 
 def negative_pos(cell: int, offset: int, pos: int) -> StateError:
-    return StateError(f"state blob cell {cell} has negative pos {pos} at byte {offset}")
+    return StateError(f"state blob cell {cell} has pos {pos} at byte {offset}: "
+                      f"positions must be in [0, 2**31 - 1)")
 
 
 def sequence_n_seq_id(cell: int, offset: int, n_seq_id: int) -> StateError:
@@ -249,7 +250,7 @@ def parse_blob(data: Any, cache: CacheShape | None = None, seq_id: int = -1) -> 
         pos, n_seq_id = reader.unpack(_CELL, field_name("cell", cell=i))
         n_seq_id_at = pos_at + 4
         if cache is not None:
-            if pos < 0:
+            if not 0 <= pos < 2**31 - 1:   # 2**31 - 1 means "to the end" in ranges
                 raise negative_pos(i, pos_at, pos)
             if seq_id >= 0 and n_seq_id != 0:
                 raise sequence_n_seq_id(i, n_seq_id_at, n_seq_id)

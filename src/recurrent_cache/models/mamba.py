@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import RecurrentCacheError
-from ..memory import MemoryStatus
+from ..memory_state import MemoryStatus
 from ._storage import StateStorage
 
 __all__ = ["ModelError", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",

@@ -13,6 +13,7 @@ cdef enum:
     SPLIT_ERR_CONTINUE = -13       # seq detail_seq starts at detail_pos, cached at detail_prev
     SPLIT_ERR_FIND_SLOT = -14      # find_slot would see detail_pos after detail_prev (detail_n tokens)
     SPLIT_ERR_NO_MEMORY = -15
+    SPLIT_ERR_POS_MAX = -16        # token detail_token has position 2**31 - 1 ("to infinity")
 
 cdef struct SplitDetail:
     int32_t token

@@ -7,7 +7,7 @@ arrays without the GIL; the caller turns the returned code and
 ``SplitDetail`` into an exception.
 """
 
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport INT32_MAX, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
@@ -83,7 +83,7 @@ cdef int stable_sort(int32_t* items, int32_t n, compare_fn compare, const SortCo
         start = end
     if n <= run:
         return 0
-    buffer = <int32_t*>malloc(n * sizeof(int32_t))
+    buffer = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
     if buffer == NULL:
         return -1
     cdef int32_t* target = buffer
@@ -116,7 +116,7 @@ cdef int stable_sort(int32_t* items, int32_t n, compare_fn compare, const SortCo
         target = swap
         width *= 2
     if source != items:
-        memcpy(items, source, n * sizeof(int32_t))
+        memcpy(items, source, <size_t>n * sizeof(int32_t))
     free(buffer)
     return 0
 
@@ -136,13 +136,13 @@ cdef void split_release(Split* split) noexcept nogil:
 
 cdef int split_alloc(Split* split, int32_t n) noexcept nogil:
     split.n_tokens = n
-    split.order = <int32_t*>malloc(n * sizeof(int32_t))
-    split.output = <uint8_t*>malloc(n)
-    split.out_ids = <int64_t*>malloc(n * sizeof(int64_t))
+    split.order = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
+    split.output = <uint8_t*>malloc(<size_t>n)
+    split.out_ids = <int64_t*>malloc(<size_t>n * sizeof(int64_t))
     # ub_token_start, ub_group_start: n + 1 each; ub_n_seq_tokens: n
-    split.ub_token_start = <int32_t*>malloc((3 * n + 2) * sizeof(int32_t))
+    split.ub_token_start = <int32_t*>malloc((<size_t>3 * <size_t>n + 2) * sizeof(int32_t))
     # group_seq_offset, group_n_seq_id, group_last_pos: n each (a group has >= 1 token)
-    split.group_seq_offset = <int32_t*>malloc(3 * n * sizeof(int32_t))
+    split.group_seq_offset = <int32_t*>malloc(<size_t>3 * <size_t>n * sizeof(int32_t))
     if (split.order == NULL or split.output == NULL or split.out_ids == NULL
             or split.ub_token_start == NULL or split.group_seq_offset == NULL):
         split_release(split)
@@ -167,9 +167,9 @@ cdef int check_positions(Cells* cells, int32_t n_tokens, const int32_t* sorted_t
         # one seq per token: the token order is already by (seq, pos)
         entries = <int32_t*>sorted_tokens
     else:
-        entries = <int32_t*>malloc(n_entries * sizeof(int32_t))
-        entry_token = <int32_t*>malloc(n_entries * sizeof(int32_t))
-        keys = <uint64_t*>malloc(n_entries * sizeof(uint64_t))
+        entries = <int32_t*>malloc(<size_t>n_entries * sizeof(int32_t))
+        entry_token = <int32_t*>malloc(<size_t>n_entries * sizeof(int32_t))
+        keys = <uint64_t*>malloc(<size_t>n_entries * sizeof(uint64_t))
         if entries == NULL or entry_token == NULL or keys == NULL:
             free(entries)
             free(entry_token)
@@ -251,10 +251,10 @@ cdef int split_batch(Split* split, Cells* cells, int32_t n_tokens,
     cdef SortContext ctx
     # -- seq ids and positions that no cache could take
     for t in range(n_tokens):
-        if pos[t] < 0:
+        if pos[t] < 0 or pos[t] == INT32_MAX:
             detail.token = t
             detail.pos = pos[t]
-            return SPLIT_ERR_NEGATIVE_POS
+            return SPLIT_ERR_NEGATIVE_POS if pos[t] < 0 else SPLIT_ERR_POS_MAX
         for j in range(seq_id_offset[t], seq_id_offset[t + 1]):
             seq = seq_id_flat[j]
             if not 0 <= seq < cells.size:
@@ -264,7 +264,7 @@ cdef int split_batch(Split* split, Cells* cells, int32_t n_tokens,
     if split_alloc(split, n_tokens) != SPLIT_OK:
         return SPLIT_ERR_NO_MEMORY
     # scratch: sorted token ids, then per group: start (in ids), length, list offset, count; group order
-    cdef int32_t* scratch = <int32_t*>malloc(6 * n_tokens * sizeof(int32_t))
+    cdef int32_t* scratch = <int32_t*>malloc(<size_t>6 * <size_t>n_tokens * sizeof(int32_t))
     if scratch == NULL:
         split_release(split)
         return SPLIT_ERR_NO_MEMORY

@@ -1,0 +1,202 @@
+# cython: language_level=3
+"""The compiled engine's placement of one batch: split, prepare, then ubatch by ubatch.
+
+``split_batch`` validates the batch against the cells and splits it (``_split``);
+``Placement.prepare`` places every ubatch on a journal of the cell table and rolls
+it back, so a prepared placement can always be applied; ``Placement.apply(u)`` runs
+find_slot, computes the copy plan once (no later mutation, SPEC §2 FIX) and moves
+the state rows.  The facade (``memory_state.MemoryState``) owns the protocol,
+the checks and the messages; this module owns the loops and the C arrays.
+"""
+
+cimport cython
+from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t
+from libc.stdlib cimport free, realloc
+from libc.string cimport memcpy
+
+import numpy as np
+
+from ._cells cimport RC_OK, RC_ERR_BROKEN, RC_ERR_NO_MEMORY, CellTable, cells_copy_plan, cells_find_slot, cells_check
+from ._split cimport SPLIT_OK, Split, SplitDetail, split_batch as split_cells, split_prepare, split_release
+
+from .errors import CoreError, engine_error
+
+
+@cython.final
+cdef class Placement:
+    """The ubatches of one batch and the copy plan of the last one applied (engine object)."""
+
+    cdef CellTable table
+    cdef Split split
+    cdef const int32_t[::1] seq_id_flat   # [n_entries] the batch's seq ids (kept alive here)
+    cdef readonly int32_t head            # first row of the last applied ubatch
+    cdef readonly int32_t n_kv            # cells from head its plan covers
+    cdef int32_t* copy_src_buf            # [capacity] the last plan, copied out of the table's
+    cdef uint8_t* zero_buf                # [capacity] scratch (another placement reuses that)
+    cdef int32_t capacity
+
+    def __cinit__(self):
+        self.copy_src_buf = NULL
+        self.zero_buf = NULL
+
+    def __dealloc__(self):
+        split_release(&self.split)
+        free(self.copy_src_buf)
+        free(self.zero_buf)
+
+    @property
+    def n_ubatches(self):
+        return self.split.n_ubatches
+
+    def prepare(self):
+        """Place every ubatch on a journal and roll back: RC_OK when all of them fit."""
+        cdef int code
+        with nogil:
+            code = split_prepare(&self.split, &self.table.cells, &self.seq_id_flat[0])
+        return code
+
+    def apply(self, int32_t u):
+        """find_slot for ubatch ``u``, its copy plan, the row moves; an engine code."""
+        cdef int code
+        cdef int32_t g0, n
+        cdef CellTable t = self.table
+        if not 0 <= u < self.split.n_ubatches:
+            raise IndexError(f"ubatch {u} of {self.split.n_ubatches}")
+        g0 = self.split.ub_group_start[u]
+        with nogil:
+            code = cells_find_slot(&t.cells, self.split.ub_group_start[u + 1] - g0,
+                                   self.split.ub_token_start[u + 1] - self.split.ub_token_start[u],
+                                   &self.seq_id_flat[0], self.split.group_seq_offset + g0,
+                                   self.split.group_n_seq_id + g0, self.split.group_last_pos + g0)
+            if code == RC_OK:
+                n = t.cells.n
+                cells_copy_plan(&t.cells, t.plan_copy_src, t.plan_zero)
+                code = t.apply_plan_rows(t.cells.head, n, t.plan_copy_src, t.plan_zero)
+            if code == RC_OK and t.self_check and cells_check(&t.cells) != 0:
+                code = RC_ERR_BROKEN
+            if code == RC_OK:
+                code = self.keep_plan(t.cells.head, n)
+        return code
+
+    cdef int keep_plan(self, int32_t head, int32_t n) noexcept nogil:
+        """Copy the plan out of the table's scratch, for ``copy_src()`` / ``zero()``."""
+        cdef int32_t* grown_src
+        cdef uint8_t* grown_zero
+        self.head = -1
+        self.n_kv = 0
+        if n > self.capacity:
+            grown_src = <int32_t*>realloc(self.copy_src_buf, <size_t>n * sizeof(int32_t))
+            if grown_src == NULL:
+                return RC_ERR_NO_MEMORY
+            self.copy_src_buf = grown_src
+            grown_zero = <uint8_t*>realloc(self.zero_buf, <size_t>n)
+            if grown_zero == NULL:
+                return RC_ERR_NO_MEMORY
+            self.zero_buf = grown_zero
+            self.capacity = n
+        memcpy(self.copy_src_buf, self.table.plan_copy_src, <size_t>n * sizeof(int32_t))
+        memcpy(self.zero_buf, self.table.plan_zero, <size_t>n)
+        self.head = head
+        self.n_kv = n
+        return RC_OK
+
+    # -- what the model reads: built on demand, from the C arrays -----------------------
+
+    def copy_src(self):
+        """[n_kv] int32: row head+i was filled from row copy_src[i]."""
+        return np.asarray(<int32_t[:self.n_kv]>self.copy_src_buf).copy() if self.n_kv else \
+            np.zeros(0, dtype=np.int32)
+
+    def zero(self):
+        """[n_kv] bool: rows that were zeroed (no state yet)."""
+        return np.asarray(<uint8_t[:self.n_kv]>self.zero_buf).astype(bool) if self.n_kv else \
+            np.zeros(0, dtype=bool)
+
+    def shape(self, int32_t u):
+        """``(n_tokens, n_seq_tokens, n_seqs)`` of ubatch ``u``."""
+        self._check(u)
+        return (self.split.ub_token_start[u + 1] - self.split.ub_token_start[u],
+                self.split.ub_n_seq_tokens[u],
+                self.split.ub_group_start[u + 1] - self.split.ub_group_start[u])
+
+    def batch_index(self, int32_t u):
+        """[n_tokens] int64: where each token of ubatch ``u`` sits in the batch."""
+        self._check(u)
+        cdef int32_t t0 = self.split.ub_token_start[u], t1 = self.split.ub_token_start[u + 1]
+        return np.asarray(<int32_t[:t1 - t0]>(self.split.order + t0)).astype(np.int64)
+
+    def output(self, int32_t u):
+        """[n_tokens] bool: the output flags of ubatch ``u``."""
+        self._check(u)
+        cdef int32_t t0 = self.split.ub_token_start[u], t1 = self.split.ub_token_start[u + 1]
+        return np.asarray(<uint8_t[:t1 - t0]>(self.split.output + t0)).astype(bool)
+
+    def seq_id_arrays(self, int32_t u):
+        """``(flat, offsets)`` int32: group g's seq ids are ``flat[offsets[g]:offsets[g + 1]]``."""
+        self._check(u)
+        cdef int32_t g0 = self.split.ub_group_start[u], g1 = self.split.ub_group_start[u + 1]
+        cdef int32_t g, j, k = 0
+        offsets = np.empty(g1 - g0 + 1, dtype=np.int32)
+        cdef int32_t[::1] off = offsets
+        off[0] = 0
+        for g in range(g0, g1):
+            off[g - g0 + 1] = off[g - g0] + self.split.group_n_seq_id[g]
+        flat = np.empty(off[g1 - g0], dtype=np.int32)
+        cdef int32_t[::1] out = flat
+        for g in range(g0, g1):
+            for j in range(self.split.group_n_seq_id[g]):
+                out[k] = self.seq_id_flat[self.split.group_seq_offset[g] + j]
+                k += 1
+        return flat, offsets
+
+    def out_ids(self):
+        """[n_outputs] int64: the batch index of each output row, in ubatch order."""
+        if not self.split.n_outputs:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(<int64_t[:self.split.n_outputs]>self.split.out_ids).copy()
+
+    cdef inline int _check(self, int32_t u) except -1:
+        if not 0 <= u < self.split.n_ubatches:
+            raise IndexError(f"ubatch {u} of {self.split.n_ubatches}")
+        return 0
+
+
+def split_batch(CellTable table, object seq_id_flat, object seq_id_offset, object pos, object logits,
+                bint logits_all, int32_t n_ubatch, bint embd_pooled):
+    """Validate a batch's arrays against the cells and split them into a ``Placement``.
+
+    The arrays are int32 / int8, C-contiguous and owned by the caller's immutable
+    batch; their lengths are checked against each other here, so no array is read
+    out of bounds whatever they hold.  A defect raises through ``engine_error``.
+    """
+    cdef const int32_t[::1] flat = seq_id_flat
+    cdef const int32_t[::1] offsets = seq_id_offset
+    cdef const int32_t[::1] positions = pos
+    cdef const int8_t[::1] flags
+    cdef const int8_t* flag_data = NULL
+    cdef Py_ssize_t n_tokens = positions.shape[0], t
+    cdef SplitDetail detail
+    cdef int code
+    cdef Placement p
+    if n_tokens < 1 or n_tokens >= INT32_MAX or offsets.shape[0] != n_tokens + 1 or offsets[0] != 0 \
+            or offsets[n_tokens] != flat.shape[0]:
+        raise CoreError("split_batch: inconsistent batch arrays")
+    for t in range(n_tokens):
+        if offsets[t + 1] <= offsets[t]:
+            raise CoreError("split_batch: inconsistent batch arrays")
+    if logits is not None:
+        flags = logits
+        if flags.shape[0] != n_tokens:
+            raise CoreError("split_batch: inconsistent batch arrays")
+        flag_data = &flags[0]
+    p = Placement.__new__(Placement)
+    p.table = table
+    p.seq_id_flat = flat
+    p.head = -1
+    with nogil:
+        code = split_cells(&p.split, &table.cells, <int32_t>n_tokens, &flat[0], &offsets[0],
+                           &positions[0], flag_data, logits_all, n_ubatch, embd_pooled, &detail)
+    if code != SPLIT_OK:
+        raise engine_error(code, token=detail.token, seq=detail.seq, pos=detail.pos, prev=detail.prev,
+                           n=detail.n, size=table.cells.size)
+    return p

@@ -1,0 +1,316 @@
+"""`MemoryState`: the ubatches of one ``init_batch``, placed one at a time — and `Ubatch`.
+
+This is the one implementation of the protocol (``apply`` / ``next`` / iteration,
+what is readable when, every misuse error) for both engines; an engine's
+``Placement`` only runs the loops.  A state applies exactly what was validated,
+against the cache it was validated on: any change to the cache between
+``init_batch`` and an ``apply`` (another state applied, a sequence operation, a
+``state_read``) makes the state stale, and using it raises ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
+
+import numpy as np
+
+from .errors import OutOfRangeError, UsageError, engine_error
+
+if TYPE_CHECKING:
+    from .batch import Batch
+    from .cache import RecurrentCache
+
+__all__ = ["MemoryState", "MemoryStatus", "Ubatch", "SeqIdLists"]
+
+
+class MemoryStatus(enum.IntEnum):
+    """Outcome of ``init_batch`` / ``init_full`` (llama.cpp's ``llama_memory_status``)."""
+
+    SUCCESS = 0
+    NO_UPDATE = 1
+    FAILED_PREPARE = 2
+    FAILED_COMPUTE = 3
+
+
+class SeqIdLists(Sequence[tuple[int, ...]]):
+    """The seq-id lists of a ubatch's groups (owner first), built only when read.
+
+    ``lists[g]`` is a tuple of ints; it compares equal to a tuple or list of such tuples.
+    Code that wants numbers reads ``Ubatch.seq_id_flat`` / ``seq_id_offset`` instead.
+    """
+
+    __slots__ = ("_flat", "_offset", "_lists")
+
+    def __init__(self, flat: np.ndarray, offset: np.ndarray) -> None:
+        self._flat = flat
+        self._offset = offset
+        self._lists: tuple[tuple[int, ...], ...] | None = None
+
+    def _all(self) -> tuple[tuple[int, ...], ...]:
+        if self._lists is None:
+            flat, offset = self._flat.tolist(), self._offset.tolist()
+            self._lists = tuple(tuple(flat[offset[g]:offset[g + 1]]) for g in range(len(offset) - 1))
+        return self._lists
+
+    def __len__(self) -> int:
+        return len(self._offset) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, ...]: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[tuple[int, ...], ...]: ...
+    def __getitem__(self, index: int | slice) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+        return self._all()[index]
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SeqIdLists):
+            other = other._all()
+        if isinstance(other, (tuple, list)):
+            return self._all() == tuple(tuple(ids) for ids in other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+class Ubatch:
+    """One micro-batch: ``n_seqs`` groups of exactly ``n_seq_tokens`` tokens.
+
+    Token ``k`` of group ``s`` is entry ``s * n_seq_tokens + k`` of every
+    per-token array.  ``seq_id[s]`` is group ``s``'s seq-id list, owner first;
+    the same lists as numbers: ``seq_id_flat[seq_id_offset[s]:seq_id_offset[s + 1]]``,
+    and ``seq_owner[s]`` the owner.  Arrays are built on first read.
+    """
+
+    __slots__ = ("n_tokens", "n_seq_tokens", "n_seqs", "_placement", "_u", "_batch", "_pos",
+                 "_index", "_seq_arrays", "_seq_id")
+
+    def __init__(self, placement: Any, u: int, batch: Batch, pos: np.ndarray) -> None:
+        self.n_tokens, self.n_seq_tokens, self.n_seqs = placement.shape(u)
+        self._placement = placement
+        self._u = u
+        self._batch = batch
+        self._pos = pos
+        self._index: np.ndarray | None = None
+        self._seq_arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._seq_id: SeqIdLists | None = None
+
+    @property
+    def batch_index(self) -> np.ndarray:
+        """[n_tokens] int64: where each token sits in the batch."""
+        if self._index is None:
+            self._index = self._placement.batch_index(self._u)
+        return self._index
+
+    @property
+    def token(self) -> np.ndarray | None:
+        """[n_tokens] int32 token ids, or None for an embedding batch."""
+        return None if self._batch.token is None else self._batch.token[self.batch_index]
+
+    @property
+    def embd(self) -> np.ndarray | None:
+        """[n_tokens, n_embd] float32, or None for a token batch."""
+        return None if self._batch.embd is None else self._batch.embd[self.batch_index]
+
+    @property
+    def pos(self) -> np.ndarray:
+        """[n_tokens] int32 positions."""
+        return self._pos[self.batch_index]
+
+    @property
+    def output(self) -> np.ndarray:
+        """[n_tokens] bool: the tokens whose outputs (logits, embeddings) are wanted."""
+        return self._placement.output(self._u)  # type: ignore[no-any-return]
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._seq_arrays is None:
+            self._seq_arrays = self._placement.seq_id_arrays(self._u)
+        return self._seq_arrays
+
+    @property
+    def seq_id_flat(self) -> np.ndarray:
+        """[entries] int32: every group's seq ids back to back."""
+        return self._arrays()[0]
+
+    @property
+    def seq_id_offset(self) -> np.ndarray:
+        """[n_seqs + 1] int32: group s lists ``seq_id_flat[seq_id_offset[s]:seq_id_offset[s + 1]]``."""
+        return self._arrays()[1]
+
+    @property
+    def seq_owner(self) -> np.ndarray:
+        """[n_seqs] int32: each group's owner (its first seq id), whose cell the group's row is."""
+        flat, offset = self._arrays()
+        return flat[offset[:-1]]
+
+    @property
+    def seq_id(self) -> SeqIdLists:
+        """[n_seqs] seq-id lists, owner first (tuples of ints)."""
+        if self._seq_id is None:
+            self._seq_id = SeqIdLists(*self._arrays())
+        return self._seq_id
+
+    def __repr__(self) -> str:
+        return (f"Ubatch(n_tokens={self.n_tokens}, n_seqs={self.n_seqs}, "
+                f"n_seq_tokens={self.n_seq_tokens}, owners={self.seq_owner.tolist()})")
+
+
+class MemoryState:
+    """The ubatches of one ``init_batch`` (or the whole cache, for ``init_full``).
+
+    ``apply()`` places the current ubatch (find_slot, copy plan, row moves); read
+    ``ubatch`` / ``r(il)`` / ``s(il)``; ``next()`` moves on.  Or iterate:
+    ``for ub in cache.init_batch(batch): ...`` applies each ubatch before yielding it.
+    """
+
+    __slots__ = ("_cache", "_placement", "_batch", "_pos", "status", "_u", "_applied", "_generation",
+                 "_ubatch", "_out_ids")
+
+    def __init__(self, cache: RecurrentCache, placement: Any, batch: Batch | None, pos: np.ndarray | None,
+                 status: MemoryStatus, generation: int) -> None:
+        self._cache = cache
+        self._placement = placement      # None: the whole cache (init_full)
+        self._batch = batch
+        self._pos = pos
+        self.status = status
+        self._u = 0
+        self._applied = placement is None
+        self._generation = generation
+        self._ubatch: Ubatch | None = None
+        self._out_ids: np.ndarray | None = None
+
+    # -- stepping ----------------------------------------------------------------------
+
+    def apply(self) -> bool:
+        """Place the current ubatch: find_slot, copy plan, row moves. Returns True."""
+        if self._placement is None:
+            return True
+        if self.status != MemoryStatus.SUCCESS:
+            raise UsageError(f"apply() on a state whose status is {self.status.name}")
+        if self._applied:
+            raise UsageError(f"ubatch {self._u} is already applied; call next() first")
+        cache = self._cache
+        cache._enter()
+        try:
+            if cache._generation != self._generation:
+                raise UsageError("the cache changed after this state was prepared (a sequence operation, "
+                                 "a state_read or another state's apply): call init_batch again")
+            code = self._placement.apply(self._u)
+            if code:
+                raise engine_error(code, what=f"apply of ubatch {self._u}", seq=-1, size=cache.size)
+            cache._generation += 1
+            self._generation = cache._generation
+        finally:
+            cache._leave()
+        self._applied = True
+        return True
+
+    def next(self) -> bool:
+        """Move to the next ubatch; False after the last one."""
+        if self._placement is None or self.status != MemoryStatus.SUCCESS:
+            return False
+        if self._u + 1 >= self._placement.n_ubatches:
+            return False
+        self._u += 1
+        self._applied = False
+        self._ubatch = None
+        return True
+
+    def __iter__(self) -> Iterator[Ubatch]:
+        if self._placement is None or self.status != MemoryStatus.SUCCESS:
+            return
+        while True:
+            if not self._applied:
+                self.apply()
+            yield self.ubatch
+            if not self.next():
+                return
+
+    # -- what the model reads ------------------------------------------------------------
+
+    @property
+    def n_ubatches(self) -> int:
+        """Number of ubatches (0 for ``init_full`` and for a failed prepare)."""
+        if self._placement is None or self.status != MemoryStatus.SUCCESS:
+            return 0
+        return int(self._placement.n_ubatches)
+
+    @property
+    def head(self) -> int:
+        """First cell (row) of the applied ubatch; -1 before the first apply()."""
+        return 0 if self._placement is None else int(self._placement.head)
+
+    @property
+    def n_kv(self) -> int:
+        """Cells from head that the applied ubatch touches (the copy plan's length)."""
+        return self._cache.size if self._placement is None else int(self._placement.n_kv)
+
+    @property
+    def copy_src(self) -> np.ndarray:
+        """[n_kv] int32: row head+i was filled from row copy_src[i]."""
+        if self._placement is None:
+            return np.arange(self._cache.size, dtype=np.int32)
+        return self._placement.copy_src()  # type: ignore[no-any-return]
+
+    @property
+    def zero(self) -> np.ndarray:
+        """[n_kv] bool: rows that were zeroed (no state yet)."""
+        if self._placement is None:
+            return np.zeros(self._cache.size, dtype=bool)
+        return self._placement.zero()  # type: ignore[no-any-return]
+
+    @property
+    def ubatch(self) -> Ubatch:
+        """The current ubatch (see ``Ubatch``)."""
+        if self._placement is None or self.status != MemoryStatus.SUCCESS:
+            raise UsageError("this state has no ubatches")
+        if self._ubatch is None:
+            assert self._batch is not None and self._pos is not None
+            self._ubatch = Ubatch(self._placement, self._u, self._batch, self._pos)
+        return self._ubatch
+
+    def _rows(self, tensors: tuple[np.ndarray, ...], il: int) -> np.ndarray:
+        if isinstance(il, bool) or not isinstance(il, (int, np.integer)):
+            raise OutOfRangeError(f"layer index must be an integer, got {il!r}")
+        if not 0 <= il < len(tensors):
+            raise OutOfRangeError(f"layer index {il} is out of range [0, {len(tensors)})")
+        if self._placement is None:
+            return tensors[il]
+        if not self._applied:
+            raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
+        if self._cache._generation != self._generation:
+            raise UsageError("the cache changed after this ubatch was applied: its rows may hold "
+                             "other sequences now")
+        head = self._placement.head
+        return tensors[il][head:head + self.ubatch.n_seqs]
+
+    def r(self, il: int) -> np.ndarray:
+        """Rows head .. head+n_seqs-1 of layer il's r tensor: group s is row s."""
+        return self._rows(self._cache.r, il)
+
+    def s(self, il: int) -> np.ndarray:
+        """Rows head .. head+n_seqs-1 of layer il's s tensor: group s is row s."""
+        return self._rows(self._cache.s, il)
+
+    @property
+    def out_ids(self) -> np.ndarray:
+        """[n_outputs] int64: the batch index of each output row, in ubatch order."""
+        if self._placement is None or self.status != MemoryStatus.SUCCESS:
+            return np.zeros(0, dtype=np.int64)
+        if self._out_ids is None:
+            self._out_ids = self._placement.out_ids()
+        return self._out_ids
+
+    def __repr__(self) -> str:
+        if self._placement is None:
+            return f"MemoryState(full, n_kv={self.n_kv})"
+        return (f"MemoryState({self.status.name}, ubatch {self._u + 1}/{self.n_ubatches}, "
+                f"{'applied' if self._applied else 'pending'}, head={self.head}, n_kv={self.n_kv})")
