@@ -16,10 +16,24 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from ._cells cimport RC_OK, RC_ERR_BROKEN, RC_ERR_NO_MEMORY, CellTable, cells_copy_plan, cells_find_slot, cells_check
-from ._split cimport SPLIT_OK, Split, SplitDetail, split_batch as split_cells, split_prepare, split_release
+from ._cells cimport (RC_ERR_ARGUMENT, RC_ERR_BROKEN, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL,
+                      RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
+                      RC_ERR_SEQ_RANGE, RC_OK, CellTable, cells_check, cells_copy_plan, cells_find_slot)
+from ._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP, SPLIT_ERR_NEGATIVE_POS,
+                      SPLIT_ERR_NO_MEMORY, SPLIT_ERR_POS_MAX, SPLIT_ERR_SEQ_RANGE, SPLIT_OK, Split,
+                      SplitDetail, split_batch as split_cells, split_prepare, split_release)
 
 from .errors import CoreError, engine_error
+
+# The compiled enums by the names of ``errors``' table (a test checks they agree).
+CODES = {
+    "SEQ_RANGE": RC_ERR_SEQ_RANGE, "DUPLICATE_SEQ": RC_ERR_DUPLICATE_SEQ, "NO_FREE_CELL": RC_ERR_NO_FREE_CELL,
+    "NO_MEMORY": RC_ERR_NO_MEMORY, "PLACEMENT": RC_ERR_PLACEMENT, "POSITION": RC_ERR_POSITION,
+    "ARGUMENT": RC_ERR_ARGUMENT, "SEQ_HAS_CELL": RC_ERR_SEQ_HAS_CELL, "BROKEN": RC_ERR_BROKEN,
+    "SPLIT_SEQ_RANGE": SPLIT_ERR_SEQ_RANGE, "SPLIT_NEGATIVE_POS": SPLIT_ERR_NEGATIVE_POS,
+    "SPLIT_GAP": SPLIT_ERR_GAP, "SPLIT_CONTINUE": SPLIT_ERR_CONTINUE, "SPLIT_FIND_SLOT": SPLIT_ERR_FIND_SLOT,
+    "SPLIT_NO_MEMORY": SPLIT_ERR_NO_MEMORY, "SPLIT_POS_MAX": SPLIT_ERR_POS_MAX,
+}
 
 
 @cython.final

@@ -38,6 +38,14 @@ def _plain(values: Any, name: str) -> Any:
     return values
 
 
+def _holds_bool(values: Any) -> bool:
+    """A list / tuple (or list of lists) with a bool in it: numpy would silently read True as 1."""
+    if not isinstance(values, (list, tuple)):
+        return False
+    return any(isinstance(v, (bool, np.bool_)) or (isinstance(v, (list, tuple)) and _holds_bool(v))
+               for v in values)
+
+
 def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
     if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 \
             and values.flags.c_contiguous:
@@ -48,7 +56,7 @@ def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
         raise BatchError(f"batch {name} is not an array of integers: {exc}") from None
     if array.ndim != 1:
         raise BatchError(f"batch {name} must be 1-D, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iu":
+    if array.size and (array.dtype.kind not in "iu" or _holds_bool(values)):
         raise BatchError(f"batch {name} must hold integers, got dtype {array.dtype}")
     if array.size and array.dtype.kind in "iu" and array.dtype.itemsize >= np.dtype(dtype).itemsize:
         info = np.iinfo(dtype)
@@ -64,7 +72,7 @@ def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         array = seq_id if isinstance(seq_id, np.ndarray) else np.asarray(seq_id)
     except (TypeError, ValueError):
         array = None  # ragged lists: several sequences per token, in varying numbers
-    if array is not None and array.size and array.dtype.kind == "b":
+    if array is not None and array.size and (array.dtype.kind == "b" or _holds_bool(seq_id)):
         raise BatchError(f"batch seq_id must hold integers, got dtype {array.dtype}")
     if array is not None and array.ndim in (1, 2) and (array.dtype.kind in "iu" or array.size == 0):
         if array.shape[0] != n_tokens:
