@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,8 +42,8 @@ MAMBA_ROWS = RowShape(8, 3 * 1024, 16 * 1024)
 class BandwidthRow:
     workload: str
     bytes_per_op: int
-    rows_moved: Optional[int]    # per operation, copy plan only: rows copied from another row
-    rows_zeroed: Optional[int]   # ... and rows cleared (empty cells in the plan's range)
+    rows_moved: int | None    # per operation, copy plan only: rows copied from another row
+    rows_zeroed: int | None   # ... and rows cleared (empty cells in the plan's range)
     core: Stats
     numpy: Stats
     reference: Stats

@@ -16,7 +16,8 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, Protocol
+from typing import Callable, Protocol
+from collections.abc import Iterable, Iterator
 
 
 def expect(ok: bool, message: str) -> None:
@@ -119,7 +120,7 @@ class Case:
     """One contender of ``measure_interleaved``: ``reset`` (untimed) prepares each ``run`` (timed)."""
 
     run: Callable[[], object]
-    reset: Optional[Callable[[], object]] = None
+    reset: Callable[[], object] | None = None
 
     def timed_calls_us(self, calls: int) -> list[float]:
         """``calls`` timed runs, each after an untimed reset (garbage collection paused by the caller)."""

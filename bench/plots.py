@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from .bandwidth import BandwidthRow
 from .measure import Stats
@@ -41,7 +40,7 @@ def label_ticks(ax, values: list, fmt: str) -> None:
     ax.minorticks_off()
 
 
-def api_stats(row: LatencyRow, api: str) -> Optional[Stats]:
+def api_stats(row: LatencyRow, api: str) -> Stats | None:
     return {"Python API": row.python, "cimport API": row.cimport, "reference": row.reference}[api]
 
 

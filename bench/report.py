@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -30,14 +27,14 @@ class LatencyRow:
     """One operation at one cache size and number of active sequences, per API."""
 
     workload: str
-    size: Optional[int]
-    active: Optional[int]
-    python: Optional[Stats]
-    cimport: Optional[Stats] = None
-    reference: Optional[Stats] = None
+    size: int | None
+    active: int | None
+    python: Stats | None
+    cimport: Stats | None = None
+    reference: Stats | None = None
 
     @property
-    def speedup(self) -> Optional[float]:
+    def speedup(self) -> float | None:
         """reference / Python API (both are the Python API, the same calls)."""
         if self.python is None or self.reference is None:
             return None
@@ -51,14 +48,14 @@ def number(value: float) -> str:
     return f"{value:,.2f}" if value < 10 else f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
 
 
-def timing_cell(stats: Optional[Stats]) -> str:
+def timing_cell(stats: Stats | None) -> str:
     """``median (min–max)``, or ``–`` when not measured."""
     if stats is None:
         return "–"
     return f"{number(stats.median)} ({number(stats.low)}–{number(stats.high)})"
 
 
-def ratio_cell(value: Optional[float]) -> str:
+def ratio_cell(value: float | None) -> str:
     return "–" if value is None else f"{value:,.1f}x" if value >= 10 else f"{value:.2f}x"
 
 
@@ -107,7 +104,7 @@ def bandwidth_table(rows: list[BandwidthRow]) -> str:
 # -- summary -------------------------------------------------------------------------
 
 
-def verdict(ok: Optional[bool]) -> str:
+def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else "PASS" if ok else "FAIL"
 
 

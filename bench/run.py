@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator, Optional
+from typing import Callable
+from collections.abc import Iterator
 
 if __package__ in (None, ""):  # run as a script: import the suite as the package `bench`
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -83,8 +84,8 @@ def log_stats(label: str, api: str, stats: Stats) -> None:
     log(f"  {label:<52} {api:<11} {stats.median:>12,.2f} µs/op  ({stats.iters} ops x {stats.repeats})")
 
 
-def latency_row(workload: str, size: Optional[int], active: Optional[int], timing: Timing,
-                **factories: Optional[Callable[[], Workload]]) -> LatencyRow:
+def latency_row(workload: str, size: int | None, active: int | None, timing: Timing,
+                **factories: Callable[[], Workload] | None) -> LatencyRow:
     """Measure each given workload factory (python=, cimport=, reference=); None is not measured."""
     stats = {}
     for api, make in factories.items():
@@ -94,7 +95,7 @@ def latency_row(workload: str, size: Optional[int], active: Optional[int], timin
     return LatencyRow(workload, size, active, **stats)
 
 
-def decode_rows(settings: Settings, kernel: Optional[ModuleType]) -> list[LatencyRow]:
+def decode_rows(settings: Settings, kernel: ModuleType | None) -> list[LatencyRow]:
     """Decode steps at every (size, active) with active <= size: Python API, cimport API, reference."""
     rows = []
     for size in settings.decode_sizes:
@@ -147,7 +148,7 @@ def bandwidth_rows(settings: Settings) -> list[BandwidthRow]:
     return rows
 
 
-def load_kernel() -> tuple[Optional[ModuleType], list[str]]:
+def load_kernel() -> tuple[ModuleType | None, list[str]]:
     """The cimport-API kernel and a note for the report, or None and why."""
     if compiled.RecurrentCache is reference.RecurrentCache:
         return None, ["cimport API not measured: the package exports the reference (no cell_table)"]
@@ -158,7 +159,7 @@ def load_kernel() -> tuple[Optional[ModuleType], list[str]]:
     return kernel, [f"cimport API: examples/capi/continuous_batching.pyx decode_steps ({kernel.__file__})"]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="fewer sizes and repeats, smaller rows and state (< 1 min on 2 cores)")

@@ -15,7 +15,7 @@ def test_tensors_never_move(dtype):
     cache = rc.RecurrentCache(2, 3, 5, n_seq_max=4, dtype_r=dtype, dtype_s=dtype)
     before = addresses(cache)
     assert all(a.flags.c_contiguous and a.flags.writeable for a in cache.r + cache.s)
-    for ub in cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 1, 1], pos=[0, 0, 1])):
+    for _ub in cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 1, 1], pos=[0, 0, 1])):
         pass
     blob = cache.state_write()
     cache.clear()

@@ -25,7 +25,7 @@ def run_isolated(code: str) -> subprocess.CompletedProcess:
 
 def busy_cache(rc, size=6):
     cache = rc.RecurrentCache(2, 3, 4, n_seq_max=size)
-    for ub in cache.init_batch(rc.Batch(token=[1, 2, 3, 4], seq_id=[0, 0, 1, 2], pos=[0, 1, 0, 0])):
+    for _ub in cache.init_batch(rc.Batch(token=[1, 2, 3, 4], seq_id=[0, 0, 1, 2], pos=[0, 1, 0, 0])):
         pass
     for k, array in enumerate(cache.r + cache.s):
         array[...] = np.arange(array.size).reshape(array.shape) + 100 * k
@@ -145,7 +145,7 @@ def test_apply_twice_and_ubatch_of_full_state_are_usage_errors(rc):
     st.apply()
     rejected(cache, st.apply, rc.UsageError, "already applied")
     with pytest.raises(rc.UsageError, match="no ubatches"):
-        cache.init_full().ubatch
+        _ = cache.init_full().ubatch
 
 
 def test_refilling_caller_buffers_changes_nothing_validated(rc):

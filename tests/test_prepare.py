@@ -29,7 +29,7 @@ def probe(tmp_path_factory):
 
 def three_sequences(engine):
     cache = rc.RecurrentCache(1, 2, 3, n_seq_max=4, engine=engine)
-    for ub in cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 1, 2], pos=[0, 0, 0])):
+    for _ub in cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 1, 2], pos=[0, 0, 0])):
         pass
     for k, array in enumerate(cache.r + cache.s):
         array[...] = np.arange(array.size).reshape(array.shape) + 100 * k
@@ -42,7 +42,7 @@ def reference_prepare(cache, ubatches):
     built, token = [], 0
     for n, groups in ubatches:
         taken = []
-        for s, group in enumerate(groups):
+        for group in groups:
             taken.append((tuple(group), list(range(token, token + n))))
             token += n
         built.append((n, taken))

@@ -472,8 +472,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
     @rule(data=st.data())
     def queries(self, data):
         for seq in data.draw(st.lists(st.integers(-2, self.size + 1), max_size=4), label="queried"):
-            self.both(lambda impl, c: c.seq_pos_min(seq), f"seq_pos_min({seq})")
-            self.both(lambda impl, c: c.seq_pos_max(seq), f"seq_pos_max({seq})")
+            self.both(lambda impl, c, seq=seq: c.seq_pos_min(seq), f"seq_pos_min({seq})")
+            self.both(lambda impl, c, seq=seq: c.seq_pos_max(seq), f"seq_pos_max({seq})")
         states = [cache.init_full() for _, cache in self.pairs]
         assert [(s.head, s.n_kv, int(s.status)) for s in states] == [(0, self.size, 0)] * 2
 

@@ -12,7 +12,7 @@ from libc.stdint cimport INT32_MAX
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from .errors import CELL_INDEX, engine_error
+from . import errors
 
 
 cdef extern from "rc_debug.h":
@@ -628,7 +628,7 @@ cdef class CellTable:
         cdef list members = []
         cdef int32_t seq
         if not 0 <= i < self.cells.size:
-            raise engine_error(CELL_INDEX, what="cell", index=i, size=self.cells.size)
+            raise errors.engine_error(errors.CELL_INDEX, what="cell", index=i, size=self.cells.size)
         seq = self.cells.first[i]
         while seq >= 0:
             members.append(seq)

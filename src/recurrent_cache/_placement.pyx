@@ -133,6 +133,22 @@ cdef class Placement:
                 self.split.ub_n_seq_tokens[u],
                 self.split.ub_group_start[u + 1] - self.split.ub_group_start[u])
 
+    def batch_take(self, int32_t u):
+        """How to take ubatch ``u``'s tokens from the batch's arrays: a slice when they are a
+        contiguous run of the batch, ascending or descending (a decode step's is descending:
+        groups are consumed from the end), so the arrays are views; else batch_index."""
+        self._check(u)
+        cdef int32_t t0 = self.split.ub_token_start[u], t1 = self.split.ub_token_start[u + 1], t
+        cdef int32_t first = self.split.order[t0], step = 1, m = t1 - t0
+        if m > 1 and self.split.order[t0 + 1] == first - 1:
+            step = -1
+        for t in range(t0 + 1, t1):
+            if self.split.order[t] != first + step * (t - t0):
+                return self.batch_index(u)
+        if step == 1:
+            return slice(first, first + m)
+        return slice(first, first - m if first >= m else None, -1)
+
     def batch_index(self, int32_t u):
         """[n_tokens] int64: where each token of ubatch ``u`` sits in the batch."""
         self._check(u)

@@ -246,6 +246,6 @@ class Batch:
         return self.n_tokens
 
     def __repr__(self) -> str:
-        kind = "token" if self.token is not None else f"embd[{self.embd.shape[1]}]"
+        kind = "token" if self.embd is None else f"embd[{self.embd.shape[1]}]"
         n_seqs = np.unique(self.seq_id_flat).size
         return f"Batch(n_tokens={self.n_tokens}, {kind}, sequences={n_seqs})"

@@ -41,21 +41,20 @@ class SeqIdLists(Sequence[tuple[int, ...]]):
     Code that wants numbers reads ``Ubatch.seq_id_flat`` / ``seq_id_offset`` instead.
     """
 
-    __slots__ = ("_flat", "_offset", "_lists")
+    __slots__ = ("_ubatch", "_lists")
 
-    def __init__(self, flat: np.ndarray, offset: np.ndarray) -> None:
-        self._flat = flat
-        self._offset = offset
+    def __init__(self, ubatch: Ubatch) -> None:
+        self._ubatch = ubatch
         self._lists: tuple[tuple[int, ...], ...] | None = None
 
     def _all(self) -> tuple[tuple[int, ...], ...]:
         if self._lists is None:
-            flat, offset = self._flat.tolist(), self._offset.tolist()
+            flat, offset = self._ubatch.seq_id_flat.tolist(), self._ubatch.seq_id_offset.tolist()
             self._lists = tuple(tuple(flat[offset[g]:offset[g + 1]]) for g in range(len(offset) - 1))
         return self._lists
 
     def __len__(self) -> int:
-        return len(self._offset) - 1
+        return int(self._ubatch.n_seqs)
 
     @overload
     def __getitem__(self, index: int) -> tuple[int, ...]: ...
@@ -87,11 +86,13 @@ class Ubatch:
     Token ``k`` of group ``s`` is entry ``s * n_seq_tokens + k`` of every
     per-token array.  ``seq_id[s]`` is group ``s``'s seq-id list, owner first;
     the same lists as numbers: ``seq_id_flat[seq_id_offset[s]:seq_id_offset[s + 1]]``,
-    and ``seq_owner[s]`` the owner.  Arrays are built on first read.
+    and ``seq_owner[s]`` the owner.  Everything is built on first read, in C; the
+    per-token arrays are read-only, and views of the batch's arrays when the
+    ubatch's tokens are a contiguous run of the batch (a decode step).
     """
 
     __slots__ = ("n_tokens", "n_seq_tokens", "n_seqs", "_placement", "_u", "_batch", "_pos",
-                 "_index", "_seq_arrays", "_seq_id")
+                 "_take", "_output", "_seq_arrays", "_seq_id")
 
     def __init__(self, placement: Any, u: int, batch: Batch, pos: np.ndarray) -> None:
         self.n_tokens, self.n_seq_tokens, self.n_seqs = placement.shape(u)
@@ -99,36 +100,44 @@ class Ubatch:
         self._u = u
         self._batch = batch
         self._pos = pos
-        self._index: np.ndarray | None = None
+        self._take: Any = None
+        self._output: np.ndarray | None = None
         self._seq_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._seq_id: SeqIdLists | None = None
+
+    def _taken(self, array: np.ndarray) -> np.ndarray:
+        if self._take is None:
+            self._take = self._placement.batch_take(self._u)
+        taken: np.ndarray = array[self._take]
+        return taken
 
     @property
     def batch_index(self) -> np.ndarray:
         """[n_tokens] int64: where each token sits in the batch."""
-        if self._index is None:
-            self._index = self._placement.batch_index(self._u)
-        return self._index
+        return self._placement.batch_index(self._u)  # type: ignore[no-any-return]
 
     @property
     def token(self) -> np.ndarray | None:
         """[n_tokens] int32 token ids, or None for an embedding batch."""
-        return None if self._batch.token is None else self._batch.token[self.batch_index]
+        return None if self._batch.token is None else self._taken(self._batch.token)
 
     @property
     def embd(self) -> np.ndarray | None:
         """[n_tokens, n_embd] float32, or None for a token batch."""
-        return None if self._batch.embd is None else self._batch.embd[self.batch_index]
+        return None if self._batch.embd is None else self._taken(self._batch.embd)
 
     @property
     def pos(self) -> np.ndarray:
         """[n_tokens] int32 positions."""
-        return self._pos[self.batch_index]
+        return self._taken(self._pos)
 
     @property
     def output(self) -> np.ndarray:
         """[n_tokens] bool: the tokens whose outputs (logits, embeddings) are wanted."""
-        return self._placement.output(self._u)  # type: ignore[no-any-return]
+        if self._output is None:
+            self._output = self._placement.output(self._u)
+            self._output.flags.writeable = False
+        return self._output
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
         if self._seq_arrays is None:
@@ -149,13 +158,14 @@ class Ubatch:
     def seq_owner(self) -> np.ndarray:
         """[n_seqs] int32: each group's owner (its first seq id), whose cell the group's row is."""
         flat, offset = self._arrays()
-        return flat[offset[:-1]]
+        owners: np.ndarray = flat[offset[:-1]]
+        return owners
 
     @property
     def seq_id(self) -> SeqIdLists:
         """[n_seqs] seq-id lists, owner first (tuples of ints)."""
         if self._seq_id is None:
-            self._seq_id = SeqIdLists(*self._arrays())
+            self._seq_id = SeqIdLists(self)
         return self._seq_id
 
     def __repr__(self) -> str:
@@ -172,7 +182,7 @@ class MemoryState:
     """
 
     __slots__ = ("_cache", "_placement", "_batch", "_pos", "status", "_u", "_applied", "_generation",
-                 "_ubatch", "_out_ids")
+                 "_ubatch", "_out_ids", "_rows_slice")
 
     def __init__(self, cache: RecurrentCache, placement: Any, batch: Batch | None, pos: np.ndarray | None,
                  status: MemoryStatus, generation: int) -> None:
@@ -186,7 +196,7 @@ class MemoryState:
         self._generation = generation
         self._ubatch: Ubatch | None = None
         self._out_ids: np.ndarray | None = None
-
+        self._rows_slice = slice(0, cache.size)   # the rows of the applied ubatch
     # -- stepping ----------------------------------------------------------------------
 
     def apply(self) -> bool:
@@ -210,6 +220,8 @@ class MemoryState:
             self._generation = cache._generation
         finally:
             cache._leave()
+        head = self._placement.head
+        self._rows_slice = slice(head, head + self.ubatch.n_seqs)
         self._applied = True
         return True
 
@@ -278,19 +290,17 @@ class MemoryState:
         return self._ubatch
 
     def _rows(self, tensors: tuple[np.ndarray, ...], il: int) -> np.ndarray:
-        if isinstance(il, bool) or not isinstance(il, (int, np.integer)):
-            raise OutOfRangeError(f"layer index must be an integer, got {il!r}")
-        if not 0 <= il < len(tensors):
-            raise OutOfRangeError(f"layer index {il} is out of range [0, {len(tensors)})")
-        if self._placement is None:
-            return tensors[il]
+        if type(il) is not int or not 0 <= il < len(tensors):
+            if isinstance(il, bool) or not isinstance(il, (int, np.integer)):
+                raise OutOfRangeError(f"layer index must be an integer, got {il!r}")
+            if not 0 <= il < len(tensors):
+                raise OutOfRangeError(f"layer index {il} is out of range [0, {len(tensors)})")
         if not self._applied:
             raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
-        if self._cache._generation != self._generation:
+        if self._placement is not None and self._cache._generation != self._generation:
             raise UsageError("the cache changed after this ubatch was applied: its rows may hold "
                              "other sequences now")
-        head = self._placement.head
-        return tensors[il][head:head + self.ubatch.n_seqs]
+        return tensors[il][self._rows_slice]
 
     def r(self, il: int) -> np.ndarray:
         """Rows head .. head+n_seqs-1 of layer il's r tensor: group s is row s."""

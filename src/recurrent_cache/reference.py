@@ -371,6 +371,10 @@ class Placement:
     def batch_index(self, u: int) -> np.ndarray:
         return np.array([i for _, tokens in self.ubatches[u][1] for i in tokens], dtype=np.int64)
 
+    def batch_take(self, u: int) -> np.ndarray:
+        """How to take the ubatch's tokens from the batch's arrays (the compiled engine may give a slice)."""
+        return self.batch_index(u)
+
     def output(self, u: int) -> np.ndarray:
         return np.array([self._output[i] for _, tokens in self.ubatches[u][1] for i in tokens], dtype=bool)
 
