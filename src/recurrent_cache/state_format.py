@@ -33,6 +33,7 @@ __all__ = [
     "GGML_TYPES", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
     "CacheShape", "FileContents", "parse_blob", "parse_seq_file_header", "read_file", "blob_view",
     "target_view", "target_too_small", "target_aliases_cache", "overlaps", "read_rest", "write_all",
+    "check_cells",
 ]
 
 # ggml type id -> (name, element size); the state types this package stores
@@ -276,42 +277,75 @@ class _Reader:
         return self.data
 
 
-def _parse(reader: Any, cache: CacheShape | None, seq_id: int) -> Blob:
-    """The checks of ``parse_blob`` over a ``_Reader`` or a ``_FileReader``."""
+def _check_cell_header(i: int, pos: int, pos_at: int, n_seq_id: int, size: int, seq_id: int) -> None:
+    """The rules for a cell's pos and n_seq_id when read into a cache of ``size`` cells at ``seq_id``."""
+    if pos < 0:
+        raise negative_pos(i, pos_at, pos)
+    if seq_id >= 0 and n_seq_id != 0:
+        raise sequence_n_seq_id(i, pos_at + 4, n_seq_id)
+    if seq_id < 0 and n_seq_id == 0:
+        raise no_seq_id(i, pos_at + 4)
+    if n_seq_id > size:
+        raise n_seq_id_too_large(i, pos_at + 4, n_seq_id, size)
+
+
+def _check_cell_ids(i: int, ids: tuple[int, ...], ids_at: int, size: int, first_cell: dict[int, int]) -> None:
+    """The rules for a cell's seq ids: in ``[0, size)``, none listed by an earlier cell."""
+    for j, seq in enumerate(ids):
+        if not 0 <= seq < size:
+            raise seq_id_out_of_range(i, ids_at + 4 * j, seq, size)
+        if seq in first_cell:
+            raise seq_id_repeated(i, ids_at + 4 * j, seq, first_cell[seq])
+        first_cell[seq] = i
+
+
+def _check_cell_count(count: int, size: int, seq_id: int) -> None:
+    if seq_id >= 0 and count > 1:
+        raise sequence_cell_count(count)
+    if seq_id < 0 and count > size:
+        raise cell_count_too_large(count, size)
+
+
+def check_cells(cells: tuple[BlobCell, ...], size: int, seq_id: int) -> None:
+    """The cell rules of ``parse_blob`` for the cells of a blob parsed without a cache, in blob order."""
+    _check_cell_count(len(cells), size, seq_id)
+    first_cell: dict[int, int] = {}
+    at = 4
+    for i, cell in enumerate(cells):
+        _check_cell_header(i, cell.pos, at, len(cell.seq_ids), size, seq_id)
+        _check_cell_ids(i, cell.seq_ids, at + 8, size, first_cell)
+        at += 8 + 4 * len(cell.seq_ids)
+
+
+def _parse(reader: Any, cache: CacheShape | None, seq_id: int, watch: Any = None) -> Blob:
+    """The checks of ``parse_blob`` over a ``_Reader`` or a ``_FileReader``.
+
+    ``watch`` (optional) sees the blob as it is read, before any row:
+    ``watch.cells(blob_cells)`` once the cells are read, ``watch.layers(n_layer,
+    offset)`` and ``watch.tensor(k, type_id, row_bytes, offset)``; it may raise
+    to stop the read there.
+    """
     (cell_count,), _ = reader.unpack(_U32, field_name("cell_count"))
     if cache is not None:
-        if seq_id >= 0 and cell_count > 1:
-            raise sequence_cell_count(cell_count)
-        if seq_id < 0 and cell_count > cache.size:
-            raise cell_count_too_large(cell_count, cache.size)
+        _check_cell_count(cell_count, cache.size, seq_id)
     cells = []
     first_cell: dict[int, int] = {}   # seq id -> the cell that listed it
     for i in range(cell_count):
         (pos, n_seq_id), pos_at = reader.unpack(_CELL, field_name("cell", cell=i))
-        n_seq_id_at = pos_at + 4
         if cache is not None:
-            if pos < 0:
-                raise negative_pos(i, pos_at, pos)
-            if seq_id >= 0 and n_seq_id != 0:
-                raise sequence_n_seq_id(i, n_seq_id_at, n_seq_id)
-            if seq_id < 0 and n_seq_id == 0:
-                raise no_seq_id(i, n_seq_id_at)
-            if n_seq_id > cache.size:
-                raise n_seq_id_too_large(i, n_seq_id_at, n_seq_id, cache.size)
+            _check_cell_header(i, pos, pos_at, n_seq_id, cache.size, seq_id)
         ids, ids_at = reader.ids(n_seq_id, field_name("seq_ids", cell=i))
         if cache is not None:
-            for j, seq in enumerate(ids):
-                if not 0 <= seq < cache.size:
-                    raise seq_id_out_of_range(i, ids_at + 4 * j, seq, cache.size)
-                if seq in first_cell:
-                    raise seq_id_repeated(i, ids_at + 4 * j, seq, first_cell[seq])
-                first_cell[seq] = i
+            _check_cell_ids(i, ids, ids_at, cache.size, first_cell)
         cells.append(BlobCell(pos, ids))
     (v_trans, n_layer), data_at = reader.unpack(_DATA_HEADER, field_name("data_header"))
     if v_trans != 0:
         raise v_trans_set(data_at, v_trans)
     if cache is not None and n_layer != cache.n_layer:
         raise n_layer_mismatch(data_at + 4, n_layer, cache.n_layer)
+    if watch is not None:
+        watch.cells(tuple(cells))
+        watch.layers(n_layer, data_at + 4)
     tensors = []
     for k in range(2 * n_layer):
         name = tensor_name(k, n_layer)
@@ -322,6 +356,8 @@ def _parse(reader: Any, cache: CacheShape | None, seq_id: int) -> Blob:
                 raise type_mismatch(name, header_at, type_id, cache.type_ids[k])
             if row_bytes != cache.row_bytes[k]:
                 raise row_bytes_mismatch(name, header_at + 4, row_bytes, cache.row_bytes[k])
+        if watch is not None:
+            watch.tensor(k, type_id, row_bytes, header_at)
         rows_at = reader.skip(cell_count * row_bytes, field_name("rows", tensor=k, n_layer=n_layer))
         tensors.append(BlobTensor("r" if k < n_layer else "s", k % n_layer, type_id, row_bytes, rows_at))
     return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
@@ -511,22 +547,29 @@ class _FileReader:
     """The ``_Reader`` calls over a binary file, from its position.
 
     Nothing is read before a header asks for it.  When the file's length is
-    known, every claim is checked against it before a byte is read, and rows
-    are stepped over with ``seek`` and read in one piece at the end; a stream
+    known, every claim is checked against it before a byte is read, rows are
+    stepped over with ``seek`` and read in one piece at the end; a stream
     (pipe, FIFO, device) is read piece by piece up to what the headers claim,
-    and one byte more to prove it ends there.
+    then one byte more to prove it ends there.  With ``rows`` the rows are
+    handed to it piece by piece as they are read and not kept at all.
     """
 
-    def __init__(self, file: Any, op: str) -> None:
+    def __init__(self, file: Any, op: str, rows: Any = None) -> None:
         self.file = file
         self.op = op                 # who reads, for the messages: "state_read_from", a path, ...
+        self.rows = rows
         self.offset = 0              # relative to the start (see ``rebase``)
+        self.pending = b""           # bytes read by ``peek``, served first
         self.length = _remaining(file)
         self.start = file.tell() if self.length is not None else 0
-        self.kept: bytearray | None = None if self.length is not None else bytearray()
+        # a stream keeps what it read (it cannot be read again); not with a rows consumer
+        self.kept: bytearray | None = bytearray() if self.length is None and rows is None else None
 
     def _read(self, n: int) -> bytes:
-        """Up to n bytes from the file (fewer only at its end)."""
+        """Up to n bytes (fewer only at the end of the file)."""
+        if self.pending:
+            piece, self.pending = self.pending[:n], self.pending[n:]
+            return piece
         piece = self.file.read(n)
         if piece is None:
             raise ArgumentError(f"{self.op}: the file would block (a non-blocking file with no data ready)")
@@ -537,45 +580,37 @@ class _FileReader:
                                 f"not bytes") from None
         if size > n:
             raise ArgumentError(f"{self.op}: the file's read({n}) returned {size} bytes")
-        return piece
+        return bytes(piece)
 
-    def _fill(self, end: int) -> None:
-        """Stream mode: read until ``kept`` holds ``end`` bytes or the stream ends."""
-        assert self.kept is not None
-        while len(self.kept) < end:
-            piece = self._read(min(end - len(self.kept), _CHUNK))
+    def _pieces(self, n: int) -> Any:
+        """n bytes in pieces of at most _CHUNK; stops early at the end of the file."""
+        while n > 0:
+            piece = self._read(min(n, _CHUNK))
             if not piece:
                 return
-            self.kept += piece
+            n -= len(piece)
+            yield piece
 
     def take(self, n: int, short: Any) -> bytes:
         """The next n bytes; ``short(offset, n, length)`` is the error when fewer are left."""
         at = self.offset
-        if self.length is not None:
-            if self.length - at < n:
-                raise short(at, n, self.length)
-            data = bytearray()
-            while len(data) < n:
-                piece = self._read(min(n - len(data), _CHUNK))
-                if not piece:   # the file shrank since its length was taken
-                    raise short(at, n, at + len(data))
-                data += piece
-            self.offset += n
-            return bytes(data)
-        self._fill(at + n)
-        if len(self.kept) < at + n:
-            raise short(at, n, len(self.kept))
+        if self.length is not None and self.length - at < n:
+            raise short(at, n, self.length)
+        data = bytearray()
+        for piece in self._pieces(n):
+            data += piece
+        if len(data) < n:   # a stream ended (or a file shrank since its length was taken)
+            raise short(at, n, at + len(data))
+        if self.kept is not None:
+            self.kept += data
         self.offset += n
-        return bytes(self.kept[at:at + n])
+        return bytes(data)
 
     def peek(self, n: int) -> bytes:
         """Up to n bytes at the cursor, without moving it."""
-        if self.length is not None:
-            data = self._read(min(n, self.length - self.offset))
-            self.file.seek(-len(data), io.SEEK_CUR)
-            return bytes(data)
-        self._fill(self.offset + n)
-        return bytes(self.kept[self.offset:self.offset + n])
+        data = b"".join(self._pieces(n))
+        self.pending = data + self.pending
+        return data
 
     def unpack(self, layout: struct.Struct, field: str) -> tuple[tuple[Any, ...], int]:
         at = self.offset
@@ -587,14 +622,21 @@ class _FileReader:
 
     def skip(self, n: int, field: str) -> int:
         at = self.offset
-        if self.length is not None:
-            if self.length - at < n:
-                raise truncated(field, at, n, self.length)
-            self.file.seek(n, io.SEEK_CUR)
+        if self.length is not None and self.length - at < n:
+            raise truncated(field, at, n, self.length)
+        if self.rows is None and self.kept is None and len(self.pending) <= n:
+            self.file.seek(n - len(self.pending), io.SEEK_CUR)
+            self.pending = b""
         else:
-            self._fill(at + n)
-            if len(self.kept) < at + n:
-                raise truncated(field, at, n, len(self.kept))
+            got = 0
+            for piece in self._pieces(n):
+                got += len(piece)
+                if self.rows is not None:
+                    self.rows(piece)
+                else:
+                    self.kept += piece
+            if got < n:
+                raise truncated(field, at, n, at + got)
         self.offset += n
         return at
 
@@ -603,35 +645,33 @@ class _FileReader:
         if self.length is not None:
             self.start += self.offset
             self.length -= self.offset
-        else:
-            del self.kept[:self.offset]
+        if self.kept is not None:
+            del self.kept[:]
         self.offset = 0
 
-    def finish(self) -> bytearray:
-        """The bytes from offset 0 to the cursor, once the file is proven to end there."""
+    def finish(self) -> bytearray | None:
+        """The bytes from offset 0 to the cursor (None with a rows consumer), once the file
+        is proven to end there."""
         end = self.offset
-        if self.length is not None:
-            if end != self.length:
-                raise trailing(end, self.length)
-            self.file.seek(self.start)
-            data = bytearray(end)
-            view = memoryview(data)
-            got = 0
-            while got < end:
-                piece = self._read(min(end - got, 1 << 26))
-                if not piece:
-                    raise truncated("the rest of the blob", got, end - got, got)
-                view[got:got + len(piece)] = piece
-                got += len(piece)
-            view.release()
-            if self._read(1):
-                raise StateError(f"state blob has trailing bytes after byte {end}: "
-                                 f"the file grew while it was read")
-            return data
+        if self.length is not None and end != self.length:
+            raise trailing(end, self.length)
         if self._read(1):
-            raise StateError(f"state blob has trailing bytes after byte {end} (the stream goes on "
-                             f"past the {end} bytes its headers claim)")
-        return self.kept[:end]
+            raise StateError(f"state blob has trailing bytes after byte {end} "
+                             + ("(the file grew while it was read)" if self.length is not None else
+                                f"(the stream goes on past the {end} bytes its headers claim)"))
+        if self.kept is not None or self.rows is not None:
+            return self.kept   # a stream is never read past what a header claims: exactly the blob
+        self.file.seek(self.start)
+        data = bytearray(end)
+        view = memoryview(data)
+        got = 0
+        for piece in self._pieces(end):
+            view[got:got + len(piece)] = piece
+            got += len(piece)
+        view.release()
+        if got < end:
+            raise StateError(f"state blob truncated: the file shrank to {got} of {end} bytes while it was read")
+        return data
 
 
 def _truncation(field: str) -> Any:
@@ -679,11 +719,11 @@ class FileContents:
     tokens: np.ndarray | None    # a sequence file's tokens (int32); None for a bare blob
     blob_offset: int             # where the blob starts in the file
     blob: Blob
-    data: Any                    # the blob's bytes (bytes-like)
+    data: Any                    # the blob's bytes (bytes-like); None when read with ``rows``
 
 
 def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int = -1,
-              sequence_file: bool | None = None) -> FileContents:
+              sequence_file: bool | None = None, watch: Any = None, rows: Any = None) -> FileContents:
     """Read a blob (``sequence_file=False``), a 'ggsq' file (True) or either (None: by its magic)
     from a binary file's position to its end, with every check of ``parse_blob``.
 
@@ -693,9 +733,12 @@ def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int =
     checked against the cache on the way (a sequence blob of one cell, the
     cache's row sizes), so no more than the cache's own state is ever read.
     A defect of the blob of a sequence file is reported at its offset in the file.
+    ``watch`` and ``rows`` are for ``inspect``: ``watch`` sees the headers
+    before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
+    read, which are then not kept (``data`` is None).
     """
     _check_file(file, op, "read", "reading")
-    reader = _FileReader(file, op)
+    reader = _FileReader(file, op, rows)
     tokens = None
     if sequence_file or (sequence_file is None and len(head := reader.peek(4)) == 4
                          and struct.unpack("<I", head)[0] == SEQ_FILE_MAGIC):
@@ -703,7 +746,7 @@ def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int =
     blob_offset = reader.offset
     reader.rebase()
     try:
-        blob = _parse(reader, cache, seq_id)
+        blob = _parse(reader, cache, seq_id, watch)
         data = reader.finish()
     except StateError as exc:
         if tokens is None:
