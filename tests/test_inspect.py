@@ -12,7 +12,7 @@ import pytest
 from test_state_io import forked_cache
 
 import recurrent_cache
-from recurrent_cache import inspect
+from recurrent_cache import blob_report
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def cache():
 
 
 def run(capsys, *argv):
-    code = inspect.main([str(a) for a in argv])
+    code = blob_report.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -8,7 +8,7 @@ import sys
 
 COMMANDS = {
     "demo": ("recurrent_cache.demo", "run a recurrent model on the cache with continuous batching"),
-    "inspect": ("recurrent_cache.inspect", "describe a state blob or a 'ggsq' sequence file"),
+    "inspect": ("recurrent_cache.blob_report", "describe a state blob or a 'ggsq' sequence file"),
 }
 
 

@@ -10,7 +10,7 @@ stored.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport INT32_MAX, uint8_t
+from libc.stdint cimport INT32_MAX, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
@@ -293,6 +293,17 @@ cdef inline int64_t as_i32(uint64_t value) noexcept nogil:
 
 # -- the Python-facing handle ----------------------------------------------------
 
+cdef bint shares_rows(CellTable t, const void* p, Py_ssize_t n) noexcept:
+    """Whether bytes [p, p + n) overlap a state tensor of t (a blob or target made of the cache's rows)."""
+    cdef Py_ssize_t k
+    cdef uintptr_t begin = <uintptr_t>p, base
+    for k in range(t.n_tensors):
+        base = <uintptr_t>t.tensor_data[k]
+        if n > 0 and begin < base + <uintptr_t>(t.cells.size * t.row_bytes[k]) and base < begin + <uintptr_t>n:
+            return True
+    return False
+
+
 cdef class StateIO:
     """Serialisation of one cache's cell table and state tensors.
 
@@ -348,6 +359,8 @@ cdef class StateIO:
 
     def write_into(self, unsigned char[::1] out, int32_t seq_id):
         """Write the blob to the start of out; returns its length."""
+        if out.shape[0] and shares_rows(self.table, &out[0], out.shape[0]):
+            raise fmt.target_aliases_cache()
         return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
 
     def write_bytes(self, int32_t seq_id):
@@ -406,6 +419,10 @@ cdef class StateIO:
         cdef const unsigned char* p = &data[0] if length else NULL
         cdef BlobLayout layout
         cdef BlobDefect defect
+        if shares_rows(t, p, length):
+            # the blob lies in the cache's own rows, which the restore overwrites: read a
+            # copy, so the blob is read as it was when the call began
+            return self.read(bytes(data), seq_id)
         cdef int code = check_blob(c, seq_id, p, length, t.n_tensors, self.type_ids, t.row_bytes,
                                    &layout, &defect)
         if code != BLOB_OK:

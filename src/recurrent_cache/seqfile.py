@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ._config import state_seq_id
 from .errors import ArgumentError, StateError
-from .state_format import SEQ_FILE_MAGIC, SEQ_FILE_VERSION, parse_seq_file_header, write_all
+from .state_format import SEQ_FILE_MAGIC, SEQ_FILE_VERSION, CacheShape, read_file, write_all
 
 __all__ = ["save_seq_file", "load_seq_file"]
 
@@ -36,13 +37,25 @@ def _tokens(tokens: Any) -> np.ndarray:
     return array.astype("<i4")
 
 
-def save_seq_file(path: str | os.PathLike, cache: Any, seq_id: int, tokens: Any) -> int:
+def _path(path: Any, op: str) -> str:
+    """``path`` as a str: any str, bytes or os.PathLike path (bytes are decoded as os does)."""
+    try:
+        name = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise ArgumentError(f"{op}: path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
+    if not name or "\0" in name:
+        raise ArgumentError(f"{op}: path {name!r} is empty or has a NUL character")
+    return name
+
+
+def save_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, tokens: Any) -> int:
     """Write sequence ``seq_id`` of ``cache`` and its ``tokens`` to ``path``; returns the file size.
 
     The file is written under a temporary name in the same directory and
     renamed over ``path`` only when complete, so ``path`` holds either its old
     content or the whole new file, never part of one.
     """
+    path = _path(path, "save_seq_file")
     token_array = _tokens(tokens)
     size = cache.state_size(seq_id)   # checks seq_id before a file is created
     directory, name = os.path.split(os.path.abspath(path))
@@ -64,20 +77,24 @@ def save_seq_file(path: str | os.PathLike, cache: Any, seq_id: int, tokens: Any)
     return 12 + 4 * token_array.shape[0] + size
 
 
-def load_seq_file(path: str | os.PathLike, cache: Any, seq_id: int) -> np.ndarray:
+def load_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int) -> np.ndarray:
     """Restore sequence ``seq_id`` of ``cache`` from a sequence file; returns its tokens (int32).
 
     The whole file is checked before the cache changes: a ``StateError``
     (bad magic, version, token count or blob) leaves the cache as it was.
+    Only what the header claims is read, and the blob no further than a
+    sequence of this cache can be: a FIFO, ``/dev/zero`` or a huge file is
+    rejected after a few bytes.
     """
+    path = _path(path, "load_seq_file")
+    seq_id = state_seq_id(seq_id, cache.size, "load_seq_file")
     with open(path, "rb") as file:
-        data = file.read()
+        try:
+            contents = read_file(file, path, CacheShape.of(cache), seq_id, sequence_file=True)
+        except StateError as exc:
+            raise StateError(f"{path}: {exc}") from None
     try:
-        tokens, blob_start = parse_seq_file_header(data)
-    except StateError as exc:
-        raise StateError(f"{os.fspath(path)}: {exc}") from None
-    try:
-        cache.state_read(memoryview(data)[blob_start:], seq_id)
-    except StateError as exc:
-        raise StateError(f"{os.fspath(path)}: the state blob at byte {blob_start}: {exc}") from None
-    return tokens
+        cache.state_read(contents.data, seq_id)
+    except StateError as exc:   # checked above already: only a rule the parse does not know lands here
+        raise StateError(f"{path}: the state blob at byte {contents.blob_offset}: {exc}") from None
+    return contents.tokens

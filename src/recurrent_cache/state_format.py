@@ -18,6 +18,9 @@ defects; the core maps its error codes onto them.
 from __future__ import annotations
 
 import io
+import numbers
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +31,14 @@ from .errors import ArgumentError, StateError
 
 __all__ = [
     "GGML_TYPES", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
-    "CacheShape", "parse_blob", "parse_seq_file_header", "blob_view", "target_view",
-    "target_too_small", "read_rest", "write_all",
+    "CacheShape", "FileContents", "parse_blob", "parse_seq_file_header", "read_file", "blob_view",
+    "target_view", "target_too_small", "target_aliases_cache", "overlaps", "read_rest", "write_all",
+    "check_cells",
 ]
 
 # ggml type id -> (name, element size); the state types this package stores
 GGML_TYPES = {0: ("f32", 4), 1: ("f16", 2), 30: ("bf16", 2)}
+_TYPE_IDS = {name: type_id for type_id, (name, _) in GGML_TYPES.items()}
 
 SEQ_FILE_MAGIC = 0x67677371   # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
 SEQ_FILE_VERSION = 2          # llama.cpp's LLAMA_STATE_SEQ_VERSION
@@ -150,6 +155,15 @@ class CacheShape:
     type_ids: tuple[int, ...]    # [2*n_layer] r of every layer, then s
     row_bytes: tuple[int, ...]   # [2*n_layer]
 
+    @classmethod
+    def of(cls, cache: Any) -> CacheShape:
+        """The shape of a cache of either implementation, from its public attributes."""
+        n = cache.n_layer
+        type_r, type_s = _TYPE_IDS[cache.dtype_r], _TYPE_IDS[cache.dtype_s]
+        return cls(size=cache.size, n_layer=n, type_ids=(type_r,) * n + (type_s,) * n,
+                   row_bytes=(cache.n_embd_r * GGML_TYPES[type_r][1],) * n
+                   + (cache.n_embd_s * GGML_TYPES[type_s][1],) * n)
+
 
 @dataclass(frozen=True)
 class BlobCell:
@@ -207,22 +221,147 @@ class Blob:
 
 
 class _Reader:
-    """A cursor over the blob that raises ``truncated`` for a field that does not fit."""
+    """A cursor over a blob in memory; raises ``truncated`` for a field that does not fit.
+
+    ``_FileReader`` offers the same four calls over a file, so one parser
+    (``_parse``) serves both and reports the same defect with the same words.
+    """
 
     def __init__(self, data: memoryview) -> None:
         self.data = data
         self.offset = 0
+        self.length = len(data)
 
-    def need(self, n: int, field: str) -> int:
-        """Reserve n bytes for ``field``; return where they start."""
+    def _need(self, n: int, field: str) -> int:
         start = self.offset
-        if len(self.data) - start < n:
-            raise truncated(field, start, n, len(self.data))
+        if self.length - start < n:
+            raise truncated(field, start, n, self.length)
         self.offset += n
         return start
 
-    def unpack(self, layout: struct.Struct, field: str) -> tuple[Any, ...]:
-        return layout.unpack_from(self.data, self.need(layout.size, field))
+    def unpack(self, layout: struct.Struct, field: str) -> tuple[tuple[Any, ...], int]:
+        """The values of ``layout`` at the cursor, and the offset they were read at."""
+        at = self._need(layout.size, field)
+        return layout.unpack_from(self.data, at), at
+
+    def ids(self, count: int, field: str) -> tuple[tuple[int, ...], int]:
+        """``count`` int32 at the cursor, and their offset."""
+        at = self._need(4 * count, field)
+        return struct.unpack_from(f"<{count}i", self.data, at), at
+
+    def skip(self, n: int, field: str) -> int:
+        """Step over n bytes (rows); returns where they start."""
+        return self._need(n, field)
+
+    def take(self, n: int, short: Any) -> memoryview:
+        """The next n bytes; ``short(offset, n, length)`` is the error when fewer are left."""
+        at = self.offset
+        if self.length - at < n:
+            raise short(at, n, self.length)
+        self.offset += n
+        return self.data[at:at + n]
+
+    def peek(self, n: int) -> bytes:
+        """Up to n bytes at the cursor, without moving it."""
+        return bytes(self.data[self.offset:self.offset + n])
+
+    def rebase(self) -> None:
+        """Make the current position offset 0 (the blob of a sequence file starts here)."""
+        self.data = self.data[self.offset:]
+        self.length -= self.offset
+        self.offset = 0
+
+    def finish(self) -> memoryview:
+        """The blob's bytes, once the parse ended exactly at the end of the data."""
+        if self.offset != self.length:
+            raise trailing(self.offset, self.length)
+        return self.data
+
+
+def _check_cell_header(i: int, pos: int, pos_at: int, n_seq_id: int, size: int, seq_id: int) -> None:
+    """The rules for a cell's pos and n_seq_id when read into a cache of ``size`` cells at ``seq_id``."""
+    if not 0 <= pos < 2**31 - 1:   # 2**31 - 1 means "to the end" in ranges
+        raise negative_pos(i, pos_at, pos)
+    if seq_id >= 0 and n_seq_id != 0:
+        raise sequence_n_seq_id(i, pos_at + 4, n_seq_id)
+    if seq_id < 0 and n_seq_id == 0:
+        raise no_seq_id(i, pos_at + 4)
+    if n_seq_id > size:
+        raise n_seq_id_too_large(i, pos_at + 4, n_seq_id, size)
+
+
+def _check_cell_ids(i: int, ids: tuple[int, ...], ids_at: int, size: int, first_cell: dict[int, int]) -> None:
+    """The rules for a cell's seq ids: in ``[0, size)``, none listed by an earlier cell."""
+    for j, seq in enumerate(ids):
+        if not 0 <= seq < size:
+            raise seq_id_out_of_range(i, ids_at + 4 * j, seq, size)
+        if seq in first_cell:
+            raise seq_id_repeated(i, ids_at + 4 * j, seq, first_cell[seq])
+        first_cell[seq] = i
+
+
+def _check_cell_count(count: int, size: int, seq_id: int) -> None:
+    if seq_id >= 0 and count > 1:
+        raise sequence_cell_count(count)
+    if seq_id < 0 and count > size:
+        raise cell_count_too_large(count, size)
+
+
+def check_cells(cells: tuple[BlobCell, ...], size: int, seq_id: int) -> None:
+    """The cell rules of ``parse_blob`` for the cells of a blob parsed without a cache, in blob order."""
+    _check_cell_count(len(cells), size, seq_id)
+    first_cell: dict[int, int] = {}
+    at = 4
+    for i, cell in enumerate(cells):
+        _check_cell_header(i, cell.pos, at, len(cell.seq_ids), size, seq_id)
+        _check_cell_ids(i, cell.seq_ids, at + 8, size, first_cell)
+        at += 8 + 4 * len(cell.seq_ids)
+
+
+def _parse(reader: Any, cache: CacheShape | None, seq_id: int, watch: Any = None) -> Blob:
+    """The checks of ``parse_blob`` over a ``_Reader`` or a ``_FileReader``.
+
+    ``watch`` (optional) sees the blob as it is read, before any row:
+    ``watch.cells(blob_cells)`` once the cells are read, ``watch.layers(n_layer,
+    offset)`` and ``watch.tensor(k, type_id, row_bytes, offset)``; it may raise
+    to stop the read there.
+    """
+    (cell_count,), _ = reader.unpack(_U32, field_name("cell_count"))
+    if cache is not None:
+        _check_cell_count(cell_count, cache.size, seq_id)
+    cells = []
+    first_cell: dict[int, int] = {}   # seq id -> the cell that listed it
+    for i in range(cell_count):
+        (pos, n_seq_id), pos_at = reader.unpack(_CELL, field_name("cell", cell=i))
+        if cache is not None:
+            _check_cell_header(i, pos, pos_at, n_seq_id, cache.size, seq_id)
+        ids, ids_at = reader.ids(n_seq_id, field_name("seq_ids", cell=i))
+        if cache is not None:
+            _check_cell_ids(i, ids, ids_at, cache.size, first_cell)
+        cells.append(BlobCell(pos, ids))
+    (v_trans, n_layer), data_at = reader.unpack(_DATA_HEADER, field_name("data_header"))
+    if v_trans != 0:
+        raise v_trans_set(data_at, v_trans)
+    if cache is not None and n_layer != cache.n_layer:
+        raise n_layer_mismatch(data_at + 4, n_layer, cache.n_layer)
+    if watch is not None:
+        watch.cells(tuple(cells))
+        watch.layers(n_layer, data_at + 4)
+    tensors = []
+    for k in range(2 * n_layer):
+        name = tensor_name(k, n_layer)
+        (type_id, row_bytes), header_at = reader.unpack(
+            _TENSOR_HEADER, field_name("tensor_header", tensor=k, n_layer=n_layer))
+        if cache is not None:
+            if type_id != cache.type_ids[k]:
+                raise type_mismatch(name, header_at, type_id, cache.type_ids[k])
+            if row_bytes != cache.row_bytes[k]:
+                raise row_bytes_mismatch(name, header_at + 4, row_bytes, cache.row_bytes[k])
+        if watch is not None:
+            watch.tensor(k, type_id, row_bytes, header_at)
+        rows_at = reader.skip(cell_count * row_bytes, field_name("rows", tensor=k, n_layer=n_layer))
+        tensors.append(BlobTensor("r" if k < n_layer else "s", k % n_layer, type_id, row_bytes, rows_at))
+    return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
 
 
 def parse_blob(data: Any, cache: CacheShape | None = None, seq_id: int = -1) -> Blob:
@@ -237,74 +376,37 @@ def parse_blob(data: Any, cache: CacheShape | None = None, seq_id: int = -1) -> 
     layer count, types and row sizes are the cache's.
     """
     reader = _Reader(blob_view(data))
-    (cell_count,) = reader.unpack(_U32, field_name("cell_count"))
-    if cache is not None:
-        if seq_id >= 0 and cell_count > 1:
-            raise sequence_cell_count(cell_count)
-        if seq_id < 0 and cell_count > cache.size:
-            raise cell_count_too_large(cell_count, cache.size)
-    cells = []
-    first_cell: dict[int, int] = {}   # seq id -> the cell that listed it
-    for i in range(cell_count):
-        pos_at = reader.offset
-        pos, n_seq_id = reader.unpack(_CELL, field_name("cell", cell=i))
-        n_seq_id_at = pos_at + 4
-        if cache is not None:
-            if not 0 <= pos < 2**31 - 1:   # 2**31 - 1 means "to the end" in ranges
-                raise negative_pos(i, pos_at, pos)
-            if seq_id >= 0 and n_seq_id != 0:
-                raise sequence_n_seq_id(i, n_seq_id_at, n_seq_id)
-            if seq_id < 0 and n_seq_id == 0:
-                raise no_seq_id(i, n_seq_id_at)
-            if n_seq_id > cache.size:
-                raise n_seq_id_too_large(i, n_seq_id_at, n_seq_id, cache.size)
-        ids_at = reader.need(4 * n_seq_id, field_name("seq_ids", cell=i))
-        ids = struct.unpack_from(f"<{n_seq_id}i", reader.data, ids_at)
-        if cache is not None:
-            for j, seq in enumerate(ids):
-                if not 0 <= seq < cache.size:
-                    raise seq_id_out_of_range(i, ids_at + 4 * j, seq, cache.size)
-                if seq in first_cell:
-                    raise seq_id_repeated(i, ids_at + 4 * j, seq, first_cell[seq])
-                first_cell[seq] = i
-        cells.append(BlobCell(pos, ids))
-    data_at = reader.offset
-    v_trans, n_layer = reader.unpack(_DATA_HEADER, field_name("data_header"))
-    if v_trans != 0:
-        raise v_trans_set(data_at, v_trans)
-    if cache is not None and n_layer != cache.n_layer:
-        raise n_layer_mismatch(data_at + 4, n_layer, cache.n_layer)
-    tensors = []
-    for k in range(2 * n_layer):
-        name = tensor_name(k, n_layer)
-        header_at = reader.offset
-        type_id, row_bytes = reader.unpack(_TENSOR_HEADER,
-                                           field_name("tensor_header", tensor=k, n_layer=n_layer))
-        if cache is not None:
-            if type_id != cache.type_ids[k]:
-                raise type_mismatch(name, header_at, type_id, cache.type_ids[k])
-            if row_bytes != cache.row_bytes[k]:
-                raise row_bytes_mismatch(name, header_at + 4, row_bytes, cache.row_bytes[k])
-        rows_at = reader.need(cell_count * row_bytes, field_name("rows", tensor=k, n_layer=n_layer))
-        tensors.append(BlobTensor("r" if k < n_layer else "s", k % n_layer, type_id, row_bytes, rows_at))
-    if reader.offset != len(reader.data):
-        raise trailing(reader.offset, len(reader.data))
-    return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
+    blob = _parse(reader, cache, seq_id)
+    reader.finish()
+    return blob
 
 
 # -- buffers and files ---------------------------------------------------------
 
 def _byte_view(obj: Any) -> memoryview:
-    """A flat unsigned-byte view of a C-contiguous buffer (numpy arrays of any dtype too)."""
+    """A flat unsigned-byte view of a C-contiguous buffer (numpy arrays of any dtype too).
+
+    Raises TypeError for an object that is no buffer, ArgumentError for one
+    that cannot be used (released, not contiguous, an unreadable format).
+    """
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise ArgumentError("the array must be C-contiguous")
         # a custom dtype (bfloat16) cannot export a buffer itself, its bytes can
         obj = obj.reshape(-1).view(np.uint8)
-    view = memoryview(obj)
+    try:
+        view = memoryview(obj)
+    except (ValueError, BufferError) as exc:   # a released memoryview, a failing exporter
+        raise ArgumentError(f"the {type(obj).__name__} cannot be used as a buffer: {exc}") from None
     if not view.c_contiguous:
         raise ArgumentError("the buffer must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.format == "B" and view.ndim == 1:
+        return view
+    try:
+        return view.cast("B")
+    except (TypeError, ValueError) as exc:
+        raise ArgumentError(f"the {type(obj).__name__} (format {view.format!r}, shape {view.shape}) "
+                            f"cannot be read as bytes: {exc}") from None
 
 
 def blob_view(data: Any) -> memoryview:
@@ -313,6 +415,26 @@ def blob_view(data: Any) -> memoryview:
         return _byte_view(data)
     except TypeError:
         raise ArgumentError(f"a state blob must be a bytes-like object, got {type(data).__name__}") from None
+    except ArgumentError as exc:
+        raise ArgumentError(f"a state blob: {exc}") from None
+
+
+def _check_file(file: Any, op: str, method: str, mode: str) -> None:
+    """ArgumentError unless ``file`` is an open binary file that can ``method`` ("read" or "write")."""
+    if isinstance(file, io.TextIOBase):
+        raise ArgumentError(f"{op}: the file is a text file; open it in binary mode")
+    if not callable(getattr(file, method, None)):
+        raise ArgumentError(f"{op} takes a binary file, got {type(file).__name__}")
+    if getattr(file, "closed", False) is True:
+        raise ArgumentError(f"{op}: the file is closed")
+    able = getattr(file, {"read": "readable", "write": "writable"}[method], None)
+    if callable(able):
+        try:
+            usable = able()
+        except (OSError, ValueError) as exc:
+            raise ArgumentError(f"{op}: the file cannot be used: {exc}") from None
+        if usable is False:
+            raise ArgumentError(f"{op}: the file is not open for {mode}")
 
 
 def target_view(target: Any) -> memoryview | None:
@@ -323,9 +445,12 @@ def target_view(target: Any) -> memoryview | None:
         view = _byte_view(target)
     except TypeError:
         if callable(getattr(target, "write", None)):
+            _check_file(target, "state_write_into", "write", "writing")
             return None
         raise ArgumentError(f"state_write_into: the target must be a writable buffer or a binary "
                             f"file, got {type(target).__name__}") from None
+    except ArgumentError as exc:
+        raise ArgumentError(f"state_write_into: {exc}") from None
     if view.readonly:
         raise ArgumentError(f"state_write_into: the target ({type(target).__name__}) is read-only")
     return view
@@ -335,40 +460,297 @@ def target_too_small(available: int, needed: int) -> ArgumentError:
     return ArgumentError(f"state_write_into: the target has {available} bytes, the blob needs {needed}")
 
 
-def read_rest(file: Any) -> Any:
-    """Everything from a binary file's position to its end (the blob of ``state_read_from``)."""
-    if isinstance(file, io.TextIOBase):
-        raise ArgumentError("state_read_from: the file is a text file; open it in binary mode")
-    if not callable(getattr(file, "read", None)):
-        raise ArgumentError(f"state_read_from takes a binary file, got {type(file).__name__}")
-    return file.read()
+def target_aliases_cache() -> ArgumentError:
+    return ArgumentError("state_write_into: the target shares memory with the cache's state tensors "
+                         "(writing the blob there would overwrite the rows it is made of)")
+
+
+def overlaps(view: memoryview, tensors: Any) -> bool:
+    """Whether the bytes of ``view`` share memory with any of the numpy ``tensors``."""
+    if not len(view):
+        return False
+    start = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    end = start + len(view)
+    for tensor in tensors:
+        base = tensor.ctypes.data
+        if tensor.nbytes and start < base + tensor.nbytes and base < end:
+            return True
+    return False
 
 
 def write_all(file: Any, chunk: Any) -> None:
-    """Write every byte of chunk (raw files may write less than asked)."""
-    view = memoryview(chunk)
+    """Write every byte of ``chunk`` to a binary file; never loops without progress.
+
+    ``file.write`` may write less than asked (a raw file); the rest is written
+    again.  What it returns decides:
+
+    * an integer ``n`` with ``0 < n <= len``: ``n`` bytes were written;
+    * ``None`` from an ``io.RawIOBase``: nothing was written, the file would
+      block (io's protocol) - an ``ArgumentError``;
+    * ``None`` from any other object: everything was written.  Duck-typed
+      writers (a class with ``write`` appending to a list) return None, and
+      ``shutil.copyfileobj`` and ``print(file=...)`` read it the same way;
+    * 0, a negative number, more than asked or a non-integer: an
+      ``ArgumentError`` naming the value, since retrying could spin forever.
+
+    Bytes already written stay written: a file cannot be un-written.
+    """
+    view = memoryview(chunk).cast("B")
+    total = len(view)
     while len(view):
         written = file.write(view)
-        if written is None:   # a non-blocking raw file that would block
-            raise BlockingIOError("state_write_into: the file would block")
-        if written >= len(view):
+        done = total - len(view)
+        if written is None:
+            if isinstance(file, io.RawIOBase):
+                raise ArgumentError(f"state_write_into: the file would block (a non-blocking raw file "
+                                    f"returned None) after {done} of {total} bytes of this part")
             return
-        view = view[written:]
+        if isinstance(written, bool) or not isinstance(written, numbers.Integral):
+            raise ArgumentError(f"state_write_into: the file's write() returned {written!r}, "
+                                f"not a byte count (after {done} of {total} bytes of this part)")
+        if not 0 < written <= len(view):
+            raise ArgumentError(f"state_write_into: the file's write() of {len(view)} bytes returned "
+                                f"{int(written)} (after {done} of {total} bytes of this part; "
+                                f"expected 1 to {len(view)})")
+        view = view[int(written):]
 
 
-def parse_seq_file_header(data: Any) -> tuple[np.ndarray, int]:
-    """The tokens of a 'ggsq' sequence file and the offset where its state blob starts."""
-    view = blob_view(data)
-    if len(view) < 12:
-        raise StateError(f"sequence file truncated: {len(view)} bytes, the header needs 12")
-    magic, version, n_tokens = struct.unpack_from("<III", view, 0)
+# -- reading a blob or a sequence file from a file, bounded by its headers -----
+
+_CHUNK = 1 << 20   # a stream is read in pieces: memory grows with the data that came, not the claims
+
+
+def _remaining(file: Any) -> int | None:
+    """Bytes from the file's position to its end when that is known (a non-empty regular
+    file, a seekable in-memory file); None for a pipe, FIFO, device or socket."""
+    try:
+        fileno = file.fileno()
+    except (AttributeError, OSError, ValueError, TypeError):
+        fileno = None
+    try:
+        if isinstance(fileno, int):
+            info = os.fstat(fileno)
+            # st_size 0 is also what /proc files report, so such a file is read as a stream
+            if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+                return None
+            return max(0, info.st_size - file.tell())
+        if file.seekable():
+            here = file.tell()
+            end = file.seek(0, io.SEEK_END)
+            file.seek(here)
+            return max(0, end - here) if isinstance(end, int) and isinstance(here, int) else None
+    except (AttributeError, OSError, ValueError, TypeError):
+        pass
+    return None
+
+
+class _FileReader:
+    """The ``_Reader`` calls over a binary file, from its position.
+
+    Nothing is read before a header asks for it.  When the file's length is
+    known, every claim is checked against it before a byte is read, rows are
+    stepped over with ``seek`` and read in one piece at the end; a stream
+    (pipe, FIFO, device) is read piece by piece up to what the headers claim,
+    then one byte more to prove it ends there.  With ``rows`` the rows are
+    handed to it piece by piece as they are read and not kept at all.
+    """
+
+    def __init__(self, file: Any, op: str, rows: Any = None) -> None:
+        self.file = file
+        self.op = op                 # who reads, for the messages: "state_read_from", a path, ...
+        self.rows = rows
+        self.offset = 0              # relative to the start (see ``rebase``)
+        self.pending = b""           # bytes read by ``peek``, served first
+        self.length = _remaining(file)
+        self.start = file.tell() if self.length is not None else 0
+        # a stream keeps what it read (it cannot be read again); not with a rows consumer
+        self.kept: bytearray | None = bytearray() if self.length is None and rows is None else None
+
+    def _read(self, n: int) -> bytes:
+        """Up to n bytes (fewer only at the end of the file)."""
+        if self.pending:
+            piece, self.pending = self.pending[:n], self.pending[n:]
+            return piece
+        piece = self.file.read(n)
+        if piece is None:
+            raise ArgumentError(f"{self.op}: the file would block (a non-blocking file with no data ready)")
+        try:
+            size = memoryview(piece).nbytes
+        except TypeError:
+            raise ArgumentError(f"{self.op}: the file's read() returned {type(piece).__name__}, "
+                                f"not bytes") from None
+        if size > n:
+            raise ArgumentError(f"{self.op}: the file's read({n}) returned {size} bytes")
+        return bytes(piece)
+
+    def _pieces(self, n: int) -> Any:
+        """n bytes in pieces of at most _CHUNK; stops early at the end of the file."""
+        while n > 0:
+            piece = self._read(min(n, _CHUNK))
+            if not piece:
+                return
+            n -= len(piece)
+            yield piece
+
+    def take(self, n: int, short: Any) -> bytes:
+        """The next n bytes; ``short(offset, n, length)`` is the error when fewer are left."""
+        at = self.offset
+        if self.length is not None and self.length - at < n:
+            raise short(at, n, self.length)
+        data = bytearray()
+        for piece in self._pieces(n):
+            data += piece
+        if len(data) < n:   # a stream ended (or a file shrank since its length was taken)
+            raise short(at, n, at + len(data))
+        if self.kept is not None:
+            self.kept += data
+        self.offset += n
+        return bytes(data)
+
+    def peek(self, n: int) -> bytes:
+        """Up to n bytes at the cursor, without moving it."""
+        data = b"".join(self._pieces(n))
+        self.pending = data + self.pending
+        return data
+
+    def unpack(self, layout: struct.Struct, field: str) -> tuple[tuple[Any, ...], int]:
+        at = self.offset
+        return layout.unpack(self.take(layout.size, _truncation(field))), at
+
+    def ids(self, count: int, field: str) -> tuple[tuple[int, ...], int]:
+        at = self.offset
+        return struct.unpack(f"<{count}i", self.take(4 * count, _truncation(field))), at
+
+    def skip(self, n: int, field: str) -> int:
+        at = self.offset
+        if self.length is not None and self.length - at < n:
+            raise truncated(field, at, n, self.length)
+        if self.rows is None and self.kept is None and len(self.pending) <= n:
+            self.file.seek(n - len(self.pending), io.SEEK_CUR)
+            self.pending = b""
+        else:
+            got = 0
+            for piece in self._pieces(n):
+                got += len(piece)
+                if self.rows is not None:
+                    self.rows(piece)
+                else:
+                    self.kept += piece
+            if got < n:
+                raise truncated(field, at, n, at + got)
+        self.offset += n
+        return at
+
+    def rebase(self) -> None:
+        """Make the current position offset 0 (the blob of a sequence file starts here)."""
+        if self.length is not None:
+            self.start += self.offset
+            self.length -= self.offset
+        if self.kept is not None:
+            del self.kept[:]
+        self.offset = 0
+
+    def finish(self) -> bytearray | None:
+        """The bytes from offset 0 to the cursor (None with a rows consumer), once the file
+        is proven to end there."""
+        end = self.offset
+        if self.length is not None and end != self.length:
+            raise trailing(end, self.length)
+        if self._read(1):
+            raise StateError(f"state blob has trailing bytes after byte {end} "
+                             + ("(the file grew while it was read)" if self.length is not None else
+                                f"(the stream goes on past the {end} bytes its headers claim)"))
+        if self.kept is not None or self.rows is not None:
+            return self.kept   # a stream is never read past what a header claims: exactly the blob
+        self.file.seek(self.start)
+        data = bytearray(end)
+        view = memoryview(data)
+        got = 0
+        for piece in self._pieces(end):
+            view[got:got + len(piece)] = piece
+            got += len(piece)
+        view.release()
+        if got < end:
+            raise StateError(f"state blob truncated: the file shrank to {got} of {end} bytes while it was read")
+        return data
+
+
+def _truncation(field: str) -> Any:
+    return lambda at, n, length: truncated(field, at, n, length)
+
+
+def read_rest(file: Any, cache: CacheShape | None = None, seq_id: int = -1) -> bytearray:
+    """The blob of ``state_read_from``: one blob from a binary file's position to its end.
+
+    Reads only what the blob's headers claim (and one byte more to prove the
+    file ends there), so ``/dev/zero``, an endless pipe or a huge file with a
+    short header are rejected without reading them; with ``cache`` every
+    check of ``parse_blob`` is made on the way, which bounds the read by the
+    cache's own state size.
+    """
+    return read_file(file, "state_read_from", cache, seq_id, sequence_file=False).data
+
+
+def _seq_file_header(reader: Any) -> np.ndarray:
+    """The tokens of a 'ggsq' file's header; leaves the reader at the state blob."""
+    head = reader.take(12, lambda at, n, length: StateError(
+        f"sequence file truncated: {length} bytes, the header needs 12"))
+    magic, version, n_tokens = struct.unpack("<III", head)
     if magic != SEQ_FILE_MAGIC:
         raise StateError(f"not a sequence file: magic 0x{magic:08x} at byte 0, "
                          f"expected 0x{SEQ_FILE_MAGIC:08x} ('ggsq')")
     if version != SEQ_FILE_VERSION:
         raise StateError(f"sequence file version {version} at byte 4, expected {SEQ_FILE_VERSION}")
-    if (len(view) - 12) // 4 < n_tokens:
-        raise StateError(f"sequence file truncated: {n_tokens} tokens (count at byte 8) need "
-                         f"{4 * n_tokens} bytes, {len(view) - 12} left")
-    tokens = np.frombuffer(view, dtype="<i4", count=n_tokens, offset=12).astype(np.int32)
-    return tokens, 12 + 4 * n_tokens
+    tokens = reader.take(4 * n_tokens, lambda at, n, length: StateError(
+        f"sequence file truncated: {n_tokens} tokens (count at byte 8) need {n} bytes, {length - at} left"))
+    return np.frombuffer(tokens, dtype="<i4").astype(np.int32)
+
+
+def parse_seq_file_header(data: Any) -> tuple[np.ndarray, int]:
+    """The tokens of a 'ggsq' sequence file in memory and the offset where its state blob starts."""
+    reader = _Reader(blob_view(data))
+    tokens = _seq_file_header(reader)
+    return tokens, reader.offset
+
+
+@dataclass(frozen=True)
+class FileContents:
+    """A state blob or a 'ggsq' sequence file, read and checked."""
+
+    tokens: np.ndarray | None    # a sequence file's tokens (int32); None for a bare blob
+    blob_offset: int             # where the blob starts in the file
+    blob: Blob
+    data: Any                    # the blob's bytes (bytes-like); None when read with ``rows``
+
+
+def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int = -1,
+              sequence_file: bool | None = None, watch: Any = None, rows: Any = None) -> FileContents:
+    """Read a blob (``sequence_file=False``), a 'ggsq' file (True) or either (None: by its magic)
+    from a binary file's position to its end, with every check of ``parse_blob``.
+
+    Only what the headers claim is read, and one byte more to prove the file
+    ends there: ``/dev/zero``, an endless FIFO or a huge file with a short
+    header are rejected after a few bytes.  With ``cache`` the claims are
+    checked against the cache on the way (a sequence blob of one cell, the
+    cache's row sizes), so no more than the cache's own state is ever read.
+    A defect of the blob of a sequence file is reported at its offset in the file.
+    ``watch`` and ``rows`` are for ``inspect``: ``watch`` sees the headers
+    before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
+    read, which are then not kept (``data`` is None).
+    """
+    _check_file(file, op, "read", "reading")
+    reader = _FileReader(file, op, rows)
+    tokens = None
+    if sequence_file or (sequence_file is None and len(head := reader.peek(4)) == 4
+                         and struct.unpack("<I", head)[0] == SEQ_FILE_MAGIC):
+        tokens = _seq_file_header(reader)
+    blob_offset = reader.offset
+    reader.rebase()
+    try:
+        blob = _parse(reader, cache, seq_id, watch)
+        data = reader.finish()
+    except StateError as exc:
+        if tokens is None:
+            raise
+        raise StateError(f"the state blob at byte {blob_offset}: {exc}") from None
+    return FileContents(tokens, blob_offset, blob, data)
