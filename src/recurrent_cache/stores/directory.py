@@ -133,7 +133,7 @@ class DirectoryStore:
         except OSError as exc:
             self._error(f"cannot write {data_name}", exc)
             return False
-        self._counters.add(puts=1, bytes_written=length)
+        self._counters.add(puts=1, bytes_written=len(view))
         self._written_since_scan += length
         if self.max_bytes is not None and (self._written_since_scan > self.max_bytes // 8
                                            or self._last_total + self._written_since_scan > self.max_bytes):
@@ -194,7 +194,7 @@ class DirectoryStore:
         view[size:] = make_trailer(int(match.group(2), 16), size, bytes.fromhex(digest))
         if not check_entry(key, entry):
             return self._damaged(key, link, data_path)
-        self._counters.add(hits=1, bytes_read=size)
+        self._counters.add(hits=1, bytes_read=len(entry))
         return entry
 
     def _damaged(self, key: str, link: str, data_path: str | None) -> None:
