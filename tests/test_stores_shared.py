@@ -150,6 +150,14 @@ def small_entries(n: int, namespace: str = "test", seed: int = 0):
     return geometry, out
 
 
+def numbered_entry(i: int, width: int) -> tuple[str, bytes, Geometry]:
+    """Snapshot number i: tokens [i], every value i, rows ``width`` floats wide (8*width bytes)."""
+    geometry = Geometry(1, width, width)
+    key = snapshot_key("numbered", geometry, [i])
+    row = np.full(width, i, np.float32)
+    return key, encode_snapshot(key, [i], [row], [row], geometry), geometry
+
+
 def test_round_trip_get_first_and_stats(kind):
     store = kind.open()
     geometry, entries = small_entries(6)
@@ -245,7 +253,21 @@ def _worker(argv: list[str]) -> int:
     restored, the sha256 of the entry read and the logits.  ``hammer STORE KEY ENTRIES_DIR N``:
     put the entries of a directory under one key N times, checking every read between."""
     role, spec = argv[0], argv[1]
-    store = open_store(spec)
+    store = open_store(spec) if role != "churn" else DirectoryStore(spec, max_bytes=int(argv[4]))
+    if role in ("churn", "write-forever"):
+        # churn: put keys FIRST..FIRST+N-1, reading random earlier keys back after each put
+        # write-forever: put keys 0, 1, 2, ... until killed
+        first, n = (int(argv[2]), int(argv[3])) if role == "churn" else (0, 1 << 30)
+        rng = np.random.default_rng(first)
+        bad = 0
+        for i in range(first, first + n):
+            store.put(*numbered_entry(i, 1 << 12 if role == "churn" else 1 << 20)[:2])
+            j = int(rng.integers(first, i + 1))
+            key, entry = numbered_entry(j, 1 << 12)[:2]
+            found = store.get_first([key])
+            bad += found is not None and bytes(found[1]) != entry
+        print(json.dumps({"bad": bad, "stats": store.stats()}, default=str))
+        return 0
     if role == "hammer":
         key, entries_dir, n = argv[2], Path(argv[3]), int(argv[4])
         candidates = sorted(p.read_bytes() for p in entries_dir.iterdir())
