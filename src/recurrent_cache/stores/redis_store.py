@@ -14,12 +14,14 @@ two in redis.conf / ``CONFIG SET``).  With the default ``noeviction`` a full
 server refuses writes: ``put`` then counts an error and the serving loop goes
 on.  ``ttl`` (seconds) gives every entry an expiry as well.
 
-A server that does not answer (refused, reset, timed out, out of memory) is
-never an exception in the serving loop: the call answers misses (or skips
-the write), the failure is counted in ``stats()["errors"]`` and logged once,
-and for ``retry_after`` seconds the store answers misses without trying, so a
+A server that does not answer (connection refused, reset, timed out) is never
+an exception in the serving loop: the call answers misses (or skips the
+write), the failure is counted in ``stats()["errors"]`` and logged once, and
+for ``retry_after`` seconds the store answers misses without trying, so a
 dead server costs no time-outs per token.  The next call after that tries
-again; redis-py reconnects by itself.
+again; redis-py reconnects by itself.  A server that answers with an error
+(out of memory under ``noeviction``, ...) fails that call only, counted and
+logged once too.
 
 Needs the ``redis`` client package: ``pip install 'recurrent_cache[redis]'``.
 """
@@ -52,6 +54,8 @@ return false
 def _import_redis():
     try:
         import redis
+        import redis.backoff
+        import redis.retry
     except ImportError:
         raise ImportError("RedisStore needs the redis client package: "
                           "pip install 'recurrent_cache[redis]' (or pip install redis)") from None
@@ -78,6 +82,7 @@ class RedisStore:
     def __init__(self, url: str, *, prefix: str = "recurrent_cache:", ttl: float | None = None,
                  timeout: float = 5.0, retry_after: float = 1.0) -> None:
         redis = _import_redis()
+        Retry, NoBackoff = redis.retry.Retry, redis.backoff.NoBackoff
         if not isinstance(url, str):
             raise ArgumentError(f"url must be a str, got {type(url).__name__}")
         _seconds("timeout", timeout, low=0.0, allow_low=False)
@@ -89,14 +94,19 @@ class RedisStore:
         self.ttl = ttl
         self.retry_after = retry_after
         try:
-            self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+            # one retry, at once: enough for a pooled connection the server has closed; a server that
+            # is down is the store's business (retry_after), not a backoff inside the serving loop
+            self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                                retry=Retry(NoBackoff(), 1))
         except ValueError as exc:
             raise ArgumentError(f"RedisStore cannot use url {self._safe_url()}: {exc}") from None
         self._get_first = self._client.register_script(_GET_FIRST)
-        self._failures = (redis.RedisError, OSError)
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._refused = redis.RedisError
         self._counters = StoreCounters()
         self._down_until = 0.0     # monotonic time before which the server is not tried
         self._failing = False      # the last attempt failed (and was logged)
+        self._refusal_logged = False
 
     def __repr__(self) -> str:
         return f"RedisStore({self._safe_url()!r}, prefix={self.prefix!r})"
@@ -186,12 +196,12 @@ class RedisStore:
     # -- failures ---------------------------------------------------------------------
 
     def _call(self, what: str, command):
-        """Run ``command``; None (counted, logged once) if the server is down or fails."""
+        """Run ``command``; None (counted, logged once) if the server is down or refuses it."""
         if time.monotonic() < self._down_until:
             return None
         try:
             result = command()
-        except self._failures as exc:
+        except self._unreachable as exc:
             self._counters.add(errors=1)
             self._down_until = time.monotonic() + self.retry_after
             if not self._failing:
@@ -199,6 +209,13 @@ class RedisStore:
                             "until it answers (retried every %gs, logged once)",
                             self._safe_url(), what, exc, self.retry_after)
             self._failing = True
+            return None
+        except self._refused as exc:      # it answered with an error (out of memory, ...): not down
+            self._counters.add(errors=1)
+            if not self._refusal_logged:
+                log.warning("RedisStore %s: %s refused: %s (counted in stats()['errors'], logged once)",
+                            self._safe_url(), what, exc)
+            self._refusal_logged = True
             return None
         if self._failing:
             log.warning("RedisStore %s answers again", self._safe_url())
