@@ -156,6 +156,8 @@ def snapshot_key(namespace: str, geometry: Geometry, tokens: Any) -> str:
 
 def key_digest(key: str) -> bytes:
     """The 16 bytes of the trailer that bind an entry to ``key``."""
+    if not isinstance(key, str):
+        raise ArgumentError(f"a store key is a str (from snapshot_key), got {type(key).__name__}")
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:16]
 
 
