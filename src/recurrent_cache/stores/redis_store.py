@@ -8,6 +8,10 @@ one value.  ``SET`` replaces a value atomically: a reader sees the old entry
 or the new one, and a writer killed in the middle of sending a value leaves
 nothing (the server drops an incomplete command).
 
+One server (or a primary with replicas), not Redis Cluster: the candidate
+keys of one lookup hash to different slots, which a cluster does not run in
+one script.
+
 Eviction is the server's: run it with a memory limit and an LRU policy, e.g.
 ``redis-server --maxmemory 8gb --maxmemory-policy allkeys-lru`` (or set the
 two in redis.conf / ``CONFIG SET``).  With the default ``noeviction`` a full
