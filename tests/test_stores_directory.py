@@ -136,7 +136,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_reader_accepts(tmp_path):
     for attempt in range(5):
         store_dir = tmp_path / f"store{attempt}"
         store_dir.mkdir()
-        writer = subprocess.Popen([sys.executable, str(HERE), "write-forever", f"dir:{store_dir}"],
+        writer = subprocess.Popen([sys.executable, str(HERE), "write-forever", str(store_dir)],
                                   stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         caught = None
@@ -180,3 +180,12 @@ def test_processes_churning_a_small_capped_directory_read_only_exact_entries(tmp
     # each process scans after an eighth of the cap: the directory ends at most one entry each over
     assert final["bytes"] <= 6 * size + 3 * size
     assert np.all([p.name.endswith(".ggsq") for p in tmp_path.iterdir()])
+
+
+def test_open_store_picks_the_store_a_target_names(tmp_path):
+    from recurrent_cache.stores import RedisStore, open_store
+    assert isinstance(open_store(str(tmp_path)), DirectoryStore)
+    assert isinstance(open_store(tmp_path / "sub", max_bytes=10), DirectoryStore)
+    for url in ("redis://localhost:6379/0", "rediss://localhost", "unix:///tmp/r.sock", "valkey://localhost"):
+        store = open_store(url)
+        assert isinstance(store, RedisStore) and store.url.startswith(("redis", "unix"))

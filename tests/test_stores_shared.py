@@ -26,8 +26,8 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.models import ReferenceRun, random_model
-from recurrent_cache.stores import (DirectoryStore, Geometry, RedisStore, decode_snapshot, encode_snapshot,
-                                    restore_rows, sequence_rows, snapshot_key)
+from recurrent_cache.stores import (Geometry, decode_snapshot, encode_snapshot, open_store, restore_rows,
+                                    sequence_rows, snapshot_key)
 
 HERE = Path(__file__).resolve()
 
@@ -102,10 +102,10 @@ class StoreKind:
     def __init__(self, kind: str, tmp_path: Path, request) -> None:
         self.kind = kind
         if kind == "directory":
-            self.spec = f"dir:{tmp_path / 'store'}"
+            self.spec = str(tmp_path / "store")
         else:
             self.server = request.getfixturevalue("redis_server")
-            self.spec = f"redis:{self.server.url}"
+            self.spec = self.server.url
 
     def open(self):
         return open_store(self.spec)
@@ -124,11 +124,6 @@ class StoreKind:
             link = Path(store.path) / (hashlib.sha256(key.encode()).digest()[:16].hex() + ".ggsq")
             return (link.parent / os.readlink(link)).read_bytes() if os.path.lexists(link) else None
         return self.server.client().get(store.prefix + key)
-
-
-def open_store(spec: str):
-    kind, _, where = spec.partition(":")
-    return DirectoryStore(where) if kind == "dir" else RedisStore(where)
 
 
 @pytest.fixture(params=["directory", "redis"])
@@ -253,7 +248,7 @@ def _worker(argv: list[str]) -> int:
     restored, the sha256 of the entry read and the logits.  ``hammer STORE KEY ENTRIES_DIR N``:
     put the entries of a directory under one key N times, checking every read between."""
     role, spec = argv[0], argv[1]
-    store = open_store(spec) if role != "churn" else DirectoryStore(spec, max_bytes=int(argv[4]))
+    store = open_store(spec, **({"max_bytes": int(argv[4])} if role == "churn" else {}))
     if role in ("churn", "write-forever"):
         # churn: put keys FIRST..FIRST+N-1, reading random earlier keys back after each put
         # write-forever: put keys 0, 1, 2, ... until killed

@@ -24,7 +24,9 @@ The interface the prefix cache calls (every store implements it):
 
 ``store.get_first(keys) -> (i, entry) | None``
     The first key of ``keys`` with an intact entry. Pass the candidate
-    prefixes longest first: one round trip (Redis) that carries one value.
+    prefixes longest first: only that entry is transferred (Redis: a script
+    finds the first key present, a GET fetches it — two round trips, one on
+    a miss).
 ``store.get_many(keys) -> list[entry | None]``
     Every key's entry, in one round trip (Redis ``MGET``).
 ``store.put(key, entry) -> bool``
@@ -43,8 +45,12 @@ connection failures: they are misses (or skipped writes), counted in
 ``errors`` and logged once on the ``recurrent_cache.stores`` logger.
 
 ``sequence_rows(cache, seq)`` and ``restore_rows(cache, seq, n_tokens, r, s)``
-move a state between a cache's rows and a snapshot.
+move a state between a cache's rows and a snapshot; ``open_store(target)``
+makes the store a command line names (``--store DIR_OR_URL``).
 """
+
+import os
+from typing import Any, Union
 
 from .base import Store
 from .directory import DirectoryStore
@@ -52,5 +58,18 @@ from .redis_store import RedisStore
 from .snapshot import (Geometry, check_entry, decode_snapshot, encode_snapshot, restore_rows,
                        sequence_rows, snapshot_key)
 
-__all__ = ["Store", "DirectoryStore", "RedisStore", "Geometry", "snapshot_key", "encode_snapshot",
+_URL_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
+
+
+def open_store(target: Union[str, "os.PathLike[str]"], **options: Any) -> Union[DirectoryStore, RedisStore]:
+    """``RedisStore(target)`` for a ``redis://``, ``rediss://`` or ``unix://`` URL, else
+    ``DirectoryStore(target)``; ``options`` go to the constructor."""
+    if isinstance(target, str) and target.startswith(_URL_SCHEMES):
+        if target.startswith("valkey"):
+            target = "redis" + target[len("valkey"):]
+        return RedisStore(target, **options)
+    return DirectoryStore(target, **options)
+
+
+__all__ = ["Store", "DirectoryStore", "RedisStore", "open_store", "Geometry", "snapshot_key", "encode_snapshot",
            "decode_snapshot", "check_entry", "sequence_rows", "restore_rows"]

@@ -2,9 +2,9 @@
 
 Each entry (a 'ggsq' file and its 32-byte trailer, snapshot.py) is one string
 value under ``prefix + key``.  ``get_many`` is one ``MGET``; ``get_first`` is
-one server-side script that returns the first key of the list that exists,
-so a lookup of every candidate prefix length is one round trip that carries
-one value.  ``SET`` replaces a value atomically: a reader sees the old entry
+one server-side script that finds the first key of the list that exists and
+one ``GET`` of that key: a lookup of every candidate prefix length is two
+round trips that carry one value (a miss: one round trip).  ``SET`` replaces a value atomically: a reader sees the old entry
 or the new one, and a writer killed in the middle of sending a value leaves
 nothing (the server drops an incomplete command).
 
@@ -45,13 +45,14 @@ __all__ = ["RedisStore"]
 
 log = logging.getLogger("recurrent_cache.stores")
 
-# KEYS: the candidates in the order to try; returns {index (1-based), value} of the first that exists
-_GET_FIRST = """
+# KEYS: the candidates in the order to try; returns the 1-based index of the first that exists, or 0.
+# It returns no value: a script that returns the value copies it through Lua, which made a 1 MiB hit
+# 5x slower than this script followed by a GET (1.8 ms against 0.35 ms, unix socket, hiredis).
+_FIRST_PRESENT = """
 for i = 1, #KEYS do
-    local value = redis.call('GET', KEYS[i])
-    if value then return {i, value} end
+    if redis.call('EXISTS', KEYS[i]) == 1 then return i end
 end
-return false
+return 0
 """
 
 
@@ -104,7 +105,7 @@ class RedisStore:
                                                 retry=Retry(NoBackoff(), 1))
         except ValueError as exc:
             raise ArgumentError(f"RedisStore cannot use url {self._safe_url()}: {exc}") from None
-        self._get_first = self._client.register_script(_GET_FIRST)
+        self._first_present = self._client.register_script(_FIRST_PRESENT)
         self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._refused = redis.RedisError
         self._counters = StoreCounters()
@@ -147,25 +148,31 @@ class RedisStore:
     def get_first(self, keys: Sequence[str]) -> tuple[int, bytes] | None:
         """``(i, entry)`` for the first key in ``keys`` that has an intact entry, or None.
 
-        One round trip that carries one value; pass the candidates longest
-        prefix first.  A damaged entry is removed and the keys after it tried.
+        Pass the candidates longest prefix first.  Two round trips: a
+        server-side script finds the first key present, then one GET fetches
+        its value (a miss is one round trip).  A damaged entry, or one evicted
+        between the two, is passed over and the keys after it tried.
         """
         self._counters.add(lookups=1)
         keys = list(keys)
         start = 0
         while start < len(keys):
             rest = keys[start:]
-            found = self._call("GET", lambda: self._get_first(keys=[self.prefix + key for key in rest]))
+            found = self._call("EVALSHA", lambda: self._first_present(keys=[self.prefix + key for key in rest]))
             if not found:
-                # a failed call is a miss for every key; an empty answer too
+                # a failed call is a miss for every key; so is an answer of 0
                 self._counters.add(misses=len(rest))
                 return None
-            index, value = int(found[0]) - 1, found[1]
+            index = int(found) - 1
             self._counters.add(misses=index)
-            if check_entry(rest[index], value):
+            value = self._call("GET", lambda: self._client.get(self.prefix + rest[index]))
+            if value is not None and check_entry(rest[index], value):
                 self._counters.add(hits=1, bytes_read=len(value))
                 return start + index, value
-            self._remove_damaged([rest[index]])
+            if value is None:
+                self._counters.add(misses=1)   # evicted meanwhile, or the server failed
+            else:
+                self._remove_damaged([rest[index]])
             start += index + 1
         return None
 

@@ -182,27 +182,38 @@ def _rows(rows: Sequence[Any], geometry: Geometry, which: str) -> list[np.ndarra
 
 
 def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequence[Any],
-                    geometry: Geometry) -> bytes:
+                    geometry: Geometry) -> bytearray:
     """The entry for the state after ``tokens`` (its pos is ``len(tokens) - 1``) under ``key``.
 
     ``r_rows[il]`` / ``s_rows[il]`` are layer ``il``'s rows, numpy arrays of
     the cache's dtype (``cache.r[il][row]``).  The ggsq part is byte for byte
-    what ``rc.save_seq_file`` writes for a sequence holding that state.
+    what ``rc.save_seq_file`` writes for a sequence holding that state.  The
+    rows are copied once, into the entry.
     """
     token_array = _token_array(tokens)
     if token_array.size == 0:
         raise ArgumentError("a snapshot needs at least one token (the state after no token is zeros)")
     r_list, s_list = _rows(r_rows, geometry, "r"), _rows(s_rows, geometry, "s")
-    parts = [_FILE_HEADER.pack(SEQ_FILE_MAGIC, SEQ_FILE_VERSION, token_array.size), token_array.tobytes(),
-             _BLOB_HEADER.pack(1, token_array.size - 1, 0, 0, geometry.n_layer)]
+    n_tokens = token_array.size
+    ggsq_length = _FILE_HEADER.size + 4 * n_tokens + geometry.blob_size()
+    entry = bytearray(ggsq_length + TRAILER_SIZE)
+    view = memoryview(entry)
+    _FILE_HEADER.pack_into(entry, 0, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, n_tokens)
+    offset = _FILE_HEADER.size
+    view[offset:offset + 4 * n_tokens] = token_array.tobytes()
+    offset += 4 * n_tokens
+    _BLOB_HEADER.pack_into(entry, offset, 1, n_tokens - 1, 0, 0, geometry.n_layer)
+    offset += _BLOB_HEADER.size
     for which, rows in (("r", r_list), ("s", s_list)):
         type_id = _GGML[geometry.dtype_r if which == "r" else geometry.dtype_s][0]
         row_bytes = geometry.row_bytes_r if which == "r" else geometry.row_bytes_s
         for row in rows:
-            parts.append(_TENSOR_HEADER.pack(type_id, row_bytes))
-            parts.append(row.view(np.uint8).tobytes())
-    ggsq = b"".join(parts)
-    return ggsq + make_trailer(zlib.crc32(ggsq), len(ggsq), key_digest(key))
+            _TENSOR_HEADER.pack_into(entry, offset, type_id, row_bytes)
+            offset += _TENSOR_HEADER.size
+            view[offset:offset + row_bytes] = row.view(np.uint8).reshape(-1)
+            offset += row_bytes
+    view[offset:] = make_trailer(zlib.crc32(view[:offset]), offset, key_digest(key))
+    return entry
 
 
 def entry_ggsq_length(key: str, entry: Any) -> int | None:
