@@ -1,0 +1,290 @@
+"""``DirectoryStore``: snapshot entries as llama.cpp sequence files in one directory.
+
+Layout, for a key whose digest (``sha256(key)[:16]``, hex) is ``D``::
+
+    D.ggsq              -> D.CCCCCCCC.ggsq   a symbolic link: the key's current entry
+    D.CCCCCCCC.ggsq     the ggsq file (SPEC §5) of the entry, CCCCCCCC its CRC-32 in hex
+    .D.<random>.tmp     a file being written (a writer killed now leaves only this)
+
+Every file that ends in ``.ggsq`` is a plain 'ggsq' file: ``python -m
+recurrent_cache inspect D.ggsq`` and llama.cpp's ``llama_state_seq_load_file``
+read it as it is.  The entry's trailer (snapshot.py) is not in the file —
+``inspect`` rejects a blob with trailing bytes — but in the names: the key's
+digest is the file name, the CRC-32 the part after it.  A reader follows the
+link, reads the file and checks its CRC-32 and length before it hands it out.
+
+Writes are atomic without locks, so any number of processes can share the
+directory: the ggsq file is written under a temporary name and renamed to its
+final name, then a new link is made under a temporary name and renamed over
+``D.ggsq``.  A reader sees the old entry, the new one or none, never part of
+one; a writer killed at any point leaves a temporary file (removed by a later
+scan once it is ten minutes old) or a complete entry.  Files are not
+fsync'ed: after a power cut an entry can be lost or damaged, and the
+CRC-32 turns damage into a miss.
+
+Size cap: with ``max_bytes``, every process scans the directory once it has
+written an eighth of the cap since its last scan (or when its last total plus
+what it wrote exceeds the cap), and removes the least recently used files
+(every hit sets the file's mtime) until the total fits.  Between scans the
+directory can exceed the cap by what the processes wrote since their last
+scans.  Needs a POSIX file system (symbolic links, atomic rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import secrets
+import struct
+import time
+from typing import Any, Sequence
+
+from ..errors import ArgumentError
+from .base import StoreCounters
+from .snapshot import TRAILER_SIZE, check_entry, entry_ggsq_length, key_digest, make_trailer
+
+__all__ = ["DirectoryStore"]
+
+log = logging.getLogger("recurrent_cache.stores")
+
+_DATA = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8})\.ggsq$")
+_LINK = re.compile(r"^([0-9a-f]{32})\.ggsq$")
+STALE_SECONDS = 600   # a temporary file this old belongs to a writer that died
+
+
+class DirectoryStore:
+    """Snapshot entries in ``path`` (created if missing), at most ``max_bytes`` of them (None: no cap).
+
+    Implements the store interface of ``recurrent_cache.stores``.  I/O errors
+    (disk full, permissions, a vanished directory) are logged once and
+    counted in ``stats()["errors"]``; the call then answers a miss or skips
+    the write, and never raises into the serving loop.
+    """
+
+    def __init__(self, path: str | os.PathLike, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 1):
+            raise ArgumentError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise ArgumentError(f"DirectoryStore cannot use {self.path}: {exc.strerror or exc}") from None
+        if not os.path.isdir(self.path):
+            raise ArgumentError(f"DirectoryStore path {self.path} is not a directory")
+        self.max_bytes = max_bytes
+        self._counters = StoreCounters()
+        self._warned = False
+        self._last_total = 0              # bytes found by the last scan
+        self._written_since_scan = 0      # bytes this process wrote since then
+        self._evictions = 0
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({self.path!r}, max_bytes={self.max_bytes!r})"
+
+    # -- the store interface ---------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """The entry of every key (None: missing, or damaged and then removed)."""
+        self._counters.add(lookups=1)
+        return [self._read(key) for key in keys]
+
+    def get_first(self, keys: Sequence[str]) -> tuple[int, bytearray] | None:
+        """``(i, entry)`` for the first key in ``keys`` that has an intact entry, or None.
+
+        Pass the candidates longest prefix first: only the entry returned is read.
+        """
+        self._counters.add(lookups=1)
+        for i, key in enumerate(keys):
+            entry = self._read(key)
+            if entry is not None:
+                return i, entry
+        return None
+
+    def put(self, key: str, entry: Any) -> bool:
+        """Store ``entry`` (from ``encode_snapshot`` under ``key``); False if it was there already or failed."""
+        length = entry_ggsq_length(key, entry)
+        if length is None:
+            raise ArgumentError("put() takes an entry made by encode_snapshot for the same key "
+                                "(its trailer does not name this key)")
+        view = memoryview(entry).cast("B")
+        (crc,) = struct.unpack_from("<I", view, length + 4)
+        digest = key_digest(key).hex()
+        data_name = f"{digest}.{crc:08x}.ggsq"
+        link = os.path.join(self.path, f"{digest}.ggsq")
+        try:
+            with contextlib.suppress(OSError):   # no link, another link, or its file is gone: write
+                if os.readlink(link) == data_name:
+                    os.utime(os.path.join(self.path, data_name))
+                    self._counters.add(put_skipped=1)
+                    return False
+            self._write_file(os.path.join(self.path, data_name), view[:length], f".{digest}")
+            temporary_link = os.path.join(self.path, f".{digest}.{secrets.token_hex(8)}.lnk")
+            os.symlink(data_name, temporary_link)
+            try:
+                os.replace(temporary_link, link)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary_link)
+                raise
+        except OSError as exc:
+            self._error(f"cannot write {data_name}", exc)
+            return False
+        self._counters.add(puts=1, bytes_written=len(view))
+        self._written_since_scan += length
+        if self.max_bytes is not None and (self._written_since_scan > self.max_bytes // 8
+                                           or self._last_total + self._written_since_scan > self.max_bytes):
+            self._scan(evict=True)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this process (``lookups`` calls; ``hits``, ``misses``, ``damaged`` keys;
+        ``errors``, ``puts``, ``put_skipped``, ``bytes_read``, ``bytes_written``, ``evictions``)
+        and, from a scan of the directory now, ``bytes`` and ``entries`` of every process."""
+        total, count = self._scan(evict=False)
+        return {**self._counters.snapshot(), "evictions": self._evictions, "bytes": total,
+                "entries": count, "max_bytes": self.max_bytes, "path": self.path}
+
+    # -- reading -------------------------------------------------------------------
+
+    def _read(self, key: str) -> bytearray | None:
+        digest = key_digest(key).hex()
+        link = os.path.join(self.path, f"{digest}.ggsq")
+        try:
+            target = os.readlink(link)
+        except FileNotFoundError:
+            self._counters.add(misses=1)
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:    # not a link: something else wrote there
+                return self._damaged(key, link, None)
+            self._error(f"cannot read {link}", exc)
+            self._counters.add(misses=1)
+            return None
+        match = _DATA.match(target)
+        if match is None or match.group(1) != digest:
+            return self._damaged(key, link, None)
+        data_path = os.path.join(self.path, target)
+        try:
+            with open(data_path, "rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                entry = bytearray(size + TRAILER_SIZE)
+                view = memoryview(entry)
+                done = 0
+                while done < size:
+                    n = file.readinto(view[done:size])
+                    if not n:
+                        break
+                    done += n
+                # the hit makes this the most recently used entry
+                with contextlib.suppress(OSError):
+                    os.utime(file.fileno())
+        except FileNotFoundError:          # removed (evicted) since the link was read
+            self._counters.add(misses=1)
+            return None
+        except OSError as exc:
+            self._error(f"cannot read {data_path}", exc)
+            self._counters.add(misses=1)
+            return None
+        if done != size:
+            return self._damaged(key, link, data_path)
+        view[size:] = make_trailer(int(match.group(2), 16), size, bytes.fromhex(digest))
+        if not check_entry(key, entry):
+            return self._damaged(key, link, data_path)
+        self._counters.add(hits=1, bytes_read=len(entry))
+        return entry
+
+    def _damaged(self, key: str, link: str, data_path: str | None) -> None:
+        """Count a damaged entry and remove it, so that no process reads it again."""
+        self._counters.add(damaged=1, misses=1)
+        log.info("DirectoryStore %s: removed a damaged entry (%s)", self.path, os.path.basename(link))
+        for path in (data_path, link):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return None
+
+    # -- writing -------------------------------------------------------------------
+
+    def _write_file(self, path: str, data: memoryview, prefix: str) -> None:
+        """Write ``data`` to ``path`` through a temporary file renamed over it."""
+        temporary = os.path.join(self.path, f"{prefix}.{secrets.token_hex(8)}.tmp")
+        # os.open honours the umask, so other users of a shared directory can read
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            with os.fdopen(handle, "wb", buffering=0) as file:
+                done = 0
+                while done < len(data):
+                    done += file.write(data[done:])
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+    # -- size -----------------------------------------------------------------------
+
+    def _scan(self, evict: bool) -> tuple[int, int]:
+        """Total bytes and entry files now; with ``evict``, first bring the total under the cap.
+
+        Also removes what dead writers left: temporary files older than
+        STALE_SECONDS and links whose file is gone.
+        """
+        data: list[tuple[float, int, str]] = []   # (mtime, size, name)
+        links: list[str] = []
+        total = 0
+        now = time.time()
+        try:
+            with os.scandir(self.path) as entries:
+                for item in entries:
+                    try:
+                        if _DATA.match(item.name) and item.is_file(follow_symlinks=False):
+                            st = item.stat(follow_symlinks=False)
+                            data.append((st.st_mtime, st.st_size, item.name))
+                            total += st.st_size
+                        elif _LINK.match(item.name) and item.is_symlink():
+                            links.append(item.name)
+                        elif item.name.startswith(".") and item.name.endswith((".tmp", ".lnk")):
+                            st = item.stat(follow_symlinks=False)
+                            if now - st.st_mtime > STALE_SECONDS:
+                                os.unlink(item.path)
+                            else:
+                                total += st.st_size
+                    except FileNotFoundError:   # another process removed it meanwhile
+                        continue
+        except OSError as exc:
+            self._error(f"cannot scan {self.path}", exc)
+            return self._last_total, 0
+        count = len(data)
+        if evict and self.max_bytes is not None and total > self.max_bytes:
+            data.sort()
+            for _, size, name in data:
+                if total <= self.max_bytes:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.path, name))
+                    self._evictions += 1
+                total -= size
+                count -= 1
+                link = os.path.join(self.path, name[:32] + ".ggsq")
+                with contextlib.suppress(OSError):
+                    if os.readlink(link) == name:
+                        os.unlink(link)
+        for name in links:
+            path = os.path.join(self.path, name)
+            with contextlib.suppress(OSError):
+                if not os.path.exists(path):   # its file was removed
+                    os.unlink(path)
+        self._last_total = total
+        self._written_since_scan = 0
+        return total, count
+
+    def _error(self, what: str, exc: OSError) -> None:
+        self._counters.add(errors=1)
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "DirectoryStore %s: %s: %s (counted in stats()['errors'], logged once)",
+                self.path, what, exc.strerror or exc)
