@@ -15,6 +15,7 @@ from .batch import Batch
 from .errors import (ArgumentError, BatchError, ConfigError, CoreError, PositionError,
                      RecurrentCacheError, SeqIdError, StateError)
 from .memory import MemoryStatus, Ubatch
+from .prefix_cache import PrefixCache
 from .seqfile import load_seq_file, save_seq_file
 
 if _os.environ.get("RECURRENT_CACHE_IMPL", "core") == "reference":
@@ -46,4 +47,5 @@ __all__ = [
     "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "get_include", "save_seq_file", "load_seq_file",
+    "PrefixCache",
 ]

@@ -1,0 +1,521 @@
+"""The prefix-state cache (SPEC §8): reuse the state of every shared prompt prefix, exactly.
+
+A recurrent state cannot be cut back to an earlier token, so a prefix can be
+reused only if the state was saved at exactly that prefix length.
+``PrefixCache`` keeps such *snapshots* (one sequence's r and s rows of every
+layer, keyed by the exact tokens that produced them) in numpy pools allocated
+once, tells the serving loop where to stop its prefill and save (``plan``),
+and copies the longest reusable snapshot into a free cell (``restore``)::
+
+    pc = rc.PrefixCache(cache, max_bytes=256 << 20)
+    n = pc.restore(seq, prompt)              # 0: nothing reusable, seq still holds no cell
+    for cut in pc.plan(prompt, n):           # block grid, junctions, the end of the prompt
+        ...                                  # prefill prompt[n:cut] on seq (positions n .. cut-1)
+        pc.save(seq, prompt[:cut])
+        n = cut
+    ...                                      # generate; then, for the next turn:
+    pc.save(seq, prompt + reply)
+
+Lookup.  Keys live in a trie of token *blocks* (``block_size`` tokens, as
+little-endian int32 bytes).  Each node's children are a dict keyed by the
+block's bytes: Python hashes the bytes and compares them exactly only when the
+hashes agree, so a lookup costs one dict probe per block of the prompt, never
+a token-by-token comparison in Python.  A snapshot whose length is not a
+multiple of ``block_size`` sits in the node of its full blocks under the bytes
+of its remaining tokens (its *tail*).  Each node also keeps its continuations
+(child blocks and tails) sorted, so the point where a prompt leaves every
+saved path inside a block (a *junction*) is found by bisection.
+
+Eviction (GreedyDual-Size-Frequency over tokens saved).  Every snapshot has
+a priority ``L + value``: ``L`` is the priority of the last snapshot evicted
+(so the priorities of snapshots not used for a while fall behind: recency),
+and ``value = weight(kind) * length * (1 + hits)`` is what the snapshot saves
+when used — its depth in tokens, times how often requests have restored it,
+times how likely it is to be reused, by kind:
+
+* *junction* (weight ``JUNCTION_WEIGHT``): a saved path passes through it and
+  continues elsewhere: at least two requests share this prefix (a system
+  prompt, a few-shot template);
+* *end* (``END_WEIGHT``): a length off the block grid that no saved path
+  passes: the end of a prompt or of a conversation turn, which the next turn
+  extends;
+* *grid* (weight 1): a multiple of ``block_size`` on a single path, useful only
+  if a later request leaves the path within the next block.
+
+The snapshot with the lowest priority goes first; a snapshot being restored is
+never evicted.  A hit raises a snapshot's hits and refreshes its priority.
+
+A second tier (the store, SPEC §8) plugs in at two points: ``_spill`` hands
+every evicted snapshot (tokens, pos, rows) to the tier, and ``_lookup`` asks
+the tier, on a memory miss, for the longest of the candidate lengths (block
+grid and junctions) longer than what memory holds.  See ``SnapshotTier``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import bisect_left, insort
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from .errors import ArgumentError, PositionError, RecurrentCacheError, SeqIdError
+
+__all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
+
+JUNCTION_WEIGHT = 8.0
+END_WEIGHT = 8.0
+GRID_WEIGHT = 1.0
+
+_TOKEN = np.dtype("<i4")  # tokens as llama.cpp stores them: int32, little-endian
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+class NoFreeCellError(RecurrentCacheError, RuntimeError):
+    """``restore`` found a snapshot but every cell of the cache is in use."""
+
+
+class SnapshotTier(Protocol):
+    """A second tier behind the in-memory snapshots (e.g. a directory or Redis store).
+
+    ``put`` receives every snapshot evicted from memory; ``longest`` returns
+    the greatest of ``lengths`` (each a prefix length of ``tokens``) it holds,
+    or 0; ``get`` returns the rows of ``tokens``' snapshot (lists of one row
+    per layer) or None when it is missing or damaged.
+    """
+
+    def put(self, tokens: np.ndarray, pos: int, r: list[np.ndarray], s: list[np.ndarray]) -> None: ...
+
+    def longest(self, tokens: np.ndarray, lengths: Sequence[int]) -> int: ...
+
+    def get(self, tokens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]] | None: ...
+
+
+class _Node:
+    """The full blocks of a path; holds the snapshots whose length is in [depth*B, depth*B + B)."""
+
+    __slots__ = ("parent", "block", "depth", "children", "tails", "tail_lengths", "tail_counts",
+                 "continuations", "count")
+
+    def __init__(self, parent: "_Node | None", block: bytes, depth: int) -> None:
+        self.parent = parent
+        self.block = block                       # this node's block, as bytes (b"" for the root)
+        self.depth = depth                       # blocks from the root
+        self.children: dict[bytes, _Node] = {}   # next block's bytes -> node
+        self.tails: dict[bytes, _Snapshot] = {}  # bytes of the tokens after the blocks -> snapshot
+        self.tail_lengths: list[int] = []        # distinct tail lengths in tokens, descending
+        self.tail_counts: dict[int, int] = {}    # tail length -> snapshots with it
+        self.continuations: list[bytes] = []     # child blocks and non-empty tails, sorted
+        self.count = 0                           # snapshots in this node and below it
+
+
+class _Snapshot:
+    __slots__ = ("slot", "length", "node", "tail", "kind", "hits", "priority", "pinned", "alive")
+
+    def __init__(self, slot: int, length: int, node: _Node, tail: bytes, kind: str) -> None:
+        self.slot = slot        # row in the pools
+        self.length = length    # tokens in the key
+        self.node = node
+        self.tail = tail
+        self.kind = kind        # "junction" | "end" | "grid"
+        self.hits = 0
+        self.priority = 0.0
+        self.pinned = False     # being restored: never evicted
+        self.alive = True
+
+
+_KIND_WEIGHT = {"junction": JUNCTION_WEIGHT, "end": END_WEIGHT, "grid": GRID_WEIGHT}
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """How many leading int32 tokens two byte strings share."""
+    n = min(len(a), len(b)) // 4
+    x = np.frombuffer(a, _TOKEN, n)
+    y = np.frombuffer(b, _TOKEN, n)
+    differ = np.flatnonzero(x != y)
+    return int(differ[0]) if differ.size else n
+
+
+class PrefixCache:
+    """Snapshots of sequence states keyed by exact token prefixes, within ``max_bytes``.
+
+    ``cache`` is a ``RecurrentCache`` (compiled or reference); snapshots are
+    rows of every layer's r and s state, held in pools allocated here once:
+    ``max_bytes // snapshot_bytes`` snapshots.  ``max_bytes`` bounds the state
+    pools; the token keys are held besides (4 bytes per distinct block token).
+    ``block_size`` is the grid ``plan`` cuts on; ``namespace`` names the
+    model, for a second tier shared between processes.
+    """
+
+    def __init__(self, cache: Any, max_bytes: int, block_size: int = 256, namespace: str = "") -> None:
+        for name, value, low in (("max_bytes", max_bytes, 0), ("block_size", block_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ArgumentError(f"PrefixCache: {name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(namespace, str):
+            raise ArgumentError(f"PrefixCache: namespace must be a str, got {namespace!r}")
+        self.cache = cache
+        self.max_bytes = int(max_bytes)
+        self.block_size = int(block_size)
+        self.namespace = namespace
+        self._r = [cache.r[il] for il in range(cache.n_layer)]
+        self._s = [cache.s[il] for il in range(cache.n_layer)]
+        self.snapshot_bytes = sum(t.shape[1] * t.itemsize for t in self._r + self._s)
+        self.capacity = self.max_bytes // max(1, self.snapshot_bytes)
+        # The pools: snapshot slot i is row i of every layer's r and s pool.
+        self._pool_r = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._r]
+        self._pool_s = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._s]
+        self._free_slots = list(range(self.capacity - 1, -1, -1))
+        self._root = _Node(None, b"", 0)
+        self._heap: list[tuple[float, int, _Snapshot]] = []  # (priority, order, snapshot), stale entries skipped
+        self._order = itertools.count()
+        self._inflation = 0.0                 # L: the priority of the last snapshot evicted
+        self._tier: SnapshotTier | None = None  # the second tier; set by the store integration
+        self._stats = dict.fromkeys(("lookups", "hits", "tokens_matched", "tokens_recomputed", "saves",
+                                     "evictions", "tier_spills", "tier_hits"), 0)
+
+    # -- public API --------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """The longest prefix length ``n < len(tokens)`` that has a snapshot; 0 if none."""
+        data, n_tokens = self._key(tokens)
+        found = self._lookup(data, n_tokens)
+        return found.length if found is not None else 0
+
+    def restore(self, seq: int, tokens: Sequence[int] | np.ndarray) -> int:
+        """Place the longest reusable snapshot of ``tokens`` in a free cell for ``seq``.
+
+        ``seq`` must hold no cell.  It then holds the snapshot's state at
+        position ``n - 1`` (placed as ``state_read`` of a one-cell blob would
+        place it) and ``n`` is returned: feed ``tokens[n:]`` next.  ``n`` is
+        less than ``len(tokens)``, so at least one token is left to produce
+        logits.  Returns 0 and changes nothing when no prefix is reusable;
+        raises ``NoFreeCellError`` (changing nothing) when one is but every
+        cell is in use.
+        """
+        data, n_tokens = self._key(tokens)
+        self._check_empty_seq(seq)
+        stats = self._stats
+        stats["lookups"] += 1
+        found = self._lookup(data, n_tokens, use_tier=True)
+        if found is None:
+            stats["tokens_recomputed"] += n_tokens
+            return 0
+        if self.cache.used >= self.cache.size:
+            raise NoFreeCellError(f"restore seq {seq}: a snapshot of {found.length} tokens is held but all "
+                                  f"{self.cache.size} cells are in use")
+        found.pinned = True
+        try:
+            row = self.cache._place_sequence(seq, found.length - 1)
+            slot = found.slot
+            for dst, pool in zip(self._r, self._pool_r):
+                dst[row] = pool[slot]
+            for dst, pool in zip(self._s, self._pool_s):
+                dst[row] = pool[slot]
+        finally:
+            found.pinned = False
+        found.hits += 1
+        self._touch(found)
+        stats["hits"] += 1
+        stats["tokens_matched"] += found.length
+        stats["tokens_recomputed"] += n_tokens - found.length
+        return found.length
+
+    def plan(self, tokens: Sequence[int] | np.ndarray, start: int = 0) -> list[int]:
+        """Prefix lengths in ``(start, len(tokens)]`` at which to stop the prefill and ``save``.
+
+        Every multiple of ``block_size``, every junction (a length at which
+        ``tokens`` leaves the path of a prefix saved earlier, at most two per
+        block: the deepest branch on each side of the prompt's block in sorted
+        order), and ``len(tokens)``; ascending.
+        """
+        data, n_tokens = self._key(tokens)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= n_tokens:
+            raise ArgumentError(f"plan: start must be an integer in [0, {n_tokens}], got {start!r}")
+        start = int(start)
+        block = self.block_size
+        cuts = set(range((start // block + 1) * block, n_tokens + 1, block))
+        cuts.update(j for j in self._junctions(data, n_tokens) if start < j < n_tokens)
+        if n_tokens > start:
+            cuts.add(n_tokens)
+        return sorted(cuts)
+
+    def save(self, seq: int, tokens: Sequence[int] | np.ndarray) -> bool:
+        """Snapshot ``seq``'s current state as the state after ``tokens``.
+
+        ``seq`` must hold a cell at position ``len(tokens) - 1``.  Returns True
+        when the snapshot is held (new, or already held and refreshed), False
+        when the budget holds no snapshot at all.  May evict others.
+        """
+        data, n_tokens = self._key(tokens)
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.cache.size:
+            raise SeqIdError(f"save: seq {seq!r} is outside [0, {self.cache.size})")
+        pos = self.cache.seq_pos_max(int(seq))
+        if n_tokens == 0 or pos != n_tokens - 1:
+            raise PositionError(f"save: seq {seq} is at position {pos}, but a snapshot of {n_tokens} tokens "
+                                f"needs position {n_tokens - 1}")
+        self._stats["saves"] += 1
+        node, tail = self._path(data, n_tokens, create=False)
+        if node is not None and tail in node.tails:
+            self._touch(node.tails[tail])
+            return True
+        if self.capacity == 0:
+            return False
+        if not self._free_slots:
+            self._evict()
+        cell = self.cache.cell(int(seq))[2]
+        src = self.cache.cell(cell)[1]
+        slot = self._free_slots.pop()
+        for src_t, pool in zip(self._r + self._s, self._pool_r + self._pool_s):
+            if src >= 0:
+                pool[slot] = src_t[src]
+            else:  # the cell has no data yet: its state is zeros (SPEC §2)
+                pool[slot] = 0
+        kind = self._kind(data, n_tokens)
+        node, tail = self._path(data, n_tokens, create=True)
+        snapshot = _Snapshot(slot, n_tokens, node, tail, kind)
+        self._insert(snapshot)
+        self._touch(snapshot)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Counters for operators.
+
+        ``lookups`` / ``hits``: ``restore`` calls and those that restored
+        something; ``tokens_matched``: tokens restored instead of recomputed;
+        ``tokens_recomputed``: tokens the callers had left to compute;
+        ``saves``, ``evictions``; ``snapshots`` and ``bytes`` held,
+        ``capacity`` (snapshots) and ``max_bytes``; ``tier_spills`` /
+        ``tier_hits`` for a second tier.
+        """
+        held = self.capacity - len(self._free_slots)
+        return {**self._stats, "snapshots": held, "bytes": held * self.snapshot_bytes,
+                "capacity": self.capacity, "max_bytes": self.max_bytes}
+
+    def __len__(self) -> int:
+        return self.capacity - len(self._free_slots)
+
+    def __repr__(self) -> str:
+        return (f"PrefixCache({len(self)} of {self.capacity} snapshots, {self.snapshot_bytes} bytes each, "
+                f"block_size={self.block_size})")
+
+    # -- keys and the trie ----------------------------------------------------------------
+
+    @staticmethod
+    def _key(tokens: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
+        """``tokens`` as little-endian int32 bytes, and its length; bad input raises ArgumentError."""
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ArgumentError(f"tokens must be a 1-D sequence of integers, got shape {array.shape}")
+        if array.size == 0:
+            return b"", 0
+        if array.dtype.kind not in "iu":
+            raise ArgumentError(f"tokens must be integers, got dtype {array.dtype}")
+        if array.dtype.itemsize > 4 or array.dtype == np.uint32:
+            low, high = int(array.min()), int(array.max())
+            if low < _INT32_MIN or high > _INT32_MAX:
+                raise ArgumentError(f"token {low if low < _INT32_MIN else high} does not fit in int32")
+        return np.ascontiguousarray(array, dtype=_TOKEN).tobytes(), int(array.size)
+
+    def _walk(self, data: bytes, n_tokens: int) -> list[_Node]:
+        """The nodes of the saved paths that ``data``'s full blocks follow, from the root."""
+        step = 4 * self.block_size
+        node = self._root
+        nodes = [node]
+        for q in range(n_tokens // self.block_size):
+            node = node.children.get(data[q * step:(q + 1) * step])
+            if node is None:
+                break
+            nodes.append(node)
+        return nodes
+
+    def _path(self, data: bytes, n_tokens: int, create: bool) -> tuple[_Node | None, bytes]:
+        """The node a snapshot of ``data`` belongs in, and its tail (created if asked)."""
+        step = 4 * self.block_size
+        full = n_tokens // self.block_size
+        node = self._root
+        for q in range(full):
+            block = data[q * step:(q + 1) * step]
+            child = node.children.get(block)
+            if child is None:
+                if not create:
+                    return None, b""
+                child = node.children[block] = _Node(node, block, q + 1)
+                insort(node.continuations, block)
+            node = child
+        return node, data[full * step:]
+
+    def _lookup(self, data: bytes, n_tokens: int, use_tier: bool = False) -> _Snapshot | None:
+        """The held snapshot of the longest proper prefix of ``data`` (memory, then the tier)."""
+        found = self._longest_in_memory(data, n_tokens)
+        if use_tier and self._tier is not None:
+            fetched = self._fetch(data, n_tokens, found.length if found is not None else 0)
+            if fetched is not None:
+                return fetched
+        return found
+
+    def _longest_in_memory(self, data: bytes, n_tokens: int) -> _Snapshot | None:
+        block = self.block_size
+        for node in reversed(self._walk(data, n_tokens)):
+            base = node.depth * block
+            for r in node.tail_lengths:   # descending: the first hit is the longest in this node
+                if 0 < base + r < n_tokens:
+                    found = node.tails.get(data[4 * base:4 * (base + r)])
+                    if found is not None:
+                        return found
+        return None
+
+    def _junctions(self, data: bytes, n_tokens: int) -> list[int]:
+        """Lengths at which ``data`` leaves a saved path, found block by block along its path."""
+        step, block = 4 * self.block_size, self.block_size
+        junctions = []
+        for node in self._walk(data, n_tokens):
+            options = node.continuations
+            if not options:
+                continue
+            base = node.depth * block
+            mine = data[node.depth * step:(node.depth + 1) * step]
+            i = bisect_left(options, mine)
+            j = i
+            while j < len(options) and options[j] == mine:  # the prompt's own block: not a branch
+                j += 1
+            if j < len(options) and not options[j].startswith(mine):  # else the prompt ends on that path
+                junctions.append(base + _common_tokens(mine, options[j]))
+            k = i - 1
+            while k >= 0 and mine.startswith(options[k]):  # snapshots on the prompt's path: not branches
+                k -= 1
+            if k >= 0:
+                junctions.append(base + _common_tokens(mine, options[k]))
+        return junctions
+
+    def _kind(self, data: bytes, n_tokens: int) -> str:
+        """junction: a saved path passes through this length and goes on; else end or grid."""
+        node, tail = self._path(data, n_tokens, create=False)
+        if node is not None:
+            if tail == b"":
+                passes = bool(node.children) or any(node.tails)
+            else:
+                options = node.continuations
+                i = bisect_left(options, tail)
+                passes = (i < len(options) and options[i] != tail and options[i].startswith(tail))
+            if passes:
+                return "junction"
+        return "grid" if n_tokens % self.block_size == 0 else "end"
+
+    def _insert(self, snapshot: _Snapshot) -> None:
+        node, tail = snapshot.node, snapshot.tail
+        node.tails[tail] = snapshot
+        r = len(tail) // 4
+        if r not in node.tail_counts:
+            node.tail_counts[r] = 0
+            insort(node.tail_lengths, r, key=lambda x: -x)
+        node.tail_counts[r] += 1
+        if tail:
+            insort(node.continuations, tail)
+        while node is not None:
+            node.count += 1
+            node = node.parent
+
+    def _remove(self, snapshot: _Snapshot) -> None:
+        node, tail = snapshot.node, snapshot.tail
+        del node.tails[tail]
+        r = len(tail) // 4
+        node.tail_counts[r] -= 1
+        if node.tail_counts[r] == 0:
+            del node.tail_counts[r]
+            node.tail_lengths.remove(r)
+        if tail:
+            del node.continuations[bisect_left(node.continuations, tail)]
+        while node is not None:
+            node.count -= 1
+            parent = node.parent
+            if node.count == 0 and parent is not None:
+                del parent.children[node.block]
+                del parent.continuations[bisect_left(parent.continuations, node.block)]
+            node = parent
+        snapshot.alive = False
+        self._free_slots.append(snapshot.slot)
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def _touch(self, snapshot: _Snapshot) -> None:
+        snapshot.priority = (self._inflation
+                             + _KIND_WEIGHT[snapshot.kind] * snapshot.length * (1 + snapshot.hits))
+        heapq.heappush(self._heap, (snapshot.priority, next(self._order), snapshot))
+
+    def _evict(self) -> None:
+        """Drop the held snapshot with the lowest priority that is not being restored."""
+        skipped = []
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            priority, _, snapshot = entry
+            if not snapshot.alive or priority != snapshot.priority:
+                continue  # stale: the snapshot was evicted or touched since
+            if snapshot.pinned:
+                skipped.append(entry)
+                continue
+            self._inflation = priority
+            self._spill(snapshot)
+            self._remove(snapshot)
+            self._stats["evictions"] += 1
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+
+    # -- the second tier ----------------------------------------------------------------------
+
+    def _tokens_of(self, snapshot: _Snapshot) -> np.ndarray:
+        blocks = []
+        node: _Node | None = snapshot.node
+        while node is not None:
+            blocks.append(node.block)
+            node = node.parent
+        return np.frombuffer(b"".join(reversed(blocks)) + snapshot.tail, _TOKEN)
+
+    def _spill(self, snapshot: _Snapshot) -> None:
+        """Hook 1: hand an evicted snapshot (tokens, pos, rows) to the second tier."""
+        if self._tier is None:
+            return
+        slot = snapshot.slot
+        self._tier.put(self._tokens_of(snapshot), snapshot.length - 1,
+                       [pool[slot].copy() for pool in self._pool_r], [pool[slot].copy() for pool in self._pool_s])
+        self._stats["tier_spills"] += 1
+
+    def _fetch(self, data: bytes, n_tokens: int, held: int) -> _Snapshot | None:
+        """Hook 2: on a memory miss, the longest candidate length the tier holds, loaded into memory."""
+        if self.capacity == 0:
+            return None
+        candidates = set(range(self.block_size, n_tokens, self.block_size))
+        candidates.update(self._junctions(data, n_tokens))
+        candidates = sorted(n for n in candidates if held < n < n_tokens)
+        if not candidates:
+            return None
+        tokens = np.frombuffer(data, _TOKEN)
+        n = self._tier.longest(tokens, candidates)
+        if n not in candidates:
+            return None
+        rows = self._tier.get(tokens[:n])
+        if rows is None:
+            return None
+        r_rows, s_rows = rows
+        if not self._free_slots:
+            self._evict()
+        slot = self._free_slots.pop()
+        for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
+            pool[slot] = row
+        node, tail = self._path(data[:4 * n], n, create=True)
+        snapshot = _Snapshot(slot, n, node, tail, self._kind(data[:4 * n], n))
+        self._insert(snapshot)
+        self._touch(snapshot)
+        self._stats["tier_hits"] += 1
+        return snapshot
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_empty_seq(self, seq: int) -> None:
+        size = self.cache.size
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < size:
+            raise SeqIdError(f"restore: seq {seq!r} is outside [0, {size})")
+        if self.cache.cell(int(seq))[2] >= 0:
+            raise ArgumentError(f"restore: seq {seq} already holds a cell (at position "
+                                f"{self.cache.seq_pos_max(int(seq))}); remove it first with seq_rm")
