@@ -26,24 +26,30 @@ of its remaining tokens (its *tail*).  Each node also keeps its continuations
 (child blocks and tails) sorted, so the point where a prompt leaves every
 saved path inside a block (a *junction*) is found by bisection.
 
-Eviction (GreedyDual-Size-Frequency over tokens saved).  Every snapshot has
-a priority ``L + value``: ``L`` is the priority of the last snapshot evicted
-(so the priorities of snapshots not used for a while fall behind: recency),
-and ``value = weight(kind) * length * (1 + hits)`` is what the snapshot saves
-when used — its depth in tokens, times how often requests have restored it,
-times how likely it is to be reused, by kind:
+Eviction (GreedyDual-Size-Frequency over tokens saved, with admission).
+Every snapshot has a priority ``L + value``: ``L`` is the priority of the
+last snapshot evicted (so the priorities of snapshots not used for a while
+fall behind: recency), and ``value = weight(kind) * length * (1 + hits)``
+is what the snapshot saves when used — its depth in tokens, times how often
+requests have restored it, times how likely it is to be reused, by kind:
 
-* *junction* (weight ``JUNCTION_WEIGHT``): a saved path passes through it and
-  continues elsewhere: at least two requests share this prefix (a system
+* *junction* (``JUNCTION_WEIGHT`` = 64): a saved path passes through it and
+  continues elsewhere, so at least two requests share this prefix (a system
   prompt, a few-shot template);
-* *end* (``END_WEIGHT``): a length off the block grid that no saved path
+* *end* (``END_WEIGHT`` = 8): a length off the block grid that no saved path
   passes: the end of a prompt or of a conversation turn, which the next turn
   extends;
-* *grid* (weight 1): a multiple of ``block_size`` on a single path, useful only
-  if a later request leaves the path within the next block.
+* *grid* (``GRID_WEIGHT`` = 1): a multiple of ``block_size`` on a single path,
+  useful only if a later request leaves the path within the next block.
 
-The snapshot with the lowest priority goes first; a snapshot being restored is
-never evicted.  A hit raises a snapshot's hits and refreshes its priority.
+When the budget is full, a new snapshot evicts the one with the lowest
+priority if its own priority is higher, and is not let in otherwise (``save``
+returns False): a full cache of junctions and conversation ends is not
+flushed by the grid points of one long unique prompt.  A snapshot being
+restored is never evicted.  A hit raises a snapshot's hits and refreshes its
+priority.  The path of an evicted (or refused) snapshot is remembered
+without its state (a *ghost*; at most ``max_ghosts``, least recent dropped
+first), so ``plan`` still finds the junctions with it when memory is tight.
 
 A second tier (the store, SPEC §8) plugs in at two points: ``_spill`` hands
 every evicted snapshot (tokens, pos, rows) to the tier, and ``_lookup`` asks
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from bisect import bisect_left, insort
 from typing import Any, Protocol, Sequence
 
@@ -64,9 +71,14 @@ from .errors import ArgumentError, PositionError, RecurrentCacheError, SeqIdErro
 
 __all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
 
-JUNCTION_WEIGHT = 8.0
+# How likely a snapshot of each kind is to be reused, relative to a grid point (chosen on
+# bench/prefix_cache.py's traces: 64 : 8 : 1 was never worse than the anchors at any budget
+# on three seeds, and better than 8 : 8 : 1 or 16 : 4 : 1 at small budgets).
+JUNCTION_WEIGHT = 64.0
 END_WEIGHT = 8.0
 GRID_WEIGHT = 1.0
+GHOSTS_MIN = 256            # ghost paths kept (no state, tokens only): at least this many,
+GHOSTS_PER_SNAPSHOT = 4     # or this many per snapshot the budget holds
 
 _TOKEN = np.dtype("<i4")  # tokens as llama.cpp stores them: int32, little-endian
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -96,7 +108,7 @@ class _Node:
     """The full blocks of a path; holds the snapshots whose length is in [depth*B, depth*B + B)."""
 
     __slots__ = ("parent", "block", "depth", "children", "tails", "tail_lengths", "tail_counts",
-                 "continuations", "count")
+                 "continuations", "values", "version", "branch_memo", "count")
 
     def __init__(self, parent: "_Node | None", block: bytes, depth: int) -> None:
         self.parent = parent
@@ -107,14 +119,53 @@ class _Node:
         self.tail_lengths: list[int] = []        # distinct tail lengths in tokens, descending
         self.tail_counts: dict[int, int] = {}    # tail length -> snapshots with it
         self.continuations: list[bytes] = []     # child blocks and non-empty tails, sorted
+        self.values: dict[bytes, int] = {}       # each continuation as a little-endian integer
+        self.version = 0                         # bumped when the continuations change
+        self.branch_memo: tuple[int, list[int]] = (-1, [])  # (parent's version, branches off this block)
         self.count = 0                           # snapshots in this node and below it
+
+    def add_continuation(self, key: bytes) -> None:
+        insort(self.continuations, key)
+        self.values[key] = int.from_bytes(key, "little")
+        self.version += 1
+
+    def remove_continuation(self, key: bytes) -> None:
+        del self.continuations[bisect_left(self.continuations, key)]
+        del self.values[key]
+        self.version += 1
+
+    def branches(self, mine: bytes, child: "_Node | None") -> list[int]:
+        """Where ``mine`` (the prompt's tokens after this node's blocks, at most one block) leaves
+        the continuations here: the deepest branch on each side of it in sorted order, in tokens.
+        ``child`` is the node of ``mine`` when it is a child (it memoises the answer).
+
+        Sorted, the continuations sharing the longest prefix with ``mine`` are its
+        neighbours; those that are prefixes of ``mine`` (snapshots on its path) are skipped.
+        """
+        if child is not None and child.branch_memo[0] == self.version:
+            return child.branch_memo[1]
+        options, values = self.continuations, self.values
+        mine_value = int.from_bytes(mine, "little")
+        found = []
+        i = bisect_left(options, mine)
+        j = i + (i < len(options) and options[i] == mine)   # the prompt's own block: not a branch
+        if j < len(options) and not options[j].startswith(mine):  # else the prompt ends on that path
+            found.append(_common_tokens(mine_value, len(mine), values[options[j]], len(options[j])))
+        k = i - 1
+        while k >= 0 and mine.startswith(options[k]):  # snapshots on the prompt's path: not branches
+            k -= 1
+        if k >= 0:
+            found.append(_common_tokens(mine_value, len(mine), values[options[k]], len(options[k])))
+        if child is not None:
+            child.branch_memo = (self.version, found)
+        return found
 
 
 class _Snapshot:
-    __slots__ = ("slot", "length", "node", "tail", "kind", "hits", "priority", "pinned", "alive")
+    __slots__ = ("slot", "length", "node", "tail", "kind", "hits", "priority", "pinned")
 
     def __init__(self, slot: int, length: int, node: _Node, tail: bytes, kind: str) -> None:
-        self.slot = slot        # row in the pools
+        self.slot = slot        # row in the pools; -1: a ghost (the path is remembered, not the state)
         self.length = length    # tokens in the key
         self.node = node
         self.tail = tail
@@ -122,19 +173,23 @@ class _Snapshot:
         self.hits = 0
         self.priority = 0.0
         self.pinned = False     # being restored: never evicted
-        self.alive = True
 
 
 _KIND_WEIGHT = {"junction": JUNCTION_WEIGHT, "end": END_WEIGHT, "grid": GRID_WEIGHT}
 
 
-def _common_tokens(a: bytes, b: bytes) -> int:
-    """How many leading int32 tokens two byte strings share."""
-    n = min(len(a), len(b)) // 4
-    x = np.frombuffer(a, _TOKEN, n)
-    y = np.frombuffer(b, _TOKEN, n)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if differ.size else n
+def _common_tokens(a: int, a_bytes: int, b: int, b_bytes: int) -> int:
+    """How many leading int32 tokens two byte strings share, given as little-endian integers.
+
+    The lowest set bit of their XOR is the first differing bit: one C-level
+    operation, no per-token Python loop.
+    """
+    n = min(a_bytes, b_bytes)
+    mask = (1 << (8 * n)) - 1
+    differ = (a ^ b) & mask
+    if differ == 0:
+        return n // 4
+    return ((differ & -differ).bit_length() - 1) // 32
 
 
 class PrefixCache:
@@ -166,13 +221,17 @@ class PrefixCache:
         self._pool_r = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._r]
         self._pool_s = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._s]
         self._free_slots = list(range(self.capacity - 1, -1, -1))
+        # Paths whose state was evicted or not let in, so that plan still finds the junctions
+        # with them: least recently seen first, at most max_ghosts.
+        self._ghosts: OrderedDict[_Snapshot, None] = OrderedDict()
+        self.max_ghosts = max(GHOSTS_MIN, GHOSTS_PER_SNAPSHOT * self.capacity)
         self._root = _Node(None, b"", 0)
         self._heap: list[tuple[float, int, _Snapshot]] = []  # (priority, order, snapshot), stale entries skipped
         self._order = itertools.count()
         self._inflation = 0.0                 # L: the priority of the last snapshot evicted
         self._tier: SnapshotTier | None = None  # the second tier; set by the store integration
         self._stats = dict.fromkeys(("lookups", "hits", "tokens_matched", "tokens_recomputed", "saves",
-                                     "evictions", "tier_spills", "tier_hits"), 0)
+                                     "rejected", "evictions", "tier_spills", "tier_hits"), 0)
 
     # -- public API --------------------------------------------------------------------
 
@@ -235,7 +294,7 @@ class PrefixCache:
         start = int(start)
         block = self.block_size
         cuts = set(range((start // block + 1) * block, n_tokens + 1, block))
-        cuts.update(j for j in self._junctions(data, n_tokens) if start < j < n_tokens)
+        cuts.update(j for j in self._junctions(data, n_tokens, start) if start < j < n_tokens)
         if n_tokens > start:
             cuts.add(n_tokens)
         return sorted(cuts)
@@ -245,7 +304,8 @@ class PrefixCache:
 
         ``seq`` must hold a cell at position ``len(tokens) - 1``.  Returns True
         when the snapshot is held (new, or already held and refreshed), False
-        when the budget holds no snapshot at all.  May evict others.
+        when it is not let in: the budget is full of snapshots worth more
+        (see the eviction policy) or holds none at all.  May evict others.
         """
         data, n_tokens = self._key(tokens)
         if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.cache.size:
@@ -256,13 +316,20 @@ class PrefixCache:
                                 f"needs position {n_tokens - 1}")
         self._stats["saves"] += 1
         node, tail = self._path(data, n_tokens, create=False)
-        if node is not None and tail in node.tails:
-            self._touch(node.tails[tail])
+        known = node.tails.get(tail) if node is not None else None
+        if known is not None and known.slot >= 0:
+            self._touch(known)
             return True
-        if self.capacity == 0:
-            return False
+        if known is not None:  # a ghost: out of the ghost list, so that no eviction below trims it
+            del self._ghosts[known]
+        kind = known.kind if known is not None else self._kind(data, n_tokens)
         if not self._free_slots:
-            self._evict()
+            if not self._evict(self._inflation + self._value(kind, n_tokens, 0)):
+                self._stats["rejected"] += 1
+                if known is None:
+                    known = self._add(data, n_tokens, -1, kind)
+                self._ghost(known)
+                return False
         cell = self.cache.cell(int(seq))[2]
         src = self.cache.cell(cell)[1]
         slot = self._free_slots.pop()
@@ -271,11 +338,11 @@ class PrefixCache:
                 pool[slot] = src_t[src]
             else:  # the cell has no data yet: its state is zeros (SPEC §2)
                 pool[slot] = 0
-        kind = self._kind(data, n_tokens)
-        node, tail = self._path(data, n_tokens, create=True)
-        snapshot = _Snapshot(slot, n_tokens, node, tail, kind)
-        self._insert(snapshot)
-        self._touch(snapshot)
+        if known is None:
+            known = self._add(data, n_tokens, slot, kind)
+        else:  # a ghost comes back to life
+            known.slot = slot
+        self._touch(known)
         return True
 
     def stats(self) -> dict[str, int]:
@@ -284,12 +351,13 @@ class PrefixCache:
         ``lookups`` / ``hits``: ``restore`` calls and those that restored
         something; ``tokens_matched``: tokens restored instead of recomputed;
         ``tokens_recomputed``: tokens the callers had left to compute;
-        ``saves``, ``evictions``; ``snapshots`` and ``bytes`` held,
+        ``saves``, ``rejected`` (saves not let in), ``evictions``;
+        ``snapshots`` and ``bytes`` held, ``ghosts`` (paths remembered without state),
         ``capacity`` (snapshots) and ``max_bytes``; ``tier_spills`` /
         ``tier_hits`` for a second tier.
         """
         held = self.capacity - len(self._free_slots)
-        return {**self._stats, "snapshots": held, "bytes": held * self.snapshot_bytes,
+        return {**self._stats, "snapshots": held, "ghosts": len(self._ghosts), "bytes": held * self.snapshot_bytes,
                 "capacity": self.capacity, "max_bytes": self.max_bytes}
 
     def __len__(self) -> int:
@@ -341,7 +409,7 @@ class PrefixCache:
                 if not create:
                     return None, b""
                 child = node.children[block] = _Node(node, block, q + 1)
-                insort(node.continuations, block)
+                node.add_continuation(block)
             node = child
         return node, data[full * step:]
 
@@ -361,31 +429,24 @@ class PrefixCache:
             for r in node.tail_lengths:   # descending: the first hit is the longest in this node
                 if 0 < base + r < n_tokens:
                     found = node.tails.get(data[4 * base:4 * (base + r)])
-                    if found is not None:
+                    if found is not None and found.slot >= 0:
                         return found
         return None
 
-    def _junctions(self, data: bytes, n_tokens: int) -> list[int]:
-        """Lengths at which ``data`` leaves a saved path, found block by block along its path."""
+    def _junctions(self, data: bytes, n_tokens: int, start: int = 0) -> list[int]:
+        """Lengths above ``start`` at which ``data`` leaves a saved path, block by block along its path."""
         step, block = 4 * self.block_size, self.block_size
+        nodes = self._walk(data, n_tokens)
         junctions = []
-        for node in self._walk(data, n_tokens):
-            options = node.continuations
-            if not options:
-                continue
+        for i, node in enumerate(nodes):
             base = node.depth * block
-            mine = data[node.depth * step:(node.depth + 1) * step]
-            i = bisect_left(options, mine)
-            j = i
-            while j < len(options) and options[j] == mine:  # the prompt's own block: not a branch
-                j += 1
-            if j < len(options) and not options[j].startswith(mine):  # else the prompt ends on that path
-                junctions.append(base + _common_tokens(mine, options[j]))
-            k = i - 1
-            while k >= 0 and mine.startswith(options[k]):  # snapshots on the prompt's path: not branches
-                k -= 1
-            if k >= 0:
-                junctions.append(base + _common_tokens(mine, options[k]))
+            if node.continuations and base + block > start:
+                if i + 1 < len(nodes):   # the prompt goes on into a saved block
+                    child = nodes[i + 1]
+                    found = node.branches(child.block, child)
+                else:
+                    found = node.branches(data[node.depth * step:(node.depth + 1) * step], None)
+                junctions += [base + j for j in found]
         return junctions
 
     def _kind(self, data: bytes, n_tokens: int) -> str:
@@ -402,8 +463,10 @@ class PrefixCache:
                 return "junction"
         return "grid" if n_tokens % self.block_size == 0 else "end"
 
-    def _insert(self, snapshot: _Snapshot) -> None:
-        node, tail = snapshot.node, snapshot.tail
+    def _add(self, data: bytes, n_tokens: int, slot: int, kind: str) -> _Snapshot:
+        """A new snapshot (or ghost, ``slot = -1``) of ``data`` in the trie."""
+        node, tail = self._path(data, n_tokens, create=True)
+        snapshot = _Snapshot(slot, n_tokens, node, tail, kind)
         node.tails[tail] = snapshot
         r = len(tail) // 4
         if r not in node.tail_counts:
@@ -411,10 +474,11 @@ class PrefixCache:
             insort(node.tail_lengths, r, key=lambda x: -x)
         node.tail_counts[r] += 1
         if tail:
-            insort(node.continuations, tail)
+            node.add_continuation(tail)
         while node is not None:
             node.count += 1
             node = node.parent
+        return snapshot
 
     def _remove(self, snapshot: _Snapshot) -> None:
         node, tail = snapshot.node, snapshot.tail
@@ -425,42 +489,68 @@ class PrefixCache:
             del node.tail_counts[r]
             node.tail_lengths.remove(r)
         if tail:
-            del node.continuations[bisect_left(node.continuations, tail)]
+            node.remove_continuation(tail)
         while node is not None:
             node.count -= 1
             parent = node.parent
             if node.count == 0 and parent is not None:
                 del parent.children[node.block]
-                del parent.continuations[bisect_left(parent.continuations, node.block)]
+                parent.remove_continuation(node.block)
             node = parent
-        snapshot.alive = False
-        self._free_slots.append(snapshot.slot)
+        if snapshot.slot >= 0:
+            self._free_slots.append(snapshot.slot)
+            snapshot.slot = -1
+
+    def _ghost(self, snapshot: _Snapshot) -> None:
+        """Keep ``snapshot``'s path without its state (its slot, if any, is freed)."""
+        if snapshot.slot >= 0:
+            self._free_slots.append(snapshot.slot)
+            snapshot.slot = -1
+        self._ghosts[snapshot] = None
+        self._ghosts.move_to_end(snapshot)
+        while len(self._ghosts) > self.max_ghosts:
+            oldest, _ = self._ghosts.popitem(last=False)
+            self._remove(oldest)
 
     # -- eviction ---------------------------------------------------------------------------
 
+    def _value(self, kind: str, length: int, hits: int) -> float:
+        return _KIND_WEIGHT[kind] * length * (1 + hits)
+
     def _touch(self, snapshot: _Snapshot) -> None:
-        snapshot.priority = (self._inflation
-                             + _KIND_WEIGHT[snapshot.kind] * snapshot.length * (1 + snapshot.hits))
+        snapshot.priority = self._inflation + self._value(snapshot.kind, snapshot.length, snapshot.hits)
         heapq.heappush(self._heap, (snapshot.priority, next(self._order), snapshot))
 
-    def _evict(self) -> None:
-        """Drop the held snapshot with the lowest priority that is not being restored."""
+    def _evict(self, newcomer: float | None = None) -> bool:
+        """Drop the held snapshot with the lowest priority that is not being restored.
+
+        With ``newcomer`` (the priority a new snapshot would get), drop it only
+        if it is lower: a snapshot that would be the first to go is not let in
+        at the expense of a better one.  Returns whether a slot was freed.
+        """
         skipped = []
+        freed = False
         while self._heap:
-            entry = heapq.heappop(self._heap)
+            entry = self._heap[0]
             priority, _, snapshot = entry
-            if not snapshot.alive or priority != snapshot.priority:
-                continue  # stale: the snapshot was evicted or touched since
-            if snapshot.pinned:
-                skipped.append(entry)
+            if snapshot.slot < 0 or priority != snapshot.priority:
+                heapq.heappop(self._heap)  # stale: the snapshot was evicted or touched since
                 continue
+            if snapshot.pinned:
+                skipped.append(heapq.heappop(self._heap))
+                continue
+            if newcomer is not None and newcomer <= priority:
+                break
+            heapq.heappop(self._heap)
             self._inflation = priority
             self._spill(snapshot)
-            self._remove(snapshot)
+            self._ghost(snapshot)
             self._stats["evictions"] += 1
+            freed = True
             break
         for entry in skipped:
             heapq.heappush(self._heap, entry)
+        return freed
 
     # -- the second tier ----------------------------------------------------------------------
 
@@ -498,14 +588,21 @@ class PrefixCache:
         if rows is None:
             return None
         r_rows, s_rows = rows
-        if not self._free_slots:
-            self._evict()
+        if not self._free_slots and not self._evict():
+            return None  # every snapshot held is being restored
         slot = self._free_slots.pop()
         for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
             pool[slot] = row
-        node, tail = self._path(data[:4 * n], n, create=True)
-        snapshot = _Snapshot(slot, n, node, tail, self._kind(data[:4 * n], n))
-        self._insert(snapshot)
+        prefix = data[:4 * n]
+        node, tail = self._path(prefix, n, create=False)
+        snapshot = node.tails.get(tail) if node is not None else None
+        if snapshot is None:
+            snapshot = self._add(prefix, n, slot, self._kind(prefix, n))
+        elif snapshot.slot >= 0:  # held after all (the tier answered a length memory holds)
+            self._free_slots.append(slot)
+        else:  # a ghost of it comes back to life
+            del self._ghosts[snapshot]
+            snapshot.slot = slot
         self._touch(snapshot)
         self._stats["tier_hits"] += 1
         return snapshot
