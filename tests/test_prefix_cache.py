@@ -102,6 +102,17 @@ def test_plan_lists_grid_junctions_and_end(rc):
         pc.plan([1, 2, 3], 4)
 
 
+def test_plan_finds_a_branch_beyond_a_path_the_prompt_ends_on(rc):
+    """Saved [1, 2, 3] and [1, 5, 5]: the prompt [1, 2] ends on the first path and leaves the second at 1."""
+    cache = make_cache(rc)
+    pc = PrefixCache(cache, 100 * snapshot_bytes(), block_size=4)
+    serve(rc, cache, pc, [1, 2, 3])
+    serve(rc, cache, pc, [1, 5, 5])
+    assert pc.plan([1, 2], 0) == [1, 2]
+    assert pc.plan([1, 5], 0) == [1, 2]
+    assert pc.plan([1, 2, 3, 4, 5], 0) == [1, 4, 5]
+
+
 def test_multi_turn_restores_the_whole_previous_turn(rc):
     cache = make_cache(rc)
     pc = PrefixCache(cache, 100 * snapshot_bytes(), block_size=16)
