@@ -275,8 +275,8 @@ def lookup_table(lengths: list[int], counts: list[int], block_size: int) -> bool
     own): the worst case for the lookup, which walks the prompt's path.
     """
     print("## Lookup cost per request (µs, best of 20)\n")
-    print("| prompt tokens | snapshots held | match + plan | restore (seq_rm + restore) |")
-    print("|---:|---:|---:|---:|")
+    print("| prompt tokens | snapshots held | match + plan | match + plan, nothing memoised | restore (seq_rm + restore) |")
+    print("|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(1)
     ok = True
     for count in counts:
@@ -302,11 +302,19 @@ def lookup_table(lengths: list[int], counts: list[int], block_size: int) -> bool
                 cache.seq_rm(0, -1, -1)
                 pc.restore(0, prompt)
 
+            path = pc._walk(prompt.tobytes(), length)
+
+            def cold_lookup() -> None:
+                for node in path:   # forget what plan memoised along the path: as for a new prompt
+                    node.branch_memo = (-1, [])
+                lookup()
+
+            t_cold = best_of(cold_lookup, 20)
             t_lookup = best_of(lookup, 20)
             t_restore = best_of(restore, 20)
             if length == max(lengths) and count == max(counts):
-                ok = t_lookup < 1e-3
-            print(f"| {length:,} | {count:,} | {t_lookup * 1e6:.0f} | {t_restore * 1e6:.0f} |")
+                ok = max(t_lookup, t_cold) < 1e-3
+            print(f"| {length:,} | {count:,} | {t_lookup * 1e6:.0f} | {t_cold * 1e6:.0f} | {t_restore * 1e6:.0f} |")
     print(f"\nmatch + plan of a {max(lengths):,}-token prompt with {max(counts):,} snapshots under 1 ms: "
           f"{'PASS' if ok else 'FAIL'}\n")
     return ok
@@ -341,11 +349,14 @@ def bandwidth_table(shapes: dict[str, tuple[int, int, int]], rounds: int) -> boo
             cache.seq_rm(1, -1, -1)
             pc.restore(1, tokens)
 
+        # the baseline: the same rows between the same arrays, views prepared outside the clock
+        targets = [cache.r[il][other] for il in range(n_layer)] + [cache.s[il][other] for il in range(n_layer)]
+        sources = [pool[0] for pool in pool_r] + [pool[0] for pool in pool_s]
+
         def numpy_copy() -> None:
             cache.seq_rm(1, -1, -1)
-            for il in range(n_layer):
-                np.copyto(cache.r[il][other], pool_r[il][0])
-                np.copyto(cache.s[il][other], pool_s[il][0])
+            for target, source in zip(targets, sources):
+                np.copyto(target, source)
 
         ours, base = [], []
         for _ in range(rounds):

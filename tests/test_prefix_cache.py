@@ -315,3 +315,18 @@ def test_second_tier_hooks(rc):
 def test_exported_from_the_package():
     assert recurrent_cache.PrefixCache is PrefixCache
     assert "PrefixCache" in recurrent_cache.__all__
+
+
+def test_a_snapshot_being_restored_is_never_evicted(rc):
+    """Eviction skips a pinned snapshot (restore pins the one it copies) and takes the next lowest."""
+    cache = make_cache(rc)
+    pc = PrefixCache(cache, 2 * snapshot_bytes(), block_size=100)
+    serve(rc, cache, pc, [1, 2, 3])          # an "end" snapshot of 3 tokens: the lowest priority
+    serve(rc, cache, pc, [5, 6, 7, 8])
+    lowest = pc._root.tails[np.array([1, 2, 3], "<i4").tobytes()]
+    lowest.pinned = True
+    serve(rc, cache, pc, [9, 9, 9, 9, 9])    # worth more than both: evicts one
+    assert pc.match([1, 2, 3, 0]) == 3 and pc.match([5, 6, 7, 8, 0]) == 0
+    lowest.pinned = False
+    serve(rc, cache, pc, [4] * 6)
+    assert pc.match([1, 2, 3, 0]) == 0

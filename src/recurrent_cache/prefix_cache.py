@@ -62,7 +62,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -108,7 +108,7 @@ class _Node:
     """The full blocks of a path; holds the snapshots whose length is in [depth*B, depth*B + B)."""
 
     __slots__ = ("parent", "block", "depth", "children", "tails", "tail_lengths", "tail_counts",
-                 "continuations", "values", "version", "branch_memo", "count")
+                 "continuations", "version", "branch_memo", "count")
 
     def __init__(self, parent: "_Node | None", block: bytes, depth: int) -> None:
         self.parent = parent
@@ -119,45 +119,39 @@ class _Node:
         self.tail_lengths: list[int] = []        # distinct tail lengths in tokens, descending
         self.tail_counts: dict[int, int] = {}    # tail length -> snapshots with it
         self.continuations: list[bytes] = []     # child blocks and non-empty tails, sorted
-        self.values: dict[bytes, int] = {}       # each continuation as a little-endian integer
         self.version = 0                         # bumped when the continuations change
-        self.branch_memo: tuple[int, list[int]] = (-1, [])  # (parent's version, branches off this block)
+        self.branch_memo: tuple[int, list[int]] = (-1, [])  # (parent's version, junctions in the parent)
         self.count = 0                           # snapshots in this node and below it
 
     def add_continuation(self, key: bytes) -> None:
         insort(self.continuations, key)
-        self.values[key] = int.from_bytes(key, "little")
         self.version += 1
 
     def remove_continuation(self, key: bytes) -> None:
         del self.continuations[bisect_left(self.continuations, key)]
-        del self.values[key]
         self.version += 1
 
-    def branches(self, mine: bytes, child: "_Node | None") -> list[int]:
-        """Where ``mine`` (the prompt's tokens after this node's blocks, at most one block) leaves
-        the continuations here: the deepest branch on each side of it in sorted order, in tokens.
-        ``child`` is the node of ``mine`` when it is a child (it memoises the answer).
+    def neighbours(self, mine: bytes, step: int) -> list[bytes]:
+        """The continuations here that ``mine`` (the prompt's tokens after this node's blocks, at
+        most one block of ``step`` bytes) leaves deepest: one on each side of it in sorted order.
 
         Sorted, the continuations sharing the longest prefix with ``mine`` are its
-        neighbours; those that are prefixes of ``mine`` (snapshots on its path) are skipped.
+        neighbours; those that are prefixes of ``mine`` (snapshots on its path) or extend
+        it (paths the prompt ends on) are skipped: the prompt does not leave them.
         """
-        if child is not None and child.branch_memo[0] == self.version:
-            return child.branch_memo[1]
-        options, values = self.continuations, self.values
-        mine_value = int.from_bytes(mine, "little")
+        options = self.continuations
         found = []
         i = bisect_left(options, mine)
-        j = i + (i < len(options) and options[i] == mine)   # the prompt's own block: not a branch
-        if j < len(options) and not options[j].startswith(mine):  # else the prompt ends on that path
-            found.append(_common_tokens(mine_value, len(mine), values[options[j]], len(options[j])))
+        # past the prompt's own block and the paths the prompt ends on (they extend ``mine``;
+        # a continuation is at most ``step`` bytes, so all of them sort below this bound)
+        j = bisect_right(options, mine + b"\xff" * step, i)
+        if j < len(options):
+            found.append(options[j])
         k = i - 1
-        while k >= 0 and mine.startswith(options[k]):  # snapshots on the prompt's path: not branches
+        while k >= 0 and mine.startswith(options[k]):
             k -= 1
         if k >= 0:
-            found.append(_common_tokens(mine_value, len(mine), values[options[k]], len(options[k])))
-        if child is not None:
-            child.branch_memo = (self.version, found)
+            found.append(options[k])
         return found
 
 
@@ -176,20 +170,6 @@ class _Snapshot:
 
 
 _KIND_WEIGHT = {"junction": JUNCTION_WEIGHT, "end": END_WEIGHT, "grid": GRID_WEIGHT}
-
-
-def _common_tokens(a: int, a_bytes: int, b: int, b_bytes: int) -> int:
-    """How many leading int32 tokens two byte strings share, given as little-endian integers.
-
-    The lowest set bit of their XOR is the first differing bit: one C-level
-    operation, no per-token Python loop.
-    """
-    n = min(a_bytes, b_bytes)
-    mask = (1 << (8 * n)) - 1
-    differ = (a ^ b) & mask
-    if differ == 0:
-        return n // 4
-    return ((differ & -differ).bit_length() - 1) // 32
 
 
 class PrefixCache:
@@ -434,19 +414,42 @@ class PrefixCache:
         return None
 
     def _junctions(self, data: bytes, n_tokens: int, start: int = 0) -> list[int]:
-        """Lengths above ``start`` at which ``data`` leaves a saved path, block by block along its path."""
+        """Lengths above ``start`` at which ``data`` leaves a saved path, block by block along its path.
+
+        In each node on the path, the neighbours of the prompt's block among the node's
+        sorted continuations (``_Node.neighbours``); the common prefixes with them are
+        computed in one numpy comparison, and memoised in the prompt's child node until
+        its parent's continuations change.
+        """
         step, block = 4 * self.block_size, self.block_size
         nodes = self._walk(data, n_tokens)
-        junctions = []
+        junctions: list[int] = []
+        pending: list[tuple[int, _Node | None, bytes]] = []   # (depth, memo holder, neighbour)
         for i, node in enumerate(nodes):
-            base = node.depth * block
-            if node.continuations and base + block > start:
-                if i + 1 < len(nodes):   # the prompt goes on into a saved block
-                    child = nodes[i + 1]
-                    found = node.branches(child.block, child)
-                else:
-                    found = node.branches(data[node.depth * step:(node.depth + 1) * step], None)
-                junctions += [base + j for j in found]
+            if not node.continuations or (node.depth + 1) * block <= start:
+                continue
+            child = nodes[i + 1] if i + 1 < len(nodes) else None   # the prompt goes on into a saved block
+            if child is not None and child.branch_memo[0] == node.version:
+                junctions += child.branch_memo[1]
+                continue
+            if child is not None:
+                child.branch_memo = (node.version, [])
+            mine = child.block if child is not None else data[node.depth * step:(node.depth + 1) * step]
+            pending += [(node.depth, child, other) for other in node.neighbours(mine, step)]
+        if pending:
+            padded = np.frombuffer(data + bytes(-len(data) % step + step), _TOKEN).reshape(-1, block)
+            depths = np.fromiter((depth for depth, _, _ in pending), np.int64, len(pending))
+            others = np.frombuffer(b"".join(other.ljust(step, b"\0") for _, _, other in pending),
+                                   _TOKEN).reshape(-1, block)
+            differ = padded[depths] != others
+            first = np.where(differ.any(axis=1), differ.argmax(axis=1), block)
+            limit = np.fromiter((min(len(other) // 4, n_tokens - depth * block) for depth, _, other in pending),
+                                np.int64, len(pending))
+            common = depths * block + np.minimum(first, limit)
+            for (_, child, _), junction in zip(pending, common.tolist()):
+                junctions.append(junction)
+                if child is not None:
+                    child.branch_memo[1].append(junction)
         return junctions
 
     def _kind(self, data: bytes, n_tokens: int) -> str:
