@@ -200,7 +200,8 @@ class PrefixCache:
         # The pools: snapshot slot i is row i of every layer's r and s pool.
         self._pool_r = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._r]
         self._pool_s = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._s]
-        self._free_slots = list(range(self.capacity - 1, -1, -1))
+        self._held: dict[int, _Snapshot] = {}   # slot -> the snapshot in it
+        self._free_slots: list[int] = []        # slots freed by evictions; slots from len(_held) up are unused
         # Paths whose state was evicted or not let in, so that plan still finds the junctions
         # with them: least recently seen first, at most max_ghosts.
         self._ghosts: OrderedDict[_Snapshot, None] = OrderedDict()
@@ -234,15 +235,18 @@ class PrefixCache:
         """
         data, n_tokens = self._key(tokens)
         self._check_empty_seq(seq)
+        if self.cache.used >= self.cache.size:
+            found = self._lookup(data, n_tokens)   # (the tier is not asked: nothing could be placed)
+            if found is None:
+                return 0
+            raise NoFreeCellError(f"restore seq {seq}: a snapshot of {found.length} tokens is held but all "
+                                  f"{self.cache.size} cells are in use")
         stats = self._stats
         stats["lookups"] += 1
         found = self._lookup(data, n_tokens, use_tier=True)
         if found is None:
             stats["tokens_recomputed"] += n_tokens
             return 0
-        if self.cache.used >= self.cache.size:
-            raise NoFreeCellError(f"restore seq {seq}: a snapshot of {found.length} tokens is held but all "
-                                  f"{self.cache.size} cells are in use")
         found.pinned = True
         try:
             row = self.cache._place_sequence(seq, found.length - 1)
@@ -303,25 +307,23 @@ class PrefixCache:
         if known is not None:  # a ghost: out of the ghost list, so that no eviction below trims it
             del self._ghosts[known]
         kind = known.kind if known is not None else self._kind(data, n_tokens)
-        if not self._free_slots:
+        if len(self._held) >= self.capacity:
             if not self._evict(self._inflation + self._value(kind, n_tokens, 0)):
                 self._stats["rejected"] += 1
                 if known is None:
                     known = self._add(data, n_tokens, -1, kind)
                 self._ghost(known)
                 return False
+        if known is None:
+            known = self._add(data, n_tokens, -1, kind)
+        slot = self._take_slot(known)
         cell = self.cache.cell(int(seq))[2]
         src = self.cache.cell(cell)[1]
-        slot = self._free_slots.pop()
         for src_t, pool in zip(self._r + self._s, self._pool_r + self._pool_s):
             if src >= 0:
                 pool[slot] = src_t[src]
             else:  # the cell has no data yet: its state is zeros (SPEC §2)
                 pool[slot] = 0
-        if known is None:
-            known = self._add(data, n_tokens, slot, kind)
-        else:  # a ghost comes back to life
-            known.slot = slot
         self._touch(known)
         return True
 
@@ -336,12 +338,12 @@ class PrefixCache:
         ``capacity`` (snapshots) and ``max_bytes``; ``tier_spills`` /
         ``tier_hits`` for a second tier.
         """
-        held = self.capacity - len(self._free_slots)
+        held = len(self._held)
         return {**self._stats, "snapshots": held, "ghosts": len(self._ghosts), "bytes": held * self.snapshot_bytes,
                 "capacity": self.capacity, "max_bytes": self.max_bytes}
 
     def __len__(self) -> int:
-        return self.capacity - len(self._free_slots)
+        return len(self._held)
 
     def __repr__(self) -> str:
         return (f"PrefixCache({len(self)} of {self.capacity} snapshots, {self.snapshot_bytes} bytes each, "
@@ -500,15 +502,24 @@ class PrefixCache:
                 del parent.children[node.block]
                 parent.remove_continuation(node.block)
             node = parent
+        self._release_slot(snapshot)
+
+    def _take_slot(self, snapshot: _Snapshot) -> int:
+        """A pool slot for ``snapshot`` (there must be room)."""
+        slot = self._free_slots.pop() if self._free_slots else len(self._held)
+        self._held[slot] = snapshot
+        snapshot.slot = slot
+        return slot
+
+    def _release_slot(self, snapshot: _Snapshot) -> None:
         if snapshot.slot >= 0:
+            del self._held[snapshot.slot]
             self._free_slots.append(snapshot.slot)
             snapshot.slot = -1
 
     def _ghost(self, snapshot: _Snapshot) -> None:
         """Keep ``snapshot``'s path without its state (its slot, if any, is freed)."""
-        if snapshot.slot >= 0:
-            self._free_slots.append(snapshot.slot)
-            snapshot.slot = -1
+        self._release_slot(snapshot)
         self._ghosts[snapshot] = None
         self._ghosts.move_to_end(snapshot)
         while len(self._ghosts) > self.max_ghosts:
@@ -523,6 +534,9 @@ class PrefixCache:
     def _touch(self, snapshot: _Snapshot) -> None:
         snapshot.priority = self._inflation + self._value(snapshot.kind, snapshot.length, snapshot.hits)
         heapq.heappush(self._heap, (snapshot.priority, next(self._order), snapshot))
+        if len(self._heap) > 4 * len(self._held) + 64:   # mostly stale entries: rebuild
+            self._heap = [(held.priority, next(self._order), held) for held in self._held.values()]
+            heapq.heapify(self._heap)
 
     def _evict(self, newcomer: float | None = None) -> bool:
         """Drop the held snapshot with the lowest priority that is not being restored.
@@ -591,21 +605,19 @@ class PrefixCache:
         if rows is None:
             return None
         r_rows, s_rows = rows
-        if not self._free_slots and not self._evict():
+        if len(self._held) >= self.capacity and not self._evict():
             return None  # every snapshot held is being restored
-        slot = self._free_slots.pop()
-        for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
-            pool[slot] = row
         prefix = data[:4 * n]
         node, tail = self._path(prefix, n, create=False)
         snapshot = node.tails.get(tail) if node is not None else None
         if snapshot is None:
-            snapshot = self._add(prefix, n, slot, self._kind(prefix, n))
-        elif snapshot.slot >= 0:  # held after all (the tier answered a length memory holds)
-            self._free_slots.append(slot)
-        else:  # a ghost of it comes back to life
+            snapshot = self._add(prefix, n, -1, self._kind(prefix, n))
+        elif snapshot.slot < 0:  # a ghost of it comes back to life
             del self._ghosts[snapshot]
-            snapshot.slot = slot
+        if snapshot.slot < 0:
+            self._take_slot(snapshot)
+        for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
+            pool[snapshot.slot] = row
         self._touch(snapshot)
         self._stats["tier_hits"] += 1
         return snapshot
