@@ -77,8 +77,9 @@ __all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
 JUNCTION_WEIGHT = 64.0
 END_WEIGHT = 8.0
 GRID_WEIGHT = 1.0
-GHOSTS_MIN = 256            # ghost paths kept (no state, tokens only): at least this many,
-GHOSTS_PER_SNAPSHOT = 4     # or this many per snapshot the budget holds
+GHOSTS_MIN = 256            # ghost paths kept (no state, tokens only): this many per snapshot
+GHOSTS_PER_SNAPSHOT = 4     # the budget holds, at least GHOSTS_MIN and at most GHOSTS_MAX
+GHOSTS_MAX = 4096
 
 _TOKEN = np.dtype("<i4")  # tokens as llama.cpp stores them: int32, little-endian
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -205,7 +206,7 @@ class PrefixCache:
         # Paths whose state was evicted or not let in, so that plan still finds the junctions
         # with them: least recently seen first, at most max_ghosts.
         self._ghosts: OrderedDict[_Snapshot, None] = OrderedDict()
-        self.max_ghosts = max(GHOSTS_MIN, GHOSTS_PER_SNAPSHOT * self.capacity)
+        self.max_ghosts = min(GHOSTS_MAX, max(GHOSTS_MIN, GHOSTS_PER_SNAPSHOT * self.capacity))
         self._root = _Node(None, b"", 0)
         self._heap: list[tuple[float, int, _Snapshot]] = []  # (priority, order, snapshot), stale entries skipped
         self._order = itertools.count()
