@@ -330,3 +330,18 @@ def test_a_snapshot_being_restored_is_never_evicted(rc):
     lowest.pinned = False
     serve(rc, cache, pc, [4] * 6)
     assert pc.match([1, 2, 3, 0]) == 0
+
+
+def test_second_tier_rows_that_do_not_fit_are_a_miss(rc):
+    cache = make_cache(rc)
+    pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=4)
+    tier = pc._tier = DictTier()
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    serve(rc, cache, pc, a)
+    pos, r, s = tier.held[tuple(a[:4])]
+    tier.held[tuple(a[:4])] = (pos, r[:1], s)           # a damaged entry: a layer missing
+    cache.seq_rm(0, -1, -1)
+    assert pc.restore(0, a[:6] + [0]) == 0 and cache.cell(0)[2] == -1
+    tier.held[tuple(a[:4])] = (pos, [x.astype(np.float64) for x in r], s)   # the wrong dtype
+    assert pc.restore(0, a[:6] + [0]) == 0
+    assert pc.stats()["tier_hits"] == 0 and len(pc) == 1

@@ -14,7 +14,7 @@ and copies the longest reusable snapshot into a free cell (``restore``)::
         pc.save(seq, prompt[:cut])
         n = cut
     ...                                      # generate; then, for the next turn:
-    pc.save(seq, prompt + reply)
+    pc.save(seq, prompt + reply[:-1])        # the text whose effect is in the state
 
 Lookup.  Keys live in a trie of token *blocks* (``block_size`` tokens, as
 little-endian int32 bytes).  Each node's children are a dict keyed by the
@@ -23,8 +23,10 @@ hashes agree, so a lookup costs one dict probe per block of the prompt, never
 a token-by-token comparison in Python.  A snapshot whose length is not a
 multiple of ``block_size`` sits in the node of its full blocks under the bytes
 of its remaining tokens (its *tail*).  Each node also keeps its continuations
-(child blocks and tails) sorted, so the point where a prompt leaves every
-saved path inside a block (a *junction*) is found by bisection.
+(child blocks and tails) sorted, so the point where a prompt leaves the
+saved paths inside a block (a *junction*) is found by bisection (the
+neighbours of the prompt's block), the common prefixes for all blocks of the
+prompt in one numpy comparison.
 
 Eviction (GreedyDual-Size-Frequency over tokens saved, with admission).
 Every snapshot has a priority ``L + value``: ``L`` is the priority of the
@@ -52,17 +54,19 @@ without its state (a *ghost*; at most ``max_ghosts``, least recent dropped
 first), so ``plan`` still finds the junctions with it when memory is tight.
 
 A second tier (the store, SPEC §8) plugs in at two points: ``_spill`` hands
-every evicted snapshot (tokens, pos, rows) to the tier, and ``_lookup`` asks
-the tier, on a memory miss, for the longest of the candidate lengths (block
-grid and junctions) longer than what memory holds.  See ``SnapshotTier``.
+every evicted snapshot (tokens, pos, rows) to the tier, and ``_fetch``
+(called by ``restore``'s lookup) asks the tier for the longest of the
+candidate lengths (block grid and junctions) beyond what memory holds and
+loads it into memory.  See ``SnapshotTier``; ``_tier`` is None until a store
+is attached.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 from bisect import bisect_left, bisect_right, insort
+from collections import OrderedDict
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -605,7 +609,11 @@ class PrefixCache:
         rows = self._tier.get(tokens[:n])
         if rows is None:
             return None
-        r_rows, s_rows = rows
+        r_rows, s_rows = (list(part) for part in rows)
+        if not (len(r_rows) == len(self._r) and len(s_rows) == len(self._s) and all(
+                np.shape(row) == pool.shape[1:] and np.asarray(row).dtype == pool.dtype
+                for row, pool in zip(r_rows + s_rows, self._pool_r + self._pool_s))):
+            return None   # rows that do not fit this cache: a miss, never a wrong state
         if len(self._held) >= self.capacity and not self._evict():
             return None  # every snapshot held is being restored
         prefix = data[:4 * n]
@@ -617,7 +625,7 @@ class PrefixCache:
             del self._ghosts[snapshot]
         if snapshot.slot < 0:
             self._take_slot(snapshot)
-        for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
+        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
             pool[snapshot.slot] = row
         self._touch(snapshot)
         self._stats["tier_hits"] += 1
