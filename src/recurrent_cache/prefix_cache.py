@@ -48,7 +48,8 @@ When the budget is full, a new snapshot evicts the one with the lowest
 priority if its own priority is higher, and is not let in otherwise (``save``
 returns False): a full cache of junctions and conversation ends is not
 flushed by the grid points of one long unique prompt.  A snapshot being
-restored is never evicted.  A hit raises a snapshot's hits and refreshes its
+restored is never evicted.  A restore of a snapshot, or a save of a prefix
+already held (another request reached it), raises its hits and refreshes its
 priority.  The path of an evicted (or refused) snapshot is remembered
 without its state (a *ghost*; at most ``max_ghosts``, least recent dropped
 first), so ``plan`` still finds the junctions with it when memory is tight.
@@ -306,7 +307,8 @@ class PrefixCache:
         self._stats["saves"] += 1
         node, tail = self._path(data, n_tokens, create=False)
         known = node.tails.get(tail) if node is not None else None
-        if known is not None and known.slot >= 0:
+        if known is not None and known.slot >= 0:   # another request reached this prefix: a use
+            known.hits += 1
             self._touch(known)
             return True
         if known is not None:  # a ghost: out of the ghost list, so that no eviction below trims it
