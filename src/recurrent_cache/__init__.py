@@ -18,6 +18,7 @@ from .cache import RecurrentCache
 from .errors import (ArgumentError, BatchError, ConfigError, CoreError, OutOfRangeError, PositionError,
                      RecurrentCacheError, SeqIdError, StateError, UsageError)
 from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
+from .prefix_cache import PrefixCache
 from .seqfile import load_seq_file, save_seq_file
 
 try:
@@ -39,5 +40,5 @@ __all__ = [
     "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError",
-    "get_include", "save_seq_file", "load_seq_file",
+    "get_include", "save_seq_file", "load_seq_file", "PrefixCache",
 ]

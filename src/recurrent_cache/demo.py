@@ -344,6 +344,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fork", action="store_true",
                         help="one prompt forked with seq_cp into --parallel sampled continuations "
                              "(--clients is ignored)")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="conversations sharing system prompts, served with and without rc.PrefixCache "
+                             "(see recurrent_cache.demo_prefix; --fork is ignored)")
     parser.add_argument("--write-model", metavar="GGUF", help="write the model as a GGUF file and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # Testing only: overwrite a live state after this step; the verification must then fail.
@@ -385,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
 
+    if options.prefix_cache:
+        from .demo_prefix import main as prefix_cache_main
+        return prefix_cache_main(options, model)
     rng = np.random.default_rng(options.seed)
     clients = make_clients(options, model.hparams.n_vocab, rng)
     cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)

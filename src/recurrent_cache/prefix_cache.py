@@ -1,0 +1,644 @@
+"""The prefix-state cache (SPEC §8): reuse the state of every shared prompt prefix, exactly.
+
+A recurrent state cannot be cut back to an earlier token, so a prefix can be
+reused only if the state was saved at exactly that prefix length.
+``PrefixCache`` keeps such *snapshots* (one sequence's r and s rows of every
+layer, keyed by the exact tokens that produced them) in numpy pools allocated
+once, tells the serving loop where to stop its prefill and save (``plan``),
+and copies the longest reusable snapshot into a free cell (``restore``)::
+
+    pc = rc.PrefixCache(cache, max_bytes=256 << 20)
+    n = pc.restore(seq, prompt)              # 0: nothing reusable, seq still holds no cell
+    for cut in pc.plan(prompt, n):           # block grid, junctions, the end of the prompt
+        ...                                  # prefill prompt[n:cut] on seq (positions n .. cut-1)
+        pc.save(seq, prompt[:cut])
+        n = cut
+    ...                                      # generate; then, for the next turn:
+    pc.save(seq, prompt + reply[:-1])        # the text whose effect is in the state
+
+Lookup.  Keys live in a trie of token *blocks* (``block_size`` tokens, as
+little-endian int32 bytes).  Each node's children are a dict keyed by the
+block's bytes: Python hashes the bytes and compares them exactly only when the
+hashes agree, so a lookup costs one dict probe per block of the prompt, never
+a token-by-token comparison in Python.  A snapshot whose length is not a
+multiple of ``block_size`` sits in the node of its full blocks under the bytes
+of its remaining tokens (its *tail*).  Each node also keeps its continuations
+(child blocks and tails) sorted, so the point where a prompt leaves the
+saved paths inside a block (a *junction*) is found by bisection (the
+neighbours of the prompt's block), the common prefixes for all blocks of the
+prompt in one numpy comparison.
+
+Eviction (GreedyDual-Size-Frequency over tokens saved, with admission).
+Every snapshot has a priority ``L + value``: ``L`` is the priority of the
+last snapshot evicted (so the priorities of snapshots not used for a while
+fall behind: recency), and ``value = weight(kind) * length * (1 + hits)``
+is what the snapshot saves when used — its depth in tokens, times how often
+requests have restored it, times how likely it is to be reused, by kind:
+
+* *junction* (``JUNCTION_WEIGHT`` = 64): a saved path passes through it and
+  continues elsewhere, so at least two requests share this prefix (a system
+  prompt, a few-shot template);
+* *end* (``END_WEIGHT`` = 8): a length off the block grid that no saved path
+  passes: the end of a prompt or of a conversation turn, which the next turn
+  extends;
+* *grid* (``GRID_WEIGHT`` = 1): a multiple of ``block_size`` on a single path,
+  useful only if a later request leaves the path within the next block.
+
+When the budget is full, a new snapshot evicts the one with the lowest
+priority if its own priority is higher, and is not let in otherwise (``save``
+returns False): a full cache of junctions and conversation ends is not
+flushed by the grid points of one long unique prompt.  A snapshot being
+restored is never evicted.  A restore of a snapshot, or a save of a prefix
+already held (another request reached it), raises its hits and refreshes its
+priority.  The path of an evicted (or refused) snapshot is remembered
+without its state (a *ghost*; at most ``max_ghosts``, least recent dropped
+first), so ``plan`` still finds the junctions with it when memory is tight.
+
+A second tier (the store, SPEC §8) plugs in at two points: ``_spill`` hands
+every evicted snapshot (tokens, pos, rows) to the tier, and ``_fetch``
+(called by ``restore``'s lookup) asks the tier for the longest of the
+candidate lengths (block grid and junctions) beyond what memory holds and
+loads it into memory.  See ``SnapshotTier``; ``_tier`` is None until a store
+is attached.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import bisect_left, bisect_right, insort
+from collections import OrderedDict
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from .errors import ArgumentError, PositionError, RecurrentCacheError, SeqIdError
+
+__all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
+
+# How likely a snapshot of each kind is to be reused, relative to a grid point (chosen on
+# bench/prefix_cache.py's traces: 64 : 8 : 1 was never worse than the anchors at any budget
+# on three seeds, and better than 8 : 8 : 1 or 16 : 4 : 1 at small budgets).
+JUNCTION_WEIGHT = 64.0
+END_WEIGHT = 8.0
+GRID_WEIGHT = 1.0
+GHOSTS_MIN = 256            # ghost paths kept (no state, tokens only): this many per snapshot
+GHOSTS_PER_SNAPSHOT = 4     # the budget holds, at least GHOSTS_MIN and at most GHOSTS_MAX
+GHOSTS_MAX = 4096
+
+_TOKEN = np.dtype("<i4")  # tokens as llama.cpp stores them: int32, little-endian
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+class NoFreeCellError(RecurrentCacheError, RuntimeError):
+    """``restore`` found a snapshot but every cell of the cache is in use."""
+
+
+class SnapshotTier(Protocol):
+    """A second tier behind the in-memory snapshots (e.g. a directory or Redis store).
+
+    ``put`` receives every snapshot evicted from memory; ``longest`` returns
+    the greatest of ``lengths`` (each a prefix length of ``tokens``) it holds,
+    or 0; ``get`` returns the rows of ``tokens``' snapshot (lists of one row
+    per layer) or None when it is missing or damaged.
+    """
+
+    def put(self, tokens: np.ndarray, pos: int, r: list[np.ndarray], s: list[np.ndarray]) -> None: ...
+
+    def longest(self, tokens: np.ndarray, lengths: Sequence[int]) -> int: ...
+
+    def get(self, tokens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]] | None: ...
+
+
+class _Node:
+    """The full blocks of a path; holds the snapshots whose length is in [depth*B, depth*B + B)."""
+
+    __slots__ = ("parent", "block", "depth", "children", "tails", "tail_lengths", "tail_counts",
+                 "continuations", "version", "branch_memo", "count")
+
+    def __init__(self, parent: "_Node | None", block: bytes, depth: int) -> None:
+        self.parent = parent
+        self.block = block                       # this node's block, as bytes (b"" for the root)
+        self.depth = depth                       # blocks from the root
+        self.children: dict[bytes, _Node] = {}   # next block's bytes -> node
+        self.tails: dict[bytes, _Snapshot] = {}  # bytes of the tokens after the blocks -> snapshot
+        self.tail_lengths: list[int] = []        # distinct tail lengths in tokens, descending
+        self.tail_counts: dict[int, int] = {}    # tail length -> snapshots with it
+        self.continuations: list[bytes] = []     # child blocks and non-empty tails, sorted
+        self.version = 0                         # bumped when the continuations change
+        self.branch_memo: tuple[int, list[int]] = (-1, [])  # (parent's version, junctions in the parent)
+        self.count = 0                           # snapshots in this node and below it
+
+    def add_continuation(self, key: bytes) -> None:
+        insort(self.continuations, key)
+        self.version += 1
+
+    def remove_continuation(self, key: bytes) -> None:
+        del self.continuations[bisect_left(self.continuations, key)]
+        self.version += 1
+
+    def neighbours(self, mine: bytes, step: int) -> list[bytes]:
+        """The continuations here that ``mine`` (the prompt's tokens after this node's blocks, at
+        most one block of ``step`` bytes) leaves deepest: one on each side of it in sorted order.
+
+        Sorted, the continuations sharing the longest prefix with ``mine`` are its
+        neighbours; those that are prefixes of ``mine`` (snapshots on its path) or extend
+        it (paths the prompt ends on) are skipped: the prompt does not leave them.
+        """
+        options = self.continuations
+        found = []
+        i = bisect_left(options, mine)
+        # past the prompt's own block and the paths the prompt ends on (they extend ``mine``;
+        # a continuation is at most ``step`` bytes, so all of them sort below this bound)
+        j = bisect_right(options, mine + b"\xff" * step, i)
+        if j < len(options):
+            found.append(options[j])
+        k = i - 1
+        while k >= 0 and mine.startswith(options[k]):
+            k -= 1
+        if k >= 0:
+            found.append(options[k])
+        return found
+
+
+class _Snapshot:
+    __slots__ = ("slot", "length", "node", "tail", "kind", "hits", "priority", "pinned")
+
+    def __init__(self, slot: int, length: int, node: _Node, tail: bytes, kind: str) -> None:
+        self.slot = slot        # row in the pools; -1: a ghost (the path is remembered, not the state)
+        self.length = length    # tokens in the key
+        self.node = node
+        self.tail = tail
+        self.kind = kind        # "junction" | "end" | "grid"
+        self.hits = 0
+        self.priority = 0.0
+        self.pinned = False     # being restored: never evicted
+
+
+_KIND_WEIGHT = {"junction": JUNCTION_WEIGHT, "end": END_WEIGHT, "grid": GRID_WEIGHT}
+
+
+class PrefixCache:
+    """Snapshots of sequence states keyed by exact token prefixes, within ``max_bytes``.
+
+    ``cache`` is a ``RecurrentCache`` (compiled or reference); snapshots are
+    rows of every layer's r and s state, held in pools allocated here once:
+    ``max_bytes // snapshot_bytes`` snapshots.  ``max_bytes`` bounds the state
+    pools; the token keys are held besides (4 bytes per distinct block token).
+    ``block_size`` is the grid ``plan`` cuts on; ``namespace`` names the
+    model, for a second tier shared between processes.
+    """
+
+    def __init__(self, cache: Any, max_bytes: int, block_size: int = 256, namespace: str = "") -> None:
+        for name, value, low in (("max_bytes", max_bytes, 0), ("block_size", block_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ArgumentError(f"PrefixCache: {name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(namespace, str):
+            raise ArgumentError(f"PrefixCache: namespace must be a str, got {namespace!r}")
+        self.cache = cache
+        self.max_bytes = int(max_bytes)
+        self.block_size = int(block_size)
+        self.namespace = namespace
+        self._r = [cache.r[il] for il in range(cache.n_layer)]
+        self._s = [cache.s[il] for il in range(cache.n_layer)]
+        self.snapshot_bytes = sum(t.shape[1] * t.itemsize for t in self._r + self._s)
+        self.capacity = self.max_bytes // max(1, self.snapshot_bytes)
+        # The pools: snapshot slot i is row i of every layer's r and s pool.
+        self._pool_r = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._r]
+        self._pool_s = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._s]
+        self._held: dict[int, _Snapshot] = {}   # slot -> the snapshot in it
+        self._free_slots: list[int] = []        # slots freed by evictions; slots from len(_held) up are unused
+        # Paths whose state was evicted or not let in, so that plan still finds the junctions
+        # with them: least recently seen first, at most max_ghosts.
+        self._ghosts: OrderedDict[_Snapshot, None] = OrderedDict()
+        self.max_ghosts = min(GHOSTS_MAX, max(GHOSTS_MIN, GHOSTS_PER_SNAPSHOT * self.capacity))
+        self._root = _Node(None, b"", 0)
+        self._heap: list[tuple[float, int, _Snapshot]] = []  # (priority, order, snapshot), stale entries skipped
+        self._order = itertools.count()
+        self._inflation = 0.0                 # L: the priority of the last snapshot evicted
+        self._tier: SnapshotTier | None = None  # the second tier; set by the store integration
+        self._stats = dict.fromkeys(("lookups", "hits", "tokens_matched", "tokens_recomputed", "saves",
+                                     "rejected", "evictions", "tier_spills", "tier_hits"), 0)
+
+    # -- public API --------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """The longest prefix length ``n < len(tokens)`` that has a snapshot; 0 if none."""
+        data, n_tokens = self._key(tokens)
+        found = self._lookup(data, n_tokens)
+        return found.length if found is not None else 0
+
+    def restore(self, seq: int, tokens: Sequence[int] | np.ndarray) -> int:
+        """Place the longest reusable snapshot of ``tokens`` in a free cell for ``seq``.
+
+        ``seq`` must hold no cell.  It then holds the snapshot's state at
+        position ``n - 1`` (placed as ``state_read`` of a one-cell blob would
+        place it) and ``n`` is returned: feed ``tokens[n:]`` next.  ``n`` is
+        less than ``len(tokens)``, so at least one token is left to produce
+        logits.  Returns 0 and changes nothing when no prefix is reusable;
+        raises ``NoFreeCellError`` (changing nothing) when one is but every
+        cell is in use.
+        """
+        data, n_tokens = self._key(tokens)
+        self._check_empty_seq(seq)
+        if self.cache.used >= self.cache.size:
+            found = self._lookup(data, n_tokens)   # (the tier is not asked: nothing could be placed)
+            if found is None:
+                return 0
+            raise NoFreeCellError(f"restore seq {seq}: a snapshot of {found.length} tokens is held but all "
+                                  f"{self.cache.size} cells are in use")
+        stats = self._stats
+        stats["lookups"] += 1
+        found = self._lookup(data, n_tokens, use_tier=True)
+        if found is None:
+            stats["tokens_recomputed"] += n_tokens
+            return 0
+        found.pinned = True
+        try:
+            row = self.cache._place_sequence(seq, found.length - 1)
+            slot = found.slot
+            for dst, pool in zip(self._r, self._pool_r):
+                dst[row] = pool[slot]
+            for dst, pool in zip(self._s, self._pool_s):
+                dst[row] = pool[slot]
+        finally:
+            found.pinned = False
+        found.hits += 1
+        self._touch(found)
+        stats["hits"] += 1
+        stats["tokens_matched"] += found.length
+        stats["tokens_recomputed"] += n_tokens - found.length
+        return found.length
+
+    def plan(self, tokens: Sequence[int] | np.ndarray, start: int = 0) -> list[int]:
+        """Prefix lengths in ``(start, len(tokens)]`` at which to stop the prefill and ``save``.
+
+        Every multiple of ``block_size``, every junction (a length at which
+        ``tokens`` leaves the path of a prefix saved earlier, at most two per
+        block: the deepest branch on each side of the prompt's block in sorted
+        order), and ``len(tokens)``; ascending.
+        """
+        data, n_tokens = self._key(tokens)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= n_tokens:
+            raise ArgumentError(f"plan: start must be an integer in [0, {n_tokens}], got {start!r}")
+        start = int(start)
+        block = self.block_size
+        cuts = set(range((start // block + 1) * block, n_tokens + 1, block))
+        cuts.update(j for j in self._junctions(data, n_tokens, start) if start < j < n_tokens)
+        if n_tokens > start:
+            cuts.add(n_tokens)
+        return sorted(cuts)
+
+    def save(self, seq: int, tokens: Sequence[int] | np.ndarray) -> bool:
+        """Snapshot ``seq``'s current state as the state after ``tokens``.
+
+        ``seq`` must hold a cell at position ``len(tokens) - 1``.  Returns True
+        when the snapshot is held (new, or already held and refreshed), False
+        when it is not let in: the budget is full of snapshots worth more
+        (see the eviction policy) or holds none at all.  May evict others.
+        """
+        data, n_tokens = self._key(tokens)
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.cache.size:
+            raise SeqIdError(f"save: seq {seq!r} is outside [0, {self.cache.size})")
+        pos = self.cache.seq_pos_max(int(seq))
+        if n_tokens == 0 or pos != n_tokens - 1:
+            raise PositionError(f"save: seq {seq} is at position {pos}, but a snapshot of {n_tokens} tokens "
+                                f"needs position {n_tokens - 1}")
+        self._stats["saves"] += 1
+        node, tail = self._path(data, n_tokens, create=False)
+        known = node.tails.get(tail) if node is not None else None
+        if known is not None and known.slot >= 0:   # another request reached this prefix: a use
+            known.hits += 1
+            self._touch(known)
+            return True
+        if known is not None:  # a ghost: out of the ghost list, so that no eviction below trims it
+            del self._ghosts[known]
+        kind = known.kind if known is not None else self._kind(data, n_tokens)
+        if len(self._held) >= self.capacity:
+            if not self._evict(self._inflation + self._value(kind, n_tokens, 0)):
+                self._stats["rejected"] += 1
+                if known is None:
+                    known = self._add(data, n_tokens, -1, kind)
+                self._ghost(known)
+                return False
+        if known is None:
+            known = self._add(data, n_tokens, -1, kind)
+        slot = self._take_slot(known)
+        cell = self.cache.cell(int(seq))[2]
+        src = self.cache.cell(cell)[1]
+        for src_t, pool in zip(self._r + self._s, self._pool_r + self._pool_s):
+            if src >= 0:
+                pool[slot] = src_t[src]
+            else:  # the cell has no data yet: its state is zeros (SPEC §2)
+                pool[slot] = 0
+        self._touch(known)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Counters for operators.
+
+        ``lookups`` / ``hits``: ``restore`` calls and those that restored
+        something; ``tokens_matched``: tokens restored instead of recomputed;
+        ``tokens_recomputed``: tokens the callers had left to compute;
+        ``saves``, ``rejected`` (saves not let in), ``evictions``;
+        ``snapshots`` and ``bytes`` held, ``ghosts`` (paths remembered without state),
+        ``capacity`` (snapshots) and ``max_bytes``; ``tier_spills`` /
+        ``tier_hits`` for a second tier.
+        """
+        held = len(self._held)
+        return {**self._stats, "snapshots": held, "ghosts": len(self._ghosts), "bytes": held * self.snapshot_bytes,
+                "capacity": self.capacity, "max_bytes": self.max_bytes}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __repr__(self) -> str:
+        return (f"PrefixCache({len(self)} of {self.capacity} snapshots, {self.snapshot_bytes} bytes each, "
+                f"block_size={self.block_size})")
+
+    # -- keys and the trie ----------------------------------------------------------------
+
+    @staticmethod
+    def _key(tokens: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
+        """``tokens`` as little-endian int32 bytes, and its length; bad input raises ArgumentError."""
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ArgumentError(f"tokens must be a 1-D sequence of integers, got shape {array.shape}")
+        if array.size == 0:
+            return b"", 0
+        if array.dtype.kind not in "iu":
+            raise ArgumentError(f"tokens must be integers, got dtype {array.dtype}")
+        if array.dtype.itemsize > 4 or array.dtype == np.uint32:
+            low, high = int(array.min()), int(array.max())
+            if low < _INT32_MIN or high > _INT32_MAX:
+                raise ArgumentError(f"token {low if low < _INT32_MIN else high} does not fit in int32")
+        return np.ascontiguousarray(array, dtype=_TOKEN).tobytes(), int(array.size)
+
+    def _walk(self, data: bytes, n_tokens: int) -> list[_Node]:
+        """The nodes of the saved paths that ``data``'s full blocks follow, from the root."""
+        step = 4 * self.block_size
+        node = self._root
+        nodes = [node]
+        for q in range(n_tokens // self.block_size):
+            node = node.children.get(data[q * step:(q + 1) * step])
+            if node is None:
+                break
+            nodes.append(node)
+        return nodes
+
+    def _path(self, data: bytes, n_tokens: int, create: bool) -> tuple[_Node | None, bytes]:
+        """The node a snapshot of ``data`` belongs in, and its tail (created if asked)."""
+        step = 4 * self.block_size
+        full = n_tokens // self.block_size
+        node = self._root
+        for q in range(full):
+            block = data[q * step:(q + 1) * step]
+            child = node.children.get(block)
+            if child is None:
+                if not create:
+                    return None, b""
+                child = node.children[block] = _Node(node, block, q + 1)
+                node.add_continuation(block)
+            node = child
+        return node, data[full * step:]
+
+    def _lookup(self, data: bytes, n_tokens: int, use_tier: bool = False) -> _Snapshot | None:
+        """The held snapshot of the longest proper prefix of ``data`` (memory, then the tier)."""
+        found = self._longest_in_memory(data, n_tokens)
+        if use_tier and self._tier is not None:
+            fetched = self._fetch(data, n_tokens, found.length if found is not None else 0)
+            if fetched is not None:
+                return fetched
+        return found
+
+    def _longest_in_memory(self, data: bytes, n_tokens: int) -> _Snapshot | None:
+        block = self.block_size
+        for node in reversed(self._walk(data, n_tokens)):
+            base = node.depth * block
+            for r in node.tail_lengths:   # descending: the first hit is the longest in this node
+                if 0 < base + r < n_tokens:
+                    found = node.tails.get(data[4 * base:4 * (base + r)])
+                    if found is not None and found.slot >= 0:
+                        return found
+        return None
+
+    def _junctions(self, data: bytes, n_tokens: int, start: int = 0) -> list[int]:
+        """Lengths above ``start`` at which ``data`` leaves a saved path, block by block along its path.
+
+        In each node on the path, the neighbours of the prompt's block among the node's
+        sorted continuations (``_Node.neighbours``); the common prefixes with them are
+        computed in one numpy comparison, and memoised in the prompt's child node until
+        its parent's continuations change.
+        """
+        step, block = 4 * self.block_size, self.block_size
+        nodes = self._walk(data, n_tokens)
+        junctions: list[int] = []
+        pending: list[tuple[int, _Node | None, bytes]] = []   # (depth, memo holder, neighbour)
+        for i, node in enumerate(nodes):
+            if not node.continuations or (node.depth + 1) * block <= start:
+                continue
+            child = nodes[i + 1] if i + 1 < len(nodes) else None   # the prompt goes on into a saved block
+            if child is not None and child.branch_memo[0] == node.version:
+                junctions += child.branch_memo[1]
+                continue
+            if child is not None:
+                child.branch_memo = (node.version, [])
+            mine = child.block if child is not None else data[node.depth * step:(node.depth + 1) * step]
+            pending += [(node.depth, child, other) for other in node.neighbours(mine, step)]
+        if pending:
+            padded = np.frombuffer(data + bytes(-len(data) % step + step), _TOKEN).reshape(-1, block)
+            depths = np.fromiter((depth for depth, _, _ in pending), np.int64, len(pending))
+            others = np.frombuffer(b"".join(other.ljust(step, b"\0") for _, _, other in pending),
+                                   _TOKEN).reshape(-1, block)
+            differ = padded[depths] != others
+            first = np.where(differ.any(axis=1), differ.argmax(axis=1), block)
+            limit = np.fromiter((min(len(other) // 4, n_tokens - depth * block) for depth, _, other in pending),
+                                np.int64, len(pending))
+            common = depths * block + np.minimum(first, limit)
+            for (_, child, _), junction in zip(pending, common.tolist()):
+                junctions.append(junction)
+                if child is not None:
+                    child.branch_memo[1].append(junction)
+        return junctions
+
+    def _kind(self, data: bytes, n_tokens: int) -> str:
+        """junction: a saved path passes through this length and goes on; else end or grid."""
+        node, tail = self._path(data, n_tokens, create=False)
+        if node is not None:
+            if tail == b"":
+                passes = bool(node.children) or any(node.tails)
+            else:
+                options = node.continuations
+                i = bisect_left(options, tail)
+                passes = (i < len(options) and options[i] != tail and options[i].startswith(tail))
+            if passes:
+                return "junction"
+        return "grid" if n_tokens % self.block_size == 0 else "end"
+
+    def _add(self, data: bytes, n_tokens: int, slot: int, kind: str) -> _Snapshot:
+        """A new snapshot (or ghost, ``slot = -1``) of ``data`` in the trie."""
+        node, tail = self._path(data, n_tokens, create=True)
+        snapshot = _Snapshot(slot, n_tokens, node, tail, kind)
+        node.tails[tail] = snapshot
+        r = len(tail) // 4
+        if r not in node.tail_counts:
+            node.tail_counts[r] = 0
+            insort(node.tail_lengths, r, key=lambda x: -x)
+        node.tail_counts[r] += 1
+        if tail:
+            node.add_continuation(tail)
+        while node is not None:
+            node.count += 1
+            node = node.parent
+        return snapshot
+
+    def _remove(self, snapshot: _Snapshot) -> None:
+        node, tail = snapshot.node, snapshot.tail
+        del node.tails[tail]
+        r = len(tail) // 4
+        node.tail_counts[r] -= 1
+        if node.tail_counts[r] == 0:
+            del node.tail_counts[r]
+            node.tail_lengths.remove(r)
+        if tail:
+            node.remove_continuation(tail)
+        while node is not None:
+            node.count -= 1
+            parent = node.parent
+            if node.count == 0 and parent is not None:
+                del parent.children[node.block]
+                parent.remove_continuation(node.block)
+            node = parent
+        self._release_slot(snapshot)
+
+    def _take_slot(self, snapshot: _Snapshot) -> int:
+        """A pool slot for ``snapshot`` (there must be room)."""
+        slot = self._free_slots.pop() if self._free_slots else len(self._held)
+        self._held[slot] = snapshot
+        snapshot.slot = slot
+        return slot
+
+    def _release_slot(self, snapshot: _Snapshot) -> None:
+        if snapshot.slot >= 0:
+            del self._held[snapshot.slot]
+            self._free_slots.append(snapshot.slot)
+            snapshot.slot = -1
+
+    def _ghost(self, snapshot: _Snapshot) -> None:
+        """Keep ``snapshot``'s path without its state (its slot, if any, is freed)."""
+        self._release_slot(snapshot)
+        self._ghosts[snapshot] = None
+        self._ghosts.move_to_end(snapshot)
+        while len(self._ghosts) > self.max_ghosts:
+            oldest, _ = self._ghosts.popitem(last=False)
+            self._remove(oldest)
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def _value(self, kind: str, length: int, hits: int) -> float:
+        return _KIND_WEIGHT[kind] * length * (1 + hits)
+
+    def _touch(self, snapshot: _Snapshot) -> None:
+        snapshot.priority = self._inflation + self._value(snapshot.kind, snapshot.length, snapshot.hits)
+        heapq.heappush(self._heap, (snapshot.priority, next(self._order), snapshot))
+        if len(self._heap) > 4 * len(self._held) + 64:   # mostly stale entries: rebuild
+            self._heap = [(held.priority, next(self._order), held) for held in self._held.values()]
+            heapq.heapify(self._heap)
+
+    def _evict(self, newcomer: float | None = None) -> bool:
+        """Drop the held snapshot with the lowest priority that is not being restored.
+
+        With ``newcomer`` (the priority a new snapshot would get), drop it only
+        if it is lower: a snapshot that would be the first to go is not let in
+        at the expense of a better one.  Returns whether a slot was freed.
+        """
+        skipped = []
+        freed = False
+        while self._heap:
+            entry = self._heap[0]
+            priority, _, snapshot = entry
+            if snapshot.slot < 0 or priority != snapshot.priority:
+                heapq.heappop(self._heap)  # stale: the snapshot was evicted or touched since
+                continue
+            if snapshot.pinned:
+                skipped.append(heapq.heappop(self._heap))
+                continue
+            if newcomer is not None and newcomer <= priority:
+                break
+            heapq.heappop(self._heap)
+            self._inflation = priority
+            self._spill(snapshot)
+            self._ghost(snapshot)
+            self._stats["evictions"] += 1
+            freed = True
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return freed
+
+    # -- the second tier ----------------------------------------------------------------------
+
+    def _tokens_of(self, snapshot: _Snapshot) -> np.ndarray:
+        blocks = []
+        node: _Node | None = snapshot.node
+        while node is not None:
+            blocks.append(node.block)
+            node = node.parent
+        return np.frombuffer(b"".join(reversed(blocks)) + snapshot.tail, _TOKEN)
+
+    def _spill(self, snapshot: _Snapshot) -> None:
+        """Hook 1: hand an evicted snapshot (tokens, pos, rows) to the second tier."""
+        if self._tier is None:
+            return
+        slot = snapshot.slot
+        self._tier.put(self._tokens_of(snapshot), snapshot.length - 1,
+                       [pool[slot].copy() for pool in self._pool_r], [pool[slot].copy() for pool in self._pool_s])
+        self._stats["tier_spills"] += 1
+
+    def _fetch(self, data: bytes, n_tokens: int, held: int) -> _Snapshot | None:
+        """Hook 2: on a memory miss, the longest candidate length the tier holds, loaded into memory."""
+        if self.capacity == 0:
+            return None
+        candidates = set(range(self.block_size, n_tokens, self.block_size))
+        candidates.update(self._junctions(data, n_tokens))
+        candidates = sorted(n for n in candidates if held < n < n_tokens)
+        if not candidates:
+            return None
+        tokens = np.frombuffer(data, _TOKEN)
+        n = self._tier.longest(tokens, candidates)
+        if n not in candidates:
+            return None
+        rows = self._tier.get(tokens[:n])
+        if rows is None:
+            return None
+        r_rows, s_rows = (list(part) for part in rows)
+        if not (len(r_rows) == len(self._r) and len(s_rows) == len(self._s) and all(
+                np.shape(row) == pool.shape[1:] and np.asarray(row).dtype == pool.dtype
+                for row, pool in zip(r_rows + s_rows, self._pool_r + self._pool_s))):
+            return None   # rows that do not fit this cache: a miss, never a wrong state
+        if len(self._held) >= self.capacity and not self._evict():
+            return None  # every snapshot held is being restored
+        prefix = data[:4 * n]
+        node, tail = self._path(prefix, n, create=False)
+        snapshot = node.tails.get(tail) if node is not None else None
+        if snapshot is None:
+            snapshot = self._add(prefix, n, -1, self._kind(prefix, n))
+        elif snapshot.slot < 0:  # a ghost of it comes back to life
+            del self._ghosts[snapshot]
+        if snapshot.slot < 0:
+            self._take_slot(snapshot)
+        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
+            pool[snapshot.slot] = row
+        self._touch(snapshot)
+        self._stats["tier_hits"] += 1
+        return snapshot
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_empty_seq(self, seq: int) -> None:
+        size = self.cache.size
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < size:
+            raise SeqIdError(f"restore: seq {seq!r} is outside [0, {size})")
+        if self.cache.cell(int(seq))[2] >= 0:
+            raise ArgumentError(f"restore: seq {seq} already holds a cell (at position "
+                                f"{self.cache.seq_pos_max(int(seq))}); remove it first with seq_rm")
