@@ -153,7 +153,8 @@ class CoreMatchesReference(RuleBasedStateMachine):
                 n_embd_s=st.integers(1, 4), dtype_r=DTYPES, dtype_s=DTYPES, data=st.data())
     def build(self, size, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s, data):
         kwargs = dict(n_layer=n_layer, n_embd_r=n_embd_r, n_embd_s=n_embd_s,
-                      dtype_r=dtype_r, dtype_s=dtype_s)
+                      dtype_r=dtype_r, dtype_s=dtype_s,
+                      n_rollback=data.draw(st.sampled_from([0, 1, 3, 4]), label="n_rollback"))
         if data.draw(st.booleans(), label="explicit size"):
             kwargs.update(n_seq_max=data.draw(st.integers(0, size), label="n_seq_max"), size=size)
         else:
@@ -202,6 +203,12 @@ class CoreMatchesReference(RuleBasedStateMachine):
             assert a == b, f"{what}: core returned {a!r}, reference {b!r}"
 
     def compare_caches(self, what):
+        reach = [[cache.seq_rollback_min(seq) for seq in range(self.size)] for cache in (self.core, self.ref)]
+        assert reach[0] == reach[1], f"{what}: seq_rollback_min\n core      {reach[0]}\n reference {reach[1]}"
+        assert self.core._tags.tobytes() == self.ref._tags.tobytes(), f"{what}: history tags"
+        for k, (x, y) in enumerate(zip(self.core._history, self.ref._history)):
+            held = self.core._tags > 0
+            assert x[held].tobytes() == y[held].tobytes(), f"{what}: held history states of tensor {k}"
         a, b = snapshot(self.core), snapshot(self.ref)
         for key in ("cells", "head", "used", "n"):
             assert a[key] == b[key], f"{what}: {key}\n core      {a[key]}\n reference {b[key]}"
@@ -359,6 +366,15 @@ class CoreMatchesReference(RuleBasedStateMachine):
                 for il in range(cache.n_layer):
                     store(cache.r[il][sa.head + s], formula(self.step, s, il, 0, cache.n_embd_r))
                     store(cache.s[il][sa.head + s], formula(self.step, s, il, 1, cache.n_embd_s))
+        # ... and, with n_rollback > 0, the states after its earlier tokens into the step arrays
+        for views, cache in ((sa, self.core), (sb, self.ref)):
+            for il in range(cache.n_layer):
+                r_steps, s_steps = views.r_steps(il), views.s_steps(il)
+                assert r_steps.shape[:2] == (n_seqs, min(cache.n_rollback, ua["n_seq_tokens"] - 1))
+                for s in range(n_seqs):
+                    for j in range(r_steps.shape[1]):
+                        store(r_steps[s, j], formula(self.step, s, il, 2 + j, cache.n_embd_r))
+                        store(s_steps[s, j], formula(self.step, s, il, 9 + j, cache.n_embd_s))
         self.step += 1
 
     # -- rules: batches ------------------------------------------------------------
@@ -406,6 +422,24 @@ class CoreMatchesReference(RuleBasedStateMachine):
             edges = self.by_cell()
             options = [st.sampled_from(live)] * 3 + [st.sampled_from([edges[0], edges[-1]])] * 2 + options
         return data.draw(st.one_of(options), label=label)
+
+    @rule(data=st.data())
+    def roll_back(self, data):
+        """seq_rm(seq, p0, -1) of a live sequence: a rollback where its history reaches (SPEC §7)."""
+        live = self.live()
+        if not live:
+            return
+        seq = data.draw(st.sampled_from(sorted(live)), label="seq")
+        pos = live[seq]
+        p0 = data.draw(st.integers(max(1, pos - 3), pos + 1) if pos >= 1 else st.just(1), label="p0")
+        p1 = data.draw(st.sampled_from([-1, pos + 1, pos + 5]), label="p1")
+        reach = self.ref.seq_rollback_min(seq)
+        outcomes = self.both(lambda impl, c: c.seq_rm(seq, p0, p1), f"seq_rm({seq}, {p0}, {p1}) [rollback]")
+        if outcomes[0] == ("ok", True) and 0 < p0 <= pos:
+            event("rolled back")
+            assert reach >= 0 and p0 - 1 >= reach and self.ref.seq_pos_max(seq) == p0 - 1
+        elif 0 < p0 <= pos:
+            event("rollback refused")
 
     @rule(data=st.data())
     def fork(self, data):

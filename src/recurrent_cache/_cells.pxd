@@ -119,5 +119,14 @@ cdef class CellTable:
     cdef int32_t* plan_copy_src  # [size] scratch for the copy plan of the ubatch being applied
     cdef uint8_t* plan_zero      # [size]
     cdef readonly bint self_check  # check every invariant after each placement (debug builds)
+    # rollback history (SPEC §7): n_rollback slots per cell; the state after position q lives in
+    # slot q % n_rollback of its cell's history row, tagged q + 1 (0 = empty)
+    cdef readonly int32_t n_rollback
+    cdef char** hist_data      # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
+    cdef int32_t* hist_tag     # [size * n_rollback]
+    cdef object history        # keeps the history arrays alive
+    cdef void keep_start_states(self, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
+                                const int32_t* last_pos, const uint8_t* zero) noexcept nogil
+    cdef void forget_cell(self, int32_t cell) noexcept nogil
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil

@@ -563,9 +563,10 @@ cdef class CellTable:
     trusts them and only guards what could corrupt memory.
     """
 
-    def __cinit__(self, int32_t size, list tensors):
+    def __cinit__(self, int32_t size, list tensors, list history=None, object tags=None):
         cdef Py_ssize_t k
         cdef char[:, ::1] view
+        cdef int32_t[:, ::1] tag_view
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if cells_init(&self.cells, size) != RC_OK:
@@ -588,9 +589,27 @@ cdef class CellTable:
             self.row_bytes[k] = view.shape[1]
         self.tensors = tensors
         self.self_check = RC_SELF_CHECK
+        if history is not None:
+            tag_view = tags
+            if tag_view.shape[0] != size or tag_view.shape[1] < 1 or len(history) != self.n_tensors:
+                raise ValueError("history: one (size, n_rollback, n_embd) array per tensor and (size, n_rollback) tags")
+            self.n_rollback = <int32_t>tag_view.shape[1]
+            self.hist_tag = &tag_view[0, 0]
+            self.hist_data = <char**>malloc(max(1, self.n_tensors) * sizeof(char*))
+            if self.hist_data == NULL:
+                raise MemoryError("cannot allocate the history table")
+            for k in range(self.n_tensors):
+                array = history[k]
+                if (not array.flags.c_contiguous or array.shape[0] != size
+                        or array.nbytes != size * self.n_rollback * self.row_bytes[k]):
+                    raise ValueError("history arrays must be C-contiguous (size, n_rollback, n_embd)")
+                view = array.view("u1").reshape(size, -1)
+                self.hist_data[k] = &view[0, 0]
+            self.history = (history, tags)
 
     def __dealloc__(self):
         cells_release(&self.cells)
+        free(self.hist_data)
         free(self.tensor_data)
         free(self.row_bytes)
         free(self.plan_copy_src)
@@ -598,14 +617,104 @@ cdef class CellTable:
 
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil:
-        cdef Py_ssize_t k
+        cdef Py_ssize_t k, hist_bytes
         cdef int code
         for k in range(self.n_tensors):
             code = rows_apply_plan(self.tensor_data[k], self.row_bytes[k], self.row_bytes[k],
                                    head, n, copy_src, zero)
             if code != RC_OK:
                 return code
+        if self.n_rollback:
+            # a state's history travels with it; a zeroed row has none
+            for k in range(self.n_tensors):
+                hist_bytes = self.n_rollback * self.row_bytes[k]
+                code = rows_apply_plan(self.hist_data[k], hist_bytes, hist_bytes, head, n, copy_src, zero)
+                if code != RC_OK:
+                    return code
+            hist_bytes = self.n_rollback * sizeof(int32_t)
+            return rows_apply_plan(<char*>self.hist_tag, hist_bytes, hist_bytes, head, n, copy_src, zero)
         return RC_OK
+
+    cdef void keep_start_states(self, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
+                                const int32_t* last_pos, const uint8_t* zero) noexcept nogil:
+        """Before the model overwrites them, the state each group starts from joins its history."""
+        cdef int32_t g, cell, q, slot
+        cdef Py_ssize_t k
+        for g in range(n_seqs):
+            cell = head + g
+            q = last_pos[g] - n_seq_tokens            # the group continues the state after q
+            if zero[g] or q < 0 or q < last_pos[g] - self.n_rollback:
+                continue                              # no state yet, or outside the window
+            slot = q % self.n_rollback
+            for k in range(self.n_tensors):
+                memcpy(self.hist_data[k] + (<Py_ssize_t>cell * self.n_rollback + slot) * self.row_bytes[k],
+                       self.tensor_data[k] + <Py_ssize_t>cell * self.row_bytes[k], self.row_bytes[k])
+            self.hist_tag[<Py_ssize_t>cell * self.n_rollback + slot] = q + 1
+
+    cdef void forget_cell(self, int32_t cell) noexcept nogil:
+        if self.n_rollback and cell >= 0:
+            memset(self.hist_tag + <Py_ssize_t>cell * self.n_rollback, 0, self.n_rollback * sizeof(int32_t))
+
+    def forget_history(self, int32_t seq):
+        """Forget the history of ``seq``'s cell (``-1``: of every cell): its state was replaced."""
+        cdef int32_t cell
+        if not self.n_rollback:
+            return
+        if seq < 0:
+            memset(self.hist_tag, 0, <size_t>self.cells.size * self.n_rollback * sizeof(int32_t))
+        elif seq < self.cells.size:
+            self.forget_cell(self.cells.tail[seq])
+
+    def rollback_min(self, int32_t seq):
+        """The smallest position q whose state a rollback of ``seq`` can reach, or -1."""
+        cdef int32_t cell, pos, slot, q, best = -1
+        if not self.n_rollback or not 0 <= seq < self.cells.size or self.cells.tail[seq] < 0:
+            return -1
+        cell = self.cells.tail[seq]
+        pos = self.cells.pos[cell]
+        for slot in range(self.n_rollback):
+            q = self.hist_tag[<Py_ssize_t>cell * self.n_rollback + slot] - 1
+            if pos - self.n_rollback <= q < pos and q >= 0 and (best < 0 or q < best):
+                best = q
+        return best
+
+    def rollback(self, int32_t seq, int32_t q):
+        """Make ``seq``'s state the state after ``q`` (held in its cell's history); True if done.
+
+        A sequence sharing its cell first gets a free cell of its own (copy on write), so the
+        others keep theirs; no free cell, or no state after ``q`` held: False, nothing changed.
+        """
+        cdef Cells* c = &self.cells
+        cdef int32_t cell, target, slot, j
+        cdef Py_ssize_t k, n = self.n_rollback
+        if not n or not 0 <= seq < c.size or c.tail[seq] < 0:
+            return False
+        cell = c.tail[seq]
+        if not (c.pos[cell] - n <= q < c.pos[cell]) or q < 0:
+            return False
+        slot = q % n
+        if self.hist_tag[cell * n + slot] != q + 1:
+            return False
+        target = cell
+        if c.n_seq[cell] > 1:
+            target = cells_next_free(c, c.head)
+            if target < 0:
+                return False
+            leave(c, seq)
+            join(c, target, seq)
+            c.src[target] = target
+            for k in range(self.n_tensors):   # the branch keeps the history it had
+                memcpy(self.hist_data[k] + target * n * self.row_bytes[k],
+                       self.hist_data[k] + cell * n * self.row_bytes[k], n * self.row_bytes[k])
+            memcpy(self.hist_tag + target * n, self.hist_tag + cell * n, n * sizeof(int32_t))
+        for k in range(self.n_tensors):
+            memcpy(self.tensor_data[k] + target * self.row_bytes[k],
+                   self.hist_data[k] + (cell * n + slot) * self.row_bytes[k], self.row_bytes[k])
+        c.pos[target] = q
+        for j in range(n):   # states after q and later are gone
+            if self.hist_tag[target * n + j] > q:
+                self.hist_tag[target * n + j] = 0
+        return True
 
     @property
     def size(self):
@@ -641,6 +750,7 @@ cdef class CellTable:
         cells_clear(&self.cells)
         for k in range(self.n_tensors):
             memset(self.tensor_data[k], 0, self.cells.size * self.row_bytes[k])
+        self.forget_history(-1)
 
     def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
         return cells_seq_rm(&self.cells, seq, p0, p1)
@@ -652,10 +762,20 @@ cdef class CellTable:
         return cells_seq_keep(&self.cells, seq)
 
     def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
-        return cells_seq_add(&self.cells, seq, p0, p1, shift)
+        """seq_add; the history of the cell it moves is forgotten (its positions changed)."""
+        cdef int32_t cell = cells_tail_in_range(&self.cells, seq, p0, p1)
+        cdef int code = cells_seq_add(&self.cells, seq, p0, p1, shift)
+        if code == RC_OK and shift != 0:
+            self.forget_cell(cell)
+        return code
 
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
-        return cells_seq_div(&self.cells, seq, p0, p1, d)
+        """seq_div; the history of the cell it moves is forgotten."""
+        cdef int32_t cell = cells_tail_in_range(&self.cells, seq, p0, p1)
+        cdef int code = cells_seq_div(&self.cells, seq, p0, p1, d)
+        if code == RC_OK and d != 1:
+            self.forget_cell(cell)
+        return code
 
     def place(self, int32_t seq, int32_t pos):
         """Give ``seq`` (in range, in no cell) a cell of its own at ``pos`` whose row is kept.

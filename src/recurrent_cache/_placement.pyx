@@ -86,6 +86,9 @@ cdef class Placement:
                 n = t.cells.n
                 cells_copy_plan(&t.cells, t.plan_copy_src, t.plan_zero)
                 code = t.apply_plan_rows(t.cells.head, n, t.plan_copy_src, t.plan_zero)
+            if code == RC_OK and t.n_rollback:
+                t.keep_start_states(t.cells.head, self.split.ub_group_start[u + 1] - g0,
+                                    self.split.ub_n_seq_tokens[u], self.split.group_last_pos + g0, t.plan_zero)
             if code == RC_OK and t.self_check and cells_check(&t.cells) != 0:
                 code = RC_ERR_BROKEN
             if code == RC_OK:

@@ -41,6 +41,14 @@ class RecurrentCache:
     ``ml_dtypes.bfloat16`` array when ml_dtypes is installed, else raw
     ``uint16`` bits: the upper half of each float32).
 
+    n_rollback: how many past states each cell keeps for rollback (speculative
+    decoding, SPEC §7): ``seq_rm(seq, p0, -1)`` then returns the sequence to its
+    state after ``p0 - 1`` when that state is held.  ``n_rollback > 0`` is the
+    model's promise to write the states after each token but the last of every
+    ubatch into ``st.r_steps(il)`` / ``st.s_steps(il)`` (the cache cannot tell
+    whether it did); it costs ``n_rollback`` rows of every tensor per cell.
+    ``0`` (the default) is llama.cpp's cache exactly, with no extra memory or work.
+
     engine: ``"compiled"`` (the Cython core) or ``"reference"`` (pure Python,
     the readable oracle; thousands of times slower); default: the environment
     variable ``RECURRENT_CACHE_IMPL``, else ``"compiled"``.
@@ -50,14 +58,28 @@ class RecurrentCache:
     """
 
     def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
-                 size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32", *,
-                 engine: Literal["compiled", "reference"] | None = None) -> None:
+                 size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32",
+                 n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None) -> None:
         self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
+        self._n_rollback = as_int(n_rollback, "n_rollback")
+        if self._n_rollback < 0:
+            raise ArgumentError(f"n_rollback must be >= 0, got {self._n_rollback}")
         self._engine = _engines.load(engine)
         r, s = self._config.allocate()
         self.r: tuple[np.ndarray, ...] = tuple(r)
         self.s: tuple[np.ndarray, ...] = tuple(s)
-        self._table = self._engine.CellTable(self._config.size, r + s)
+        size_ = self._config.size
+        if self._n_rollback:
+            # history[k][c, q % n_rollback]: the state after position q of cell c's tensor k
+            self._history = [np.zeros((size_, self._n_rollback, t.shape[1]), dtype=t.dtype) for t in r + s]
+            self._tags = np.zeros((size_, self._n_rollback), dtype=np.int32)
+            self._table = self._engine.CellTable(size_, r + s, self._history, self._tags)
+        else:
+            self._history, self._tags = [], np.zeros((size_, 0), dtype=np.int32)
+            self._table = self._engine.CellTable(size_, r + s)
+        # where the model writes a ubatch's step states, and what the cache still has to file
+        self._steps: list[np.ndarray] = [np.zeros((0, t.shape[1]), dtype=t.dtype) for t in r + s]
+        self._pending_steps: tuple[int, int, int, np.ndarray] | None = None
         self._state_io = self._engine.StateIO(self._table, self._config.type_ids())
         self._lock = threading.Lock()
         # bumped by every change of the cells: a MemoryState applies only on the generation
@@ -70,6 +92,54 @@ class RecurrentCache:
         if not self._lock.acquire(blocking=False):
             raise UsageError("this RecurrentCache is in use by another thread: a cache belongs to one "
                              "thread at a time (use one cache per thread, or a lock around every call)")
+
+    def _enter_to_change(self) -> None:
+        """``_enter`` for a call that moves rows or reads the history: first file the step
+        states the model wrote for the last ubatch (reads during the model's forward do not)."""
+        self._enter()
+        if self._pending_steps is not None:
+            self._file_steps()
+
+    # -- rollback history (SPEC §7) -----------------------------------------------------
+
+    def _expect_steps(self, head: int, n_seqs: int, n_seq_tokens: int, last_pos: np.ndarray) -> int:
+        """After a ubatch is applied: room for the model's step states; returns m (0: none)."""
+        m = min(self._n_rollback, n_seq_tokens - 1)
+        if m > 0:
+            if self._steps and self._steps[0].shape[0] < n_seqs * m:
+                self._steps = [np.zeros((max(n_seqs * m, 2 * self._steps[0].shape[0]), t.shape[1]), dtype=t.dtype)
+                               for t in self.r + self.s]
+            self._pending_steps = (head, n_seqs, m, last_pos)
+        return m
+
+    def _step_rows(self, k: int, n_seqs: int, m: int) -> np.ndarray:
+        return self._steps[k][:n_seqs * m].reshape(n_seqs, m, self._steps[k].shape[1])
+
+    def _file_steps(self) -> None:
+        """File the states the model wrote for the last ubatch into its cells' histories."""
+        assert self._pending_steps is not None
+        head, n_seqs, m, last_pos = self._pending_steps
+        self._pending_steps = None
+        cells = np.arange(head, head + n_seqs)[:, None]
+        positions = last_pos[:, None] - m + np.arange(m)[None, :]   # states after these positions
+        slots = positions % self._n_rollback
+        for k, history in enumerate(self._history):
+            history[cells, slots] = self._step_rows(k, n_seqs, m)
+        self._tags[cells, slots] = positions + 1
+
+    @property
+    def n_rollback(self) -> int:
+        """Past states each cell keeps for rollback (SPEC §7); 0: none."""
+        return self._n_rollback
+
+    def seq_rollback_min(self, seq: int) -> int:
+        """The smallest position ``q`` that ``seq_rm(seq, q + 1, -1)`` can roll ``seq`` back to, or -1."""
+        seq = as_int(seq, "seq")
+        self._enter_to_change()
+        try:
+            return int(self._table.rollback_min(seq))
+        finally:
+            self._leave()
 
     def _leave(self) -> None:
         self._lock.release()
@@ -166,7 +236,7 @@ class RecurrentCache:
 
     def clear(self) -> None:
         """Empty every cell and zero every state row."""
-        self._enter()
+        self._enter_to_change()
         try:
             self._table.clear()
             self._generation += 1
@@ -177,13 +247,21 @@ class RecurrentCache:
         """Drop ``seq`` (every sequence when ``seq < 0``) from positions ``[p0, p1)``.
 
         A recurrent state cannot be cut: returns False, changing nothing, when
-        the range would split a state (or for ``seq >= size``).
+        the range would split a state (or for ``seq >= size``) — except with
+        ``n_rollback > 0``: ``seq_rm(seq, p0, -1)`` with ``0 < p0 <= pos`` rolls
+        ``seq`` back to its state after ``p0 - 1`` when its cell holds that state
+        (a sequence sharing its cell first gets a cell of its own) and returns True.
         """
         seq, p0, p1 = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1")
-        self._enter()
+        self._enter_to_change()
         try:
-            removed = bool(self._table.seq_rm(seq, p0, p1))
-            self._generation += 1
+            pos = self._table.seq_pos_max(seq) if self._n_rollback and 0 <= seq < self.size else -1
+            if 0 < p0 <= pos and (p1 < 0 or p1 > pos):
+                removed = bool(self._table.rollback(seq, p0 - 1))   # SPEC §7: back to the state after p0 - 1
+            else:
+                removed = bool(self._table.seq_rm(seq, p0, p1))
+            if removed:
+                self._generation += 1
         finally:
             self._leave()
         return removed
@@ -195,7 +273,7 @@ class RecurrentCache:
         """
         src, dst = as_int(src, "src"), as_int(dst, "dst")
         as_int(p0, "p0"), as_int(p1, "p1")
-        self._enter()
+        self._enter_to_change()
         try:
             self._table.seq_cp(src, dst)
             self._generation += 1
@@ -214,7 +292,7 @@ class RecurrentCache:
         empty every cell).
         """
         seq = as_int(seq, "seq")
-        self._enter()
+        self._enter_to_change()
         try:
             self._seq_op("seq_keep", self._table.seq_keep(seq), seq, f"seq_id {seq}")
         finally:
@@ -226,7 +304,7 @@ class RecurrentCache:
         The pos is the cell's, so sequences sharing the cell move with it.
         """
         seq, p0, p1, shift = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(shift, "shift")
-        self._enter()
+        self._enter_to_change()
         try:
             self._seq_op("seq_add", self._table.seq_add(seq, p0, p1, shift), seq,
                          f"seq_id {seq} at pos {self._table.seq_pos_max(seq)} shifted by {shift}")
@@ -236,7 +314,7 @@ class RecurrentCache:
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         """Divide the pos of ``seq``'s cell by ``d`` (truncating) if it lies in ``[p0, p1)``; ``d >= 1``."""
         seq, p0, p1, d = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(d, "d")
-        self._enter()
+        self._enter_to_change()
         try:
             self._seq_op("seq_div", self._table.seq_div(seq, p0, p1, d), seq,
                          f"seq_id {seq} divided by d = {d} (d must be positive)")
@@ -268,7 +346,7 @@ class RecurrentCache:
         fills the row (``r[il][row]``, ``s[il][row]``).  For ``PrefixCache``.
         """
         seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
-        self._enter()
+        self._enter_to_change()
         try:
             cell = int(self._table.place(seq, pos))
             self._generation += 1
@@ -379,9 +457,10 @@ class RecurrentCache:
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
         view = blob_view(data)
-        self._enter()
+        self._enter_to_change()
         try:
             n = int(self._state_io.read(view, seq_id))
+            self._table.forget_history(seq_id)   # the blob carries no history (llama.cpp's bytes)
             self._generation += 1
         finally:
             self._leave()

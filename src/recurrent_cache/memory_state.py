@@ -182,7 +182,7 @@ class MemoryState:
     """
 
     __slots__ = ("_cache", "_placement", "_batch", "_pos", "status", "_u", "_applied", "_generation",
-                 "_ubatch", "_out_ids", "_rows_slice")
+                 "_ubatch", "_out_ids", "_rows_slice", "_m")
 
     def __init__(self, cache: RecurrentCache, placement: Any, batch: Batch | None, pos: np.ndarray | None,
                  status: MemoryStatus, generation: int) -> None:
@@ -197,6 +197,7 @@ class MemoryState:
         self._ubatch: Ubatch | None = None
         self._out_ids: np.ndarray | None = None
         self._rows_slice = slice(0, cache.size)   # the rows of the applied ubatch
+        self._m = 0                               # step states the model writes per group
     # -- stepping ----------------------------------------------------------------------
 
     def apply(self) -> bool:
@@ -208,7 +209,7 @@ class MemoryState:
         if self._applied:
             raise UsageError(f"ubatch {self._u} is already applied; call next() first")
         cache = self._cache
-        cache._enter()
+        cache._enter_to_change()
         try:
             if cache._generation != self._generation:
                 raise UsageError("the cache changed after this state was prepared (a sequence operation, "
@@ -218,10 +219,15 @@ class MemoryState:
                 raise engine_error(code, what=f"apply of ubatch {self._u}", seq=-1, size=cache.size)
             cache._generation += 1
             self._generation = cache._generation
+            head, ub = self._placement.head, self.ubatch
+            if cache._n_rollback and ub.n_seq_tokens > 1:
+                last_pos = ub.pos.reshape(ub.n_seqs, ub.n_seq_tokens)[:, -1].astype(np.int64)
+                self._m = cache._expect_steps(head, ub.n_seqs, ub.n_seq_tokens, last_pos)
+            else:
+                self._m = 0
         finally:
             cache._leave()
-        head = self._placement.head
-        self._rows_slice = slice(head, head + self.ubatch.n_seqs)
+        self._rows_slice = slice(head, head + ub.n_seqs)
         self._applied = True
         return True
 
@@ -309,6 +315,24 @@ class MemoryState:
     def s(self, il: int) -> np.ndarray:
         """Rows head .. head+n_seqs-1 of layer il's s tensor: group s is row s."""
         return self._rows(self._cache.s, il)
+
+    def _steps(self, first: int, il: int) -> np.ndarray:
+        n_layer = self._cache.n_layer
+        if isinstance(il, bool) or not isinstance(il, (int, np.integer)) or not 0 <= il < n_layer:
+            raise OutOfRangeError(f"layer index {il!r} is out of range [0, {n_layer})")
+        self._rows(self._cache.r, il)   # applied, and the cache unchanged since
+        n_seqs = 0 if self._placement is None else self.ubatch.n_seqs
+        return self._cache._step_rows(first + int(il), n_seqs, self._m)
+
+    def r_steps(self, il: int) -> np.ndarray:
+        """[n_seqs, m, n_embd_r] where the model writes, with ``n_rollback > 0``, layer il's r state
+        after each token but the last of every group: entry ``[g, j]`` is the state after token
+        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (SPEC §7)."""
+        return self._steps(0, il)
+
+    def s_steps(self, il: int) -> np.ndarray:
+        """[n_seqs, m, n_embd_s]: as ``r_steps`` for layer il's s state."""
+        return self._steps(self._cache.n_layer, il)
 
     @property
     def out_ids(self) -> np.ndarray:

@@ -35,9 +35,15 @@ def _range(p0: int, p1: int) -> tuple[int, int]:
 class CellTable:
     """``size`` cells over the state tensors ``r[0..n_layer)`` then ``s[0..n_layer)``."""
 
-    def __init__(self, size: int, tensors: list[np.ndarray]) -> None:
+    def __init__(self, size: int, tensors: list[np.ndarray], history: list[np.ndarray] | None = None,
+                 tags: np.ndarray | None = None) -> None:
         self.size = size
         self.tensors = tensors
+        # rollback history (SPEC §7): history[k][c, q % n_rollback] is the state after position q
+        # of cell c's tensor k, when tags[c, q % n_rollback] == q + 1 (0 = empty slot)
+        self.history = history or []
+        self.tags = tags if tags is not None else np.zeros((size, 0), dtype=np.int32)
+        self.n_rollback = self.tags.shape[1]
         self.pos = [-1] * size
         self.src = [-1] * size
         self.tail = [-1] * size
@@ -95,6 +101,7 @@ class CellTable:
         self.head = self.used = 0
         for tensor in self.tensors:
             tensor[...] = 0
+        self.tags[...] = 0
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
         p0, p1 = _range(p0, p1)
@@ -171,6 +178,7 @@ class CellTable:
         if not 0 <= self.pos[t] + shift < POS_INF:
             return E.POSITION
         self.pos[t] += shift  # the cell's pos: every sequence sharing it moves too
+        self.tags[t] = 0      # and its history no longer matches its positions
         return E.OK
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> int:
@@ -181,6 +189,7 @@ class CellTable:
         t = self._tail_cell_in_range(seq, p0, p1)
         if d != 1 and t >= 0:
             self.pos[t] //= d  # pos >= 0 here, so floor division is C truncation
+            self.tags[t] = 0
         return E.OK
 
     def seq_pos_min(self, seq: int) -> int:
@@ -190,6 +199,53 @@ class CellTable:
     def seq_pos_max(self, seq: int) -> int:
         found = [self.pos[c] for c in range(self.size) if seq in self.seq_ids[c]]
         return max(found) if found else -1
+
+    # -- rollback (SPEC §7)
+
+    def forget_history(self, seq: int) -> None:
+        """Forget the history of ``seq``'s cell (``-1``: of every cell): its state was replaced."""
+        if seq < 0:
+            self.tags[...] = 0
+        elif seq < self.size and self.tail[seq] >= 0:
+            self.tags[self.tail[seq]] = 0
+
+    def _held(self, cell: int) -> list[int]:
+        """The positions whose states cell's history holds, within its window [pos - n, pos - 1]."""
+        pos = self.pos[cell]
+        return [q for q in (int(t) - 1 for t in self.tags[cell]) if 0 <= q and pos - self.n_rollback <= q < pos]
+
+    def rollback_min(self, seq: int) -> int:
+        if not self.n_rollback or not 0 <= seq < self.size or self.tail[seq] < 0:
+            return -1
+        held = self._held(self.tail[seq])
+        return min(held) if held else -1
+
+    def rollback(self, seq: int, q: int) -> bool:
+        """Make ``seq``'s state the state after ``q``; a shared cell is copied first (copy on write)."""
+        if not self.n_rollback or not 0 <= seq < self.size or self.tail[seq] < 0:
+            return False
+        cell = self.tail[seq]
+        if q not in self._held(cell):
+            return False
+        target = cell
+        if len(self.seq_ids[cell]) > 1:
+            target = self._next_empty(self.head)
+            if target < 0:
+                return False
+            self.seq_ids[cell].discard(seq)
+            self.seq_ids[target] = {seq}
+            self.tail[seq] = target
+            self.used += 1
+            self.src[target] = target
+            for history in self.history:     # the branch keeps the history it had
+                history[target] = history[cell]
+            self.tags[target] = self.tags[cell]
+        slot = q % self.n_rollback
+        for tensor, history in zip(self.tensors, self.history):
+            tensor[target] = history[cell, slot]
+        self.pos[target] = q
+        self.tags[target][self.tags[target] > q] = 0   # states after q and later are gone
+        return True
 
     def place(self, seq: int, pos: int) -> int:
         """``seq`` (in no cell) takes a cell at ``pos`` whose row is kept: a one-cell state_read."""
@@ -291,9 +347,20 @@ class CellTable:
 
     def _apply_plan(self, copy_src: np.ndarray, zero: np.ndarray) -> None:
         rows = np.arange(self.head, self.head + copy_src.shape[0])
-        for tensor in self.tensors:
+        # a state's history travels with it; a zeroed row has none
+        for tensor in self.tensors + self.history + ([self.tags] if self.n_rollback else []):
             tensor[rows] = tensor[copy_src]  # fancy indexing reads everything first
             tensor[rows[zero]] = 0
+
+    def _keep_start_states(self, last_pos: list[int], n_seq_tokens: int, zero: np.ndarray) -> None:
+        """Before the model overwrites them, the state each group starts from joins its history."""
+        for g, last in enumerate(last_pos):
+            cell, q = self.head + g, last - n_seq_tokens   # the group continues the state after q
+            if zero[g] or q < 0 or q < last - self.n_rollback:
+                continue
+            for tensor, history in zip(self.tensors, self.history):
+                history[cell, q % self.n_rollback] = tensor[cell]
+            self.tags[cell, q % self.n_rollback] = q + 1
 
     def _snapshot(self) -> tuple[Any, ...]:
         return (self.pos[:], self.src[:], self.tail[:], [set(ids) for ids in self.seq_ids],
@@ -355,6 +422,9 @@ class Placement:
             return code
         self._copy_src, self._zero = self.table._copy_plan()
         self.table._apply_plan(self._copy_src, self._zero)
+        if self.table.n_rollback:
+            _, last_pos, _ = self._groups(u)
+            self.table._keep_start_states(last_pos, self.ubatches[u][0], self._zero)
         self.head, self.n_kv = self.table.head, self.table.n
         return E.OK
 
