@@ -1,0 +1,113 @@
+"""Rollback (SPEC §7): what keeping a history costs a decode step, what a rollback costs, memory.
+
+    python bench/rollback.py [--repeats 15]
+
+One run, interleaved round by round so every case sees the same machine load:
+- the decode step (64 sequences, one token each, init_batch + apply/next through the
+  Python API) with n_rollback = 0, 4 and 16: the cache files the state each group
+  starts from into its history (one row per tensor per sequence), so the cost grows with
+  the sequences in the ubatch, never with the cache's size;
+- a rollback of one sequence by 1 and by k tokens (seq_rm(seq, p0, -1));
+- the memory a cell needs for its history, for a mamba-130m-shaped state.
+Rows are 1 layer of 16 floats for the step timings (bookkeeping, not bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import numpy as np  # noqa: E402
+
+import recurrent_cache as rc  # noqa: E402
+
+N_SEQS, N_EMBD = 64, 16
+
+
+def decoding(n_rollback: int, steps: int, size: int) -> tuple[rc.RecurrentCache, list[rc.Batch]]:
+    cache = rc.RecurrentCache(1, N_EMBD, N_EMBD, n_seq_max=size, n_rollback=n_rollback)
+    seqs = np.arange(N_SEQS, dtype=np.int32)
+    for _ in cache.init_batch(rc.Batch(token=np.zeros(N_SEQS, np.int32), seq_id=seqs,
+                                       pos=np.zeros(N_SEQS, np.int32))):
+        pass
+    batches = [rc.Batch(token=np.zeros(N_SEQS, np.int32), seq_id=seqs, pos=np.full(N_SEQS, 1 + i, np.int32))
+               for i in range(steps)]
+    return cache, batches
+
+
+def step(cache: rc.RecurrentCache, batch: rc.Batch) -> None:
+    st = cache.init_batch(batch)
+    while True:
+        st.apply()
+        if not st.next():
+            break
+
+
+def timed_steps(repeats: int, size: int) -> dict[int, float]:
+    steps = 200
+    runs = {k: decoding(k, steps * repeats, size) for k in (0, 4, 16)}
+    samples: dict[int, list[float]] = {k: [] for k in runs}
+    gc.disable()
+    try:
+        for r in range(repeats):
+            for k, (cache, batches) in runs.items():
+                start = time.perf_counter_ns()
+                for batch in batches[r * steps:(r + 1) * steps]:
+                    step(cache, batch)
+                samples[k].append((time.perf_counter_ns() - start) / steps / 1e3)
+    finally:
+        gc.enable()
+    for k, (cache, _) in runs.items():
+        cache.check()
+        assert cache.seq_rollback_min(0) == (-1 if k == 0 else steps * repeats - k), (k, cache.seq_rollback_min(0))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def rollback_cost(k: int, back: int, repeats: int) -> float:
+    """µs per seq_rm(seq, pos + 1 - back, -1) on a mamba-130m-shaped state (24 layers)."""
+    cache = rc.RecurrentCache(24, 3 * 1536, 16 * 1536, n_seq_max=2, n_rollback=k)
+    times = []
+    for _ in range(repeats):
+        for p in range(k + 1):
+            for _ in cache.init_batch(rc.Batch(token=[0], seq_id=[0], pos=[cache.seq_pos_max(0) + 1])):
+                pass
+        pos = cache.seq_pos_max(0)
+        start = time.perf_counter_ns()
+        assert cache.seq_rm(0, pos + 1 - back, -1)
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    options = parser.parse_args()
+    print("# rollback ({})".format("load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())))
+    print(f"\n## decode step, {N_SEQS} sequences (Python API), µs, median of {options.repeats}")
+    print("| cache size | n_rollback 0 | n_rollback 4 | n_rollback 16 | 16 / 0 |")
+    print("|---:|---:|---:|---:|---:|")
+    for size in (64, 65536):
+        t = timed_steps(options.repeats, size)
+        print(f"| {size} | {t[0]:.1f} | {t[4]:.1f} | {t[16]:.1f} | {t[16] / t[0]:.2f}x |")
+    print("\n## rollback of one sequence, mamba-130m-shaped state (24 layers, 2.7 MiB), µs")
+    print("| n_rollback | back 1 token | back n_rollback tokens |")
+    print("|---:|---:|---:|")
+    for k in (4, 16):
+        print(f"| {k} | {rollback_cost(k, 1, 9):.0f} | {rollback_cost(k, k, 9):.0f} |")
+    row = (3 * 1536 + 16 * 1536) * 4 * 24
+    print("\n## memory per cell, mamba-130m-shaped state (f32)")
+    print("| n_rollback | state MiB | history MiB |")
+    print("|---:|---:|---:|")
+    for k in (0, 4, 16):
+        print(f"| {k} | {row / 2**20:.2f} | {k * row / 2**20:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
