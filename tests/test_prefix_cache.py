@@ -345,3 +345,21 @@ def test_second_tier_rows_that_do_not_fit_are_a_miss(rc):
     tier.held[tuple(a[:4])] = (pos, [x.astype(np.float64) for x in r], s)   # the wrong dtype
     assert pc.restore(0, a[:6] + [0]) == 0
     assert pc.stats()["tier_hits"] == 0 and len(pc) == 1
+
+
+def test_a_snapshot_no_longer_used_ages_out(rc):
+    """Refused newcomers raise L as if let in and evicted at once, so a much-used junction that
+    traffic has left behind is eventually replaced (recency), not kept forever."""
+    cache = make_cache(rc)
+    pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=100)
+    system = list(range(1, 9))
+    serve(rc, cache, pc, system + [50])
+    for k in range(5):      # the snapshot at 9 tokens is restored five times
+        assert serve(rc, cache, pc, system + [50, 60 + k])[0] == 9
+        assert pc.stats()["rejected"] == k + 1     # each 10-token end is refused: 9 is worth more
+    for k in range(200):    # new traffic, unrelated: refused at first, then let in
+        serve(rc, cache, pc, [1000 + k, 7, 7, 7, 7, 7, 7, 7, 7])
+        if pc.match(system + [50, 0]) == 0:
+            break
+    assert pc.match(system + [50, 0]) == 0 and 0 < k < 200   # refused at least once, then in
+    assert pc.stats()["evictions"] == 1 and pc.stats()["rejected"] >= 5 + k

@@ -47,7 +47,9 @@ requests have restored it, times how likely it is to be reused, by kind:
 When the budget is full, a new snapshot evicts the one with the lowest
 priority if its own priority is higher, and is not let in otherwise (``save``
 returns False): a full cache of junctions and conversation ends is not
-flushed by the grid points of one long unique prompt.  A snapshot being
+flushed by the grid points of one long unique prompt.  A refused newcomer
+still raises ``L`` to its priority, as if it had been let in and evicted at
+once, so snapshots that traffic no longer uses age out.  A snapshot being
 restored is never evicted.  A restore of a snapshot, or a save of a prefix
 already held (another request reached it), raises its hits and refreshes its
 priority.  The path of an evicted (or refused) snapshot is remembered
@@ -564,6 +566,7 @@ class PrefixCache:
                 skipped.append(heapq.heappop(self._heap))
                 continue
             if newcomer is not None and newcomer <= priority:
+                self._inflation = max(self._inflation, newcomer)   # as if let in and evicted at once
                 break
             heapq.heappop(self._heap)
             self._inflation = priority
