@@ -16,15 +16,11 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import recurrent_cache as rc  # noqa: E402
+import recurrent_cache as rc
 
 N_LAYER, N_EMBD = 2, 16
 

@@ -18,15 +18,11 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import recurrent_cache as rc  # noqa: E402
+import recurrent_cache as rc
 
 N_SEQS, N_EMBD = 64, 16
 
@@ -75,7 +71,7 @@ def rollback_cost(k: int, back: int, repeats: int) -> float:
     cache = rc.RecurrentCache(24, 3 * 1536, 16 * 1536, n_seq_max=2, n_rollback=k)
     times = []
     for _ in range(repeats):
-        for p in range(k + 1):
+        for _p in range(k + 1):
             for _ in cache.init_batch(rc.Batch(token=[0], seq_id=[0], pos=[cache.seq_pos_max(0) + 1])):
                 pass
         pos = cache.seq_pos_max(0)

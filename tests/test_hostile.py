@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,3 +257,15 @@ def test_the_compiled_codes_are_the_table_codes():
     from recurrent_cache import _placement
     assert _placement.CODES and _placement.CODES == {name: CODES[name] for name in _placement.CODES}
     assert set(CODES) - set(_placement.CODES) == {"CELL_INDEX"}   # raised by the table itself
+
+
+# -- the whole API, fuzzed ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_api_fuzzer_finds_no_crash_no_disagreement_no_change_on_rejection(seed):
+    """bench/fuzz/fuzz_api.py, a short run in a subprocess (long runs: see its docstring)."""
+    fuzzer = Path(__file__).resolve().parents[1] / "bench" / "fuzz" / "fuzz_api.py"
+    result = subprocess.run([sys.executable, str(fuzzer), "--steps", "6000", "--seed", str(seed)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "no crash, no disagreement" in result.stdout

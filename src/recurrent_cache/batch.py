@@ -225,7 +225,10 @@ class Batch:
 
         init(self, "logits", None)
         if logits is not None:
-            flags = np.asarray(_plain(logits, "logits"))
+            try:
+                flags = np.asarray(_plain(logits, "logits"))
+            except (TypeError, ValueError) as exc:
+                raise BatchError(f"batch logits is not an array of flags: {exc}") from None
             if flags.ndim != 1 or flags.dtype.kind not in "biuf":
                 raise BatchError(f"batch logits must be 1-D flags, got shape {flags.shape} dtype {flags.dtype}")
             if flags.shape[0] != n_tokens:
