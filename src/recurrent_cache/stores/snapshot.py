@@ -240,8 +240,8 @@ def check_entry(key: str, entry: Any) -> bool:
     return zlib.crc32(view[:length]) == crc
 
 
-def decode_snapshot(entry: Any, key: str, geometry: Geometry,
-                    tokens: Any) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+def decode_snapshot(entry: Any, key: str, geometry: Geometry, tokens: Any, *,
+                    verify_crc: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
     """The rows ``(r_rows, s_rows)`` an entry holds, or None when it is not the state asked for.
 
     None for anything but an intact entry written under ``key`` for exactly
@@ -249,14 +249,19 @@ def decode_snapshot(entry: Any, key: str, geometry: Geometry,
     length, CRC-32), a foreign one (another key: another namespace, geometry
     or token list), or a ggsq file whose header, tokens or blob differ in any
     field from what ``encode_snapshot`` would write.  Never raises for the
-    bytes of the entry; the rows are read-only views into ``entry``.
+    bytes of the entry; the rows are views into ``entry``.
+
+    ``verify_crc=False`` skips only the CRC-32 over the content (everything
+    else is still checked): for an entry a store's ``get_first`` /
+    ``get_many`` just returned, which checked it already — at 64 MiB the
+    CRC costs about 18 ms.
     """
     try:
         view = memoryview(entry).cast("B")
     except TypeError:
         return None
     token_array = _token_array(tokens)
-    if not check_entry(key, view):
+    if not (check_entry(key, view) if verify_crc else entry_ggsq_length(key, view) is not None):
         return None
     n_tokens = token_array.size
     header = _FILE_HEADER.size
