@@ -26,7 +26,7 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.models import ReferenceRun, random_model
-from recurrent_cache.stores import (Geometry, decode_snapshot, encode_snapshot, open_store, restore_rows,
+from recurrent_cache.stores import (Geometry, Store, decode_snapshot, encode_snapshot, open_store, restore_rows,
                                     sequence_rows, snapshot_key)
 
 HERE = Path(__file__).resolve()
@@ -155,6 +155,7 @@ def numbered_entry(i: int, width: int) -> tuple[str, bytes, Geometry]:
 
 def test_round_trip_get_first_and_stats(kind):
     store = kind.open()
+    assert isinstance(store, Store)
     geometry, entries = small_entries(6)
     for i, (key, _, entry) in enumerate(entries[:4]):
         assert store.put(key, [entry, bytearray(entry), memoryview(entry)][i % 3])   # any bytes-like

@@ -116,9 +116,9 @@ class DirectoryStore:
         data_name = f"{digest}.{crc:08x}.ggsq"
         link = os.path.join(self.path, f"{digest}.ggsq")
         try:
-            with contextlib.suppress(FileNotFoundError, OSError):
+            with contextlib.suppress(OSError):   # no link, another link, or its file is gone: write
                 if os.readlink(link) == data_name:
-                    os.utime(os.path.join(self.path, data_name))   # raises if the file is gone
+                    os.utime(os.path.join(self.path, data_name))
                     self._counters.add(put_skipped=1)
                     return False
             self._write_file(os.path.join(self.path, data_name), view[:length], f".{digest}")
