@@ -17,8 +17,9 @@ Writes are atomic without locks, so any number of processes can share the
 directory: the ggsq file is written under a temporary name and renamed to its
 final name, then a new link is made under a temporary name and renamed over
 ``D.ggsq``.  A reader sees the old entry, the new one or none, never part of
-one; a writer killed at any point leaves a temporary file (removed by a later
-scan once it is ten minutes old) or a complete entry.  Files are not
+one; a writer killed at any point leaves a temporary file or a file no link
+points to (both removed by a later scan once ten minutes old), or a
+complete entry.  Files are not
 fsync'ed: after a power cut an entry can be lost or damaged, and the
 CRC-32 turns damage into a miss.
 
