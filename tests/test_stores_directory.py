@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import recurrent_cache as rc
-from recurrent_cache.stores import DirectoryStore, decode_snapshot
+from recurrent_cache.stores import DirectoryStore, decode_snapshot, encode_snapshot
 from recurrent_cache.stores.snapshot import key_digest
 from test_stores_shared import HERE, numbered_entry, small_entries
 
@@ -96,6 +96,18 @@ def test_broken_links_are_misses(tmp_path, damage):
     assert store.get_first([other]) is not None   # the other key's entry is untouched
 
 
+def test_a_new_entry_under_a_key_replaces_the_old_file(tmp_path):
+    """Other content under one key (another machine's rounding, say): the old file goes."""
+    store = DirectoryStore(tmp_path)
+    geometry, entries = small_entries(1)
+    key, tokens, first = entries[0]
+    rows = ([np.ones(3, np.float32)] * 2, [np.ones(5, np.float16)] * 2)
+    second = encode_snapshot(key, tokens, *rows, geometry)
+    assert store.put(key, first) and store.put(key, second)
+    assert bytes(store.get_first([key])[1]) == second
+    assert len(list(tmp_path.iterdir())) == 2     # the link and the second file only
+
+
 def test_stale_temporary_files_and_dangling_links_are_swept(tmp_path):
     store = DirectoryStore(tmp_path)
     key, entry, _ = numbered_entry(1, 4)
@@ -105,8 +117,13 @@ def test_stale_temporary_files_and_dangling_links_are_swept(tmp_path):
     stale.write_bytes(b"x" * 100)
     fresh.write_bytes(b"y" * 10)
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    assert store.stats()["bytes"] == 10   # a fresh one may be a live writer's: counted, kept
+    orphan, young_orphan = tmp_path / f"{'ab' * 16}.0badf00d.ggsq", tmp_path / f"{'cd' * 16}.0badf00d.ggsq"
+    orphan.write_bytes(b"z" * 1000)               # no link points to these: a racing writer's
+    young_orphan.write_bytes(b"w" * 1)
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))
+    assert store.stats()["bytes"] == 11   # a fresh one may be a live writer's: counted, kept
     assert not stale.exists() and fresh.exists() and not os.path.lexists(link_of(store, key))
+    assert not orphan.exists() and young_orphan.exists()
 
 
 def test_io_failures_are_counted_and_logged_once_not_raised(tmp_path, caplog):

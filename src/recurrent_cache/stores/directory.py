@@ -17,8 +17,9 @@ Writes are atomic without locks, so any number of processes can share the
 directory: the ggsq file is written under a temporary name and renamed to its
 final name, then a new link is made under a temporary name and renamed over
 ``D.ggsq``.  A reader sees the old entry, the new one or none, never part of
-one; a writer killed at any point leaves a temporary file (removed by a later
-scan once it is ten minutes old) or a complete entry.  Files are not
+one; a writer killed at any point leaves a temporary file or a file no link
+points to (both removed by a later scan once ten minutes old), or a
+complete entry.  Files are not
 fsync'ed: after a power cut an entry can be lost or damaged, and the
 CRC-32 turns damage into a miss.
 
@@ -115,12 +116,15 @@ class DirectoryStore:
         digest = key_digest(key).hex()
         data_name = f"{digest}.{crc:08x}.ggsq"
         link = os.path.join(self.path, f"{digest}.ggsq")
+        previous = None
+        with contextlib.suppress(OSError):
+            previous = os.readlink(link)
+        if previous == data_name:
+            with contextlib.suppress(OSError):   # its file is gone: write it again
+                os.utime(os.path.join(self.path, data_name))
+                self._counters.add(put_skipped=1)
+                return False
         try:
-            with contextlib.suppress(OSError):   # no link, another link, or its file is gone: write
-                if os.readlink(link) == data_name:
-                    os.utime(os.path.join(self.path, data_name))
-                    self._counters.add(put_skipped=1)
-                    return False
             self._write_file(os.path.join(self.path, data_name), view[:length], f".{digest}")
             temporary_link = os.path.join(self.path, f".{digest}.{secrets.token_hex(8)}.lnk")
             os.symlink(data_name, temporary_link)
@@ -133,6 +137,10 @@ class DirectoryStore:
         except OSError as exc:
             self._error(f"cannot write {data_name}", exc)
             return False
+        if previous is not None and previous != data_name and _DATA.match(previous):
+            # the entry this one replaces (other content under the same key): nothing links to it now
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, previous))
         self._counters.add(puts=1, bytes_written=len(view))
         self._written_since_scan += length
         if self.max_bytes is not None and (self._written_since_scan > self.max_bytes // 8
@@ -230,8 +238,9 @@ class DirectoryStore:
     def _scan(self, evict: bool) -> tuple[int, int]:
         """Total bytes and entry files now; with ``evict``, first bring the total under the cap.
 
-        Also removes what dead writers left: temporary files older than
-        STALE_SECONDS and links whose file is gone.
+        Also removes what dead or racing writers left: temporary files and
+        files no link points to, once older than STALE_SECONDS, and links
+        whose file is gone.
         """
         data: list[tuple[float, int, str]] = []   # (mtime, size, name)
         links: list[str] = []
@@ -258,6 +267,19 @@ class DirectoryStore:
         except OSError as exc:
             self._error(f"cannot scan {self.path}", exc)
             return self._last_total, 0
+        linked = set()
+        for name in links:
+            with contextlib.suppress(OSError):
+                linked.add(os.readlink(os.path.join(self.path, name)))
+        kept = []
+        for mtime, size, name in data:
+            if name not in linked and now - mtime > STALE_SECONDS:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.path, name))
+                total -= size
+            else:
+                kept.append((mtime, size, name))
+        data = kept
         count = len(data)
         if evict and self.max_bytes is not None and total > self.max_bytes:
             data.sort()

@@ -19,7 +19,7 @@ llama.cpp's format (see ``directory.py``); a ``RedisStore`` keeps the entry.
 
 CRC-32 is there to catch accidents (a truncated or damaged value, a partial
 write, a power cut), not an adversary: whoever can write the store can write a
-state.  It runs at about 3.6 GB/s here, sha256 at 1.7 GB/s.
+state.  zlib.crc32 runs at about 3.6 GiB/s on the 2-core machine, sha256 at 1.6 GiB/s.
 """
 
 from __future__ import annotations
