@@ -10,7 +10,7 @@ import pytest
 
 import recurrent_cache
 
-from recurrent_cache.inspect import describe
+from recurrent_cache.blob_report import describe
 from recurrent_cache.stores import (Geometry, check_entry, decode_snapshot, encode_snapshot, restore_rows,
                                     sequence_rows, snapshot_key)
 from recurrent_cache.stores.snapshot import TRAILER_SIZE
