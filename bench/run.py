@@ -29,7 +29,7 @@ from bench.measure import Stats, Timing, Workload, measure  # noqa: E402
 from bench.plots import plot_all  # noqa: E402
 from bench.report import DECODE_STEP, LatencyRow, report  # noqa: E402
 from bench.workloads import (INGEST_CACHE_SIZE, INGEST_TOKENS, BatchBuild, CimportDecodeStep,  # noqa: E402
-                             PromptIngestion, PythonDecodeStep)
+                             ModelReadDecodeStep, PromptIngestion, PythonDecodeStep)
 
 import recurrent_cache as compiled  # noqa: E402
 from bench.workloads import reference  # noqa: E402
@@ -44,6 +44,7 @@ class Settings:
     decode_sizes: tuple[int, ...]
     decode_active: tuple[int, ...]    # active sequences; skipped where larger than the size
     reference_cells: int              # the reference decode step runs where size * active <= this
+    model_read_active: tuple[int, ...]  # where the step is also timed as a model reads it
     ingest_seqs: tuple[int, ...]
     churn_sizes: tuple[int, ...]
     churn_reference_sizes: tuple[int, ...]
@@ -56,14 +57,16 @@ class Settings:
 FULL = Settings(
     timing=Timing(repeats=7, min_repeats=3, target_ns=100_000_000, budget_ns=3_000_000_000, max_iters=200_000),
     bandwidth_timing=Timing(repeats=7, min_repeats=3, target_ns=20_000_000, budget_ns=3_000_000_000, max_iters=50),
-    decode_sizes=(64, 1024, 16384, 65536), decode_active=(1, 8, 64, 512), reference_cells=2**22,
+    decode_sizes=(64, 1024, 16384, 65536), decode_active=(1, 8, 64, 512, 4096), reference_cells=2**22,
+    model_read_active=(64, 4096),
     ingest_seqs=(1, 16, 256), churn_sizes=(64, 65536), churn_reference_sizes=(64,), churn_steps=400,
     copy_rows=MAMBA_ROWS, copy_moves=(1, 8, 64), state_io_mib=(4, 32, 256))
 
 QUICK = Settings(
     timing=Timing(repeats=3, min_repeats=3, target_ns=20_000_000, budget_ns=500_000_000, max_iters=50_000),
     bandwidth_timing=Timing(repeats=3, min_repeats=3, target_ns=5_000_000, budget_ns=500_000_000, max_iters=20),
-    decode_sizes=(64, 65536), decode_active=(1, 64, 512), reference_cells=64 * 64,
+    decode_sizes=(64, 65536), decode_active=(1, 64, 512, 4096), reference_cells=64 * 64,
+    model_read_active=(64, 4096),
     ingest_seqs=(1, 16, 256), churn_sizes=(64, 65536), churn_reference_sizes=(64,), churn_steps=60,
     copy_rows=RowShape(2, 1024, 4096), copy_moves=(1, 16), state_io_mib=(4, 16))
 
@@ -86,7 +89,7 @@ def log_stats(label: str, api: str, stats: Stats) -> None:
 
 def latency_row(workload: str, size: int | None, active: int | None, timing: Timing,
                 **factories: Callable[[], Workload] | None) -> LatencyRow:
-    """Measure each given workload factory (python=, cimport=, reference=); None is not measured."""
+    """Measure each given workload factory (python=, model=, cimport=, reference=); None is not measured."""
     stats = {}
     for api, make in factories.items():
         if make is not None:
@@ -96,13 +99,16 @@ def latency_row(workload: str, size: int | None, active: int | None, timing: Tim
 
 
 def decode_rows(settings: Settings, kernel: ModuleType | None) -> list[LatencyRow]:
-    """Decode steps at every (size, active) with active <= size: Python API, cimport API, reference."""
+    """Decode steps at every (size, active) with active <= size: Python API (bare and read as a
+    model reads it), cimport API, reference."""
     rows = []
     for size in settings.decode_sizes:
         for active in (a for a in settings.decode_active if a <= size):
             rows.append(latency_row(
                 DECODE_STEP, size, active, settings.timing,
                 python=functools.partial(PythonDecodeStep, compiled, active, size),
+                model=(functools.partial(ModelReadDecodeStep, compiled, active, size)
+                       if active in settings.model_read_active else None),
                 cimport=functools.partial(CimportDecodeStep, kernel, compiled, active, size) if kernel else None,
                 reference=(functools.partial(PythonDecodeStep, reference, active, size)
                            if size * active <= settings.reference_cells else None)))
@@ -150,8 +156,8 @@ def bandwidth_rows(settings: Settings) -> list[BandwidthRow]:
 
 def load_kernel() -> tuple[ModuleType | None, list[str]]:
     """The cimport-API kernel and a note for the report, or None and why."""
-    if compiled.RecurrentCache is reference.RecurrentCache:
-        return None, ["cimport API not measured: the package exports the reference (no cell_table)"]
+    if compiled.RecurrentCache(0, 1, 1).engine != "compiled":
+        return None, ["cimport API not measured: RECURRENT_CACHE_IMPL selects the reference engine (no cell_table)"]
     try:
         kernel = capi.decode_kernel()
     except Exception as exc:  # no Cython / setuptools / compiler: report without the column

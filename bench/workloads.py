@@ -96,6 +96,26 @@ class PythonDecodeStep:
         check_positions(self.cache, self.n_seqs, self.next_pos - 1)
 
 
+def decode_as_model_reads(cache: Any, batch: Any, n_layer: int) -> None:
+    """init_batch, then each ubatch read as a model reads it: token, pos, seq_id, output and
+    every layer's state rows (what the numpy Mamba reads), no model arithmetic."""
+    st = cache.init_batch(batch, n_ubatch=N_UBATCH)
+    for ub in st:
+        read = (ub.token, ub.pos, ub.seq_id, ub.output)
+        rows = [(st.r(il), st.s(il)) for il in range(n_layer)]
+        expect(read[0] is not None and len(rows) == n_layer, "nothing was read")
+
+
+class ModelReadDecodeStep(PythonDecodeStep):
+    """Python API: the decode step as a model takes it — ``for ub in st`` reading ``ub.token``,
+    ``ub.pos``, ``ub.seq_id``, ``ub.output`` and ``st.r(il)`` / ``st.s(il)``."""
+
+    def loop(self, n: int) -> Callable[[], None]:
+        batches = [decode_batch(self.impl, self.seqs, self.next_pos + i) for i in range(n)]
+        self.next_pos += n
+        return loop_over(lambda batch: decode_as_model_reads(self.cache, batch, N_LAYER), batches)
+
+
 class CimportDecodeStep:
     """cimport API: the same decode step run in C by ``decode_steps(cache.cell_table, n_seqs,
     n)`` (split_batch, split_prepare, cells_find_slot, copy plan and row moves, GIL released);

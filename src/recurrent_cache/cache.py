@@ -369,10 +369,12 @@ class RecurrentCache:
         """
         if not isinstance(batch, Batch):
             raise ArgumentError(f"init_batch takes a Batch, got {type(batch).__name__}")
-        n_ubatch = as_int(n_ubatch, "n_ubatch")
-        if n_ubatch < 1:
-            raise ArgumentError(f"n_ubatch must be >= 1, got {n_ubatch}")
-        pooled, every = as_flag(embd_pooled, "embd_pooled"), as_flag(logits_all, "logits_all")
+        if type(n_ubatch) is not int:   # the common case skips the general checks
+            n_ubatch = as_int(n_ubatch, "n_ubatch")
+        if not 1 <= n_ubatch < 2**31:
+            raise ArgumentError(f"n_ubatch must be in [1, 2**31), got {n_ubatch}")
+        pooled = embd_pooled if embd_pooled is False else as_flag(embd_pooled, "embd_pooled")
+        every = logits_all if logits_all is False else as_flag(logits_all, "logits_all")
         self._enter()
         try:
             pos = batch.pos if batch.pos is not None else self._default_positions(batch)

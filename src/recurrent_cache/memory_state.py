@@ -219,23 +219,23 @@ class MemoryState:
                 raise engine_error(code, what=f"apply of ubatch {self._u}", seq=-1, size=cache.size)
             cache._generation += 1
             self._generation = cache._generation
-            head, ub = self._placement.head, self.ubatch
-            if cache._n_rollback and ub.n_seq_tokens > 1:
-                last_pos = ub.pos.reshape(ub.n_seqs, ub.n_seq_tokens)[:, -1].astype(np.int64)
-                self._m = cache._expect_steps(head, ub.n_seqs, ub.n_seq_tokens, last_pos)
+            head = self._placement.head
+            _, n_seq_tokens, n_seqs = self._placement.shape(self._u)
+            if cache._n_rollback and n_seq_tokens > 1:
+                last_pos = self.ubatch.pos.reshape(n_seqs, n_seq_tokens)[:, -1].astype(np.int64)
+                self._m = cache._expect_steps(head, n_seqs, n_seq_tokens, last_pos)
             else:
                 self._m = 0
         finally:
             cache._leave()
-        self._rows_slice = slice(head, head + ub.n_seqs)
+        self._rows_slice = slice(head, head + n_seqs)
         self._applied = True
         return True
 
     def next(self) -> bool:
         """Move to the next ubatch; False after the last one."""
-        if self._placement is None or self.status != MemoryStatus.SUCCESS:
-            return False
-        if self._u + 1 >= self._placement.n_ubatches:
+        placement = self._placement
+        if placement is None or self.status is not MemoryStatus.SUCCESS or self._u + 1 >= placement.n_ubatches:
             return False
         self._u += 1
         self._applied = False
