@@ -247,16 +247,19 @@ CODES = {name: value for name, value in vars(errors).items()
 
 @pytest.mark.parametrize("name", sorted(CODES))
 def test_every_engine_code_formats_into_a_package_error(name):
-    detail = dict(what="op", seq=3, size=4, token=1, pos=5, prev=2, n=1, index=9)
+    detail = dict(what="op", seq=3, size=4, token=1, pos=5, prev=2, n=1, index=1, field="rows", offset=12,
+                  need=8, length=10, cell=0, other=0, value=7, n_layer=1, expected=0)
     exc = errors.engine_error(CODES[name], **detail)
     assert isinstance(exc, (rc.RecurrentCacheError, MemoryError)), name
     assert str(exc) and "{" not in str(exc), name
 
 
 def test_the_compiled_codes_are_the_table_codes():
-    from recurrent_cache import _placement
-    assert _placement.CODES and _placement.CODES == {name: CODES[name] for name in _placement.CODES}
-    assert set(CODES) - set(_placement.CODES) == {"CELL_INDEX"}   # raised by the table itself
+    from recurrent_cache import _placement, _state_io
+    compiled = {**_placement.CODES, **_state_io.CODES}
+    assert compiled == {name: CODES[name] for name in compiled}
+    assert set(CODES) - set(compiled) == {"CELL_INDEX"}   # raised by the cell table through the table itself
+    assert len(set(CODES.values())) == len(CODES)          # one code, one meaning
 
 
 # -- the whole API, fuzzed ---------------------------------------------------------------------

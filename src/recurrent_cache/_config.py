@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ArgumentError, ConfigError, SeqIdError
+from .state_format import TYPE_IDS
 
 try:  # bfloat16 as a real numpy dtype when ml_dtypes is installed
     from ml_dtypes import bfloat16 as _bfloat16
@@ -26,11 +27,11 @@ class DType:
 
 
 DTYPES = {
-    "f32": DType("f32", np.dtype(np.float32), 0),
-    "f16": DType("f16", np.dtype(np.float16), 1),
+    "f32": DType("f32", np.dtype(np.float32), TYPE_IDS["f32"]),
+    "f16": DType("f16", np.dtype(np.float16), TYPE_IDS["f16"]),
     # Without ml_dtypes a bf16 row is stored as its raw bits (uint16): the
     # upper half of the float32 bit pattern, exactly llama.cpp's layout.
-    "bf16": DType("bf16", np.dtype(_bfloat16) if _bfloat16 is not None else np.dtype(np.uint16), 30),
+    "bf16": DType("bf16", np.dtype(_bfloat16) if _bfloat16 is not None else np.dtype(np.uint16), TYPE_IDS["bf16"]),
 }
 
 

@@ -5,6 +5,8 @@ from typing_extensions import Self, disjoint_base
 
 from ._cells import CellTable
 
+CODES: dict[str, int]
+
 @disjoint_base
 class StateIO:
     """State serialisation of one cache's cell table and tensors (internal)."""

@@ -17,7 +17,19 @@ from libc.string cimport memcpy, memset
 from ._cells cimport RC_OK, cells_clear, cells_find_slot, cells_join, cells_new_epoch, cells_seq_rm
 
 from . import state_format as fmt
+from . import errors
 from .errors import CoreError
+
+# The compiled blob codes by the names of ``errors``' table (a test checks they agree).
+CODES = {
+    "BLOB_TRUNCATED": BLOB_ERR_TRUNCATED, "BLOB_TRAILING": BLOB_ERR_TRAILING,
+    "BLOB_SEQ_CELL_COUNT": BLOB_ERR_SEQ_CELL_COUNT, "BLOB_CELL_COUNT": BLOB_ERR_CELL_COUNT,
+    "BLOB_POSITION": BLOB_ERR_NEGATIVE_POS, "BLOB_SEQ_N_SEQ_ID": BLOB_ERR_SEQ_N_SEQ_ID,
+    "BLOB_NO_SEQ_ID": BLOB_ERR_NO_SEQ_ID, "BLOB_N_SEQ_ID": BLOB_ERR_N_SEQ_ID,
+    "BLOB_SEQ_ID_RANGE": BLOB_ERR_SEQ_ID_RANGE, "BLOB_SEQ_ID_REPEATED": BLOB_ERR_SEQ_ID_REPEATED,
+    "BLOB_V_TRANS": BLOB_ERR_V_TRANS, "BLOB_N_LAYER": BLOB_ERR_N_LAYER, "BLOB_TYPE": BLOB_ERR_TYPE,
+    "BLOB_ROW_BYTES": BLOB_ERR_ROW_BYTES,
+}
 
 cdef extern from "rc_hugepages.h":
     void rc_advise_hugepages(void* buffer, size_t n) noexcept nogil
@@ -473,41 +485,17 @@ cdef class StateIO:
         return 0
 
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
-        """The StateError for a check_blob code: the one place codes become exceptions."""
-        cdef int32_t size = self.table.cells.size
+        """The StateError for a check_blob code, from the one table (``errors.engine_error``)."""
         cdef Py_ssize_t k = d.index
-        if code == BLOB_ERR_TRUNCATED:
-            field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
-                     FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
-                     FIELD_ROWS: "rows"}[d.field]
-            return fmt.truncated(fmt.field_name(field, d.cell, d.index, self.n_layer),
-                                 d.offset, d.need, length)
-        if code == BLOB_ERR_TRAILING:
-            return fmt.trailing(d.offset, length)
-        if code == BLOB_ERR_SEQ_CELL_COUNT:
-            return fmt.sequence_cell_count(d.value)
-        if code == BLOB_ERR_CELL_COUNT:
-            return fmt.cell_count_too_large(d.value, size)
-        if code == BLOB_ERR_NEGATIVE_POS:
-            return fmt.negative_pos(d.cell, d.offset, as_i32(d.value))
-        if code == BLOB_ERR_SEQ_N_SEQ_ID:
-            return fmt.sequence_n_seq_id(d.cell, d.offset, d.value)
-        if code == BLOB_ERR_NO_SEQ_ID:
-            return fmt.no_seq_id(d.cell, d.offset)
-        if code == BLOB_ERR_N_SEQ_ID:
-            return fmt.n_seq_id_too_large(d.cell, d.offset, d.value, size)
-        if code == BLOB_ERR_SEQ_ID_RANGE:
-            return fmt.seq_id_out_of_range(d.cell, d.offset, as_i32(d.value), size)
-        if code == BLOB_ERR_SEQ_ID_REPEATED:
-            return fmt.seq_id_repeated(d.cell, d.offset, as_i32(d.value), d.other)
-        if code == BLOB_ERR_V_TRANS:
-            return fmt.v_trans_set(d.offset, d.value)
-        if code == BLOB_ERR_N_LAYER:
-            return fmt.n_layer_mismatch(d.offset, d.value, self.n_layer)
+        signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
+        expected = None
         if code == BLOB_ERR_TYPE:
-            return fmt.type_mismatch(fmt.tensor_name(k, self.n_layer), d.offset, as_i32(d.value),
-                                     self.type_ids[k])
-        if code == BLOB_ERR_ROW_BYTES:
-            return fmt.row_bytes_mismatch(fmt.tensor_name(k, self.n_layer), d.offset, d.value,
-                                          self.table.row_bytes[k])
-        return CoreError(f"check_blob failed with code {code}")
+            expected = self.type_ids[k]
+        elif code == BLOB_ERR_ROW_BYTES:
+            expected = self.table.row_bytes[k]
+        field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
+                 FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
+                 FIELD_ROWS: "rows"}.get(d.field, "")
+        return errors.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
+                                   index=k, other=d.other, value=as_i32(d.value) if signed else d.value,
+                                   size=self.table.cells.size, n_layer=self.n_layer, expected=expected)

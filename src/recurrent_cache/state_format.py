@@ -30,15 +30,16 @@ import numpy as np
 from .errors import ArgumentError, StateError
 
 __all__ = [
-    "GGML_TYPES", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
+    "GGML_TYPES", "TYPE_IDS", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
     "CacheShape", "FileContents", "parse_blob", "parse_seq_file_header", "read_file", "blob_view",
     "target_view", "target_too_small", "target_aliases_cache", "overlaps", "read_rest", "write_all",
     "check_cells",
 ]
 
 # ggml type id -> (name, element size); the state types this package stores
+# ggml type id -> (name, element size): the one table of the state types (the cache's dtypes too)
 GGML_TYPES = {0: ("f32", 4), 1: ("f16", 2), 30: ("bf16", 2)}
-_TYPE_IDS = {name: type_id for type_id, (name, _) in GGML_TYPES.items()}
+TYPE_IDS = {name: type_id for type_id, (name, _) in GGML_TYPES.items()}
 
 SEQ_FILE_MAGIC = 0x67677371   # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
 SEQ_FILE_VERSION = 2          # llama.cpp's LLAMA_STATE_SEQ_VERSION
@@ -159,7 +160,7 @@ class CacheShape:
     def of(cls, cache: Any) -> CacheShape:
         """The shape of a cache of either implementation, from its public attributes."""
         n = cache.n_layer
-        type_r, type_s = _TYPE_IDS[cache.dtype_r], _TYPE_IDS[cache.dtype_s]
+        type_r, type_s = TYPE_IDS[cache.dtype_r], TYPE_IDS[cache.dtype_s]
         return cls(size=cache.size, n_layer=n, type_ids=(type_r,) * n + (type_s,) * n,
                    row_bytes=(cache.n_embd_r * GGML_TYPES[type_r][1],) * n
                    + (cache.n_embd_s * GGML_TYPES[type_s][1],) * n)
