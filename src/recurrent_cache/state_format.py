@@ -32,7 +32,7 @@ from .errors import ArgumentError, StateError
 __all__ = [
     "GGML_TYPES", "MAX_TOKENS", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
     "CacheShape", "FileContents", "parse_blob", "parse_seq_file_header", "read_file", "blob_view",
-    "target_view", "target_too_small", "target_aliases_cache", "overlaps", "read_rest", "write_all",
+    "target_view", "target_too_small", "target_aliases_cache", "read_rest", "write_all",
     "check_cells",
 ]
 
@@ -467,19 +467,6 @@ def target_too_small(available: int, needed: int) -> ArgumentError:
 def target_aliases_cache() -> ArgumentError:
     return ArgumentError("state_write_into: the target shares memory with the cache's state tensors "
                          "(writing the blob there would overwrite the rows it is made of)")
-
-
-def overlaps(view: memoryview, tensors: Any) -> bool:
-    """Whether the bytes of ``view`` share memory with any of the numpy ``tensors``."""
-    if not len(view):
-        return False
-    start = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    end = start + len(view)
-    for tensor in tensors:
-        base = tensor.ctypes.data
-        if tensor.nbytes and start < base + tensor.nbytes and base < end:
-            return True
-    return False
 
 
 def write_all(file: Any, chunk: Any) -> None:
