@@ -11,7 +11,7 @@ into the reference cache with the same content, and:
   accepted inputs leave both caches identical and consistent (``check()``).
 
 Seeds are valid blobs of every cache and sequence plus the llama.cpp blobs of
-../shared/vectors, so mutations reach the checks deep in a blob.
+tests/data, so mutations reach the checks deep in a blob.
 
     pip install atheris                                  # coverage-guided engine
     python bench/fuzz/fuzz_state_read.py -runs=200000    # libFuzzer options pass through
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -45,7 +45,7 @@ import recurrent_cache.reference
 from recurrent_cache import Batch, RecurrentCacheError
 
 ROOT = Path(__file__).resolve().parents[2]
-VECTORS = Path(os.environ.get("RECURRENT_CACHE_VECTORS", ROOT.parent / "shared" / "vectors"))
+VECTORS = ROOT / "tests" / "data"   # the conformance data recorded from llama.cpp
 
 # (n_layer, n_embd_r, n_embd_s, size, dtype_r, dtype_s); the second is llama.cpp's test shape
 CONFIGS = [
@@ -127,9 +127,9 @@ def seeds() -> list[bytes]:
         size = target.config[3]
         for seq_id in range(-1, size):
             out.append(bytes([t, seq_id + 2]) + target.caches[0].state_write(seq_id))
-    blobs = VECTORS / "llamacpp_blobs.jsonl"
+    blobs = VECTORS / "llamacpp_blobs.jsonl.gz"
     if blobs.exists():
-        with open(blobs) as f:
+        with gzip.open(blobs, "rt") as f:
             for line in f:
                 record = json.loads(line)
                 if record["n_layer"] == 3 and record["size"] <= 4:
