@@ -177,3 +177,13 @@ def test_inspect_calls_valid_exactly_what_some_cache_reads(cells, n_layer, data)
     except recurrent_cache.RecurrentCacheError:
         valid = False
     assert valid == some_cache_reads(blob, n_layer, tensors)
+
+
+def test_a_defect_is_not_reported_as_an_unreadable_file(tmp_path, capsys):
+    path = tmp_path / "blob"
+    path.write_bytes(struct.pack("<IiIi", 1, -4, 1, 0) + struct.pack("<II", 0, 0))
+    code, out, err = run(capsys, path)
+    assert code == 1 and err == f"inspect: {path}: not a valid state blob or sequence file: " \
+                                "state blob cell 0 has negative pos -4 at byte 4\n"
+    code, _, err = run(capsys, "nul\0name")
+    assert code == 1 and err == "inspect: cannot read 'nul\\x00name': embedded null byte\n"

@@ -183,7 +183,7 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
     for t in report["tensors"]:
         extra = f"  ({t['non_finite']} non-finite values)" if t["non_finite"] else ""
         print(f"  {t['tensor']:<12} {t['type']:<6} {t['row_bytes']:>10} "
-              f"{'-' if t['n_embd'] is None else t['n_embd']:>7} {_number(t['min']):>12} "
+              f"{t['n_embd']:>7} {_number(t['min']):>12} "
               f"{_number(t['max']):>12} {_number(t['mean']):>12}  {t['sha256'][:16]}{extra}")
 
 
@@ -217,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(options.file, "rb") as file:
             report = describe_file(file, options.max_tokens)
-    except OSError as exc:
-        print(f"inspect: cannot read {options.file}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    except RecurrentCacheError as exc:
+    except RecurrentCacheError as exc:   # before ValueError: StateError and ArgumentError are ValueErrors
         print(f"inspect: {options.file}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:   # ValueError: a path with a NUL character
+        print(f"inspect: cannot read {options.file!r}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
     except MemoryError:
         print(f"inspect: {options.file}: not enough memory to read it", file=sys.stderr)
