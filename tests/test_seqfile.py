@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -142,3 +143,66 @@ def test_saved_file_permissions_follow_the_umask(rc, tmp_path):
     finally:
         os.umask(mask)
     assert (tmp_path / "seq.ggsq").stat().st_mode & 0o777 == 0o644
+
+
+def test_every_path_type_saves_and_loads(rc, tmp_path):
+    cache = forked_cache(rc)
+    for path in (str(tmp_path / "a"), os.fsencode(tmp_path / "b"), tmp_path / "c"):
+        save_seq_file(path, cache, 3, [4, 5])
+        target = rc.RecurrentCache(2, 2, 3, n_seq_max=6)
+        assert load_seq_file(path, target, 1).tolist() == [4, 5]
+        assert target.state_write(1) == cache.state_write(3)
+    for path in (3, None, "", str(tmp_path / "nul\0")):
+        with pytest.raises(ArgumentError, match="path"):
+            save_seq_file(path, cache, 3, [1])
+        with pytest.raises(ArgumentError, match="path"):
+            load_seq_file(path, cache, 3)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
+
+
+def test_max_tokens_bounds_the_token_count_before_reading_it(rc, tmp_path):
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+    save_seq_file(path, cache, 3, [1, 2, 3, 4, 5])
+    before = snapshot(cache)
+    with pytest.raises(StateError, match="5 tokens .count at byte 8., more than max_tokens 4"):
+        load_seq_file(path, cache, 0, max_tokens=4)
+    assert snapshot(cache) == before
+    assert load_seq_file(path, cache, 0, max_tokens=5).tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(ArgumentError, match="max_tokens"):
+        load_seq_file(path, cache, 0, max_tokens=-1)
+
+
+def test_a_file_defect_is_worded_as_state_read_words_it(rc, tmp_path):
+    """load_seq_file checks the blob against the cache while reading the file; its message
+    is state_read's for the same bytes (here: every truncation of the blob)."""
+    cache = forked_cache(rc)
+    path = tmp_path / "seq.ggsq"
+    good = header([9]) + cache.state_write(4)
+    for keep in range(16, len(good)):
+        path.write_bytes(good[:keep])
+        with pytest.raises(StateError) as from_file:
+            load_seq_file(path, cache, 1)
+        with pytest.raises(StateError) as from_memory:
+            cache.state_read(good[16:keep], 1)
+        assert str(from_file.value) == f"{path}: the state blob at byte 16: {from_memory.value}"
+
+
+def test_load_from_a_fifo_reads_the_same_as_from_a_file(rc, tmp_path):
+    cache = forked_cache(rc)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    content = header([7, 8]) + cache.state_write(4)
+
+    def feed():
+        with open(fifo, "wb") as out:
+            out.write(content)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    target = rc.RecurrentCache(2, 2, 3, n_seq_max=6)
+    try:
+        assert load_seq_file(fifo, target, 0).tolist() == [7, 8]
+    finally:
+        writer.join()
+    assert target.state_write(0) == cache.state_write(4)

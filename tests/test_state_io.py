@@ -548,3 +548,40 @@ def test_state_write_returns_bytes_and_size_matches(rc):
     for seq_id in range(-1, 6):
         blob = cache.state_write(seq_id)
         assert type(blob) is bytes and len(blob) == cache.state_size(seq_id)
+
+
+# -- reading from files: bounded by the blob's headers ---------------------------
+
+@pytest.mark.parametrize("dtype_r,dtype_s", [("f32", "bf16"), ("f16", "f32"), ("bf16", "f16")])
+def test_cache_shape_of_a_cache_is_the_one_its_reads_check(dtype_r, dtype_s):
+    from recurrent_cache.state_format import CacheShape
+    for n_layer in (0, 1, 3):
+        core, reference = (recurrent_cache.RecurrentCache(n_layer, 5, 7, n_seq_max=4, dtype_r=dtype_r,
+                                                          dtype_s=dtype_s, engine=engine)
+                           for engine in ENGINES)
+        assert CacheShape.of(core) == CacheShape.of(reference) == reference._state_io._shape()
+
+
+def test_state_read_from_reads_only_what_the_headers_claim(rc):
+    cache, blobs = target_and_blobs(rc)
+    blob = blobs[-1]
+    for extra in (b"\0", b"more data" * 1000):
+        file = io.BytesIO(blob + extra)
+        message = expect_rejected_from(cache, file)
+        with pytest.raises(StateError) as from_memory:
+            cache.state_read(blob + extra)
+        assert message == str(from_memory.value)
+    # a header claiming 2**64 - 1 bytes of rows is refused before a row is read
+    huge = bytearray(blobs[0])
+    layer_1_r_row_bytes = len(huge) - 2 * (12 + 3 * 2) - (12 + 2 * 2) + 4   # s rows: 6 bytes, r: 4
+    struct.pack_into("<Q", huge, layer_1_r_row_bytes, 2**64 - 1)
+    file = io.BytesIO(bytes(huge))
+    assert "truncated" in expect_rejected_from(cache, file)
+
+
+def expect_rejected_from(cache, file):
+    before = snapshot(cache)
+    with pytest.raises(StateError) as info:
+        cache.state_read_from(file)
+    assert snapshot(cache) == before
+    return str(info.value)

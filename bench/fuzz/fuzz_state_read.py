@@ -11,7 +11,7 @@ into the reference cache with the same content, and:
   accepted inputs leave both caches identical and consistent (``check()``).
 
 Seeds are valid blobs of every cache and sequence plus the llama.cpp blobs of
-../shared/vectors, so mutations reach the checks deep in a blob.
+tests/data, so mutations reach the checks deep in a blob.
 
     pip install atheris                                  # coverage-guided engine
     python bench/fuzz/fuzz_state_read.py -runs=200000    # libFuzzer options pass through
@@ -26,11 +26,13 @@ runs", the random engine with the count of inputs tried.
 from __future__ import annotations
 
 import argparse
+import functools
 import base64
+import gzip
 import json
-import os
 import random
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +43,10 @@ except ImportError:   # the random engine needs nothing else
     atheris = None
 
 import recurrent_cache
-import recurrent_cache.reference
 from recurrent_cache import Batch, RecurrentCacheError
 
 ROOT = Path(__file__).resolve().parents[2]
-VECTORS = Path(os.environ.get("RECURRENT_CACHE_VECTORS", ROOT.parent / "shared" / "vectors"))
+VECTORS = ROOT / "tests" / "data"   # the conformance data recorded from llama.cpp
 
 # (n_layer, n_embd_r, n_embd_s, size, dtype_r, dtype_s); the second is llama.cpp's test shape
 CONFIGS = [
@@ -55,6 +56,11 @@ CONFIGS = [
     (1, 5, 1, 9, "bf16", "f32"),
 ]
 
+
+
+def on_engine(engine: str) -> types.SimpleNamespace:
+    """The package with its caches on ``engine``."""
+    return types.SimpleNamespace(RecurrentCache=functools.partial(recurrent_cache.RecurrentCache, engine=engine))
 
 def populate(rc, config):
     """A cache with forks, removals and distinct rows; the same for both implementations."""
@@ -81,7 +87,7 @@ class Target:
 
     def __init__(self, config):
         self.config = config
-        self.caches = [populate(recurrent_cache, config), populate(recurrent_cache.reference, config)]
+        self.caches = [populate(on_engine(engine), config) for engine in ("compiled", "reference")]
         self.baseline = self.caches[0].state_write()
         assert self.baseline == self.caches[1].state_write()
 
@@ -127,9 +133,9 @@ def seeds() -> list[bytes]:
         size = target.config[3]
         for seq_id in range(-1, size):
             out.append(bytes([t, seq_id + 2]) + target.caches[0].state_write(seq_id))
-    blobs = VECTORS / "llamacpp_blobs.jsonl"
+    blobs = VECTORS / "llamacpp_blobs.jsonl.gz"
     if blobs.exists():
-        with open(blobs) as f:
+        with gzip.open(blobs, "rt") as f:
             for line in f:
                 record = json.loads(line)
                 if record["n_layer"] == 3 and record["size"] <= 4:

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .errors import RecurrentCacheError, StateError
-from .state_format import GGML_TYPES, BlobCell, check_cells, read_file
+from .state_format import GGML_TYPES, MAX_TOKENS, BlobCell, check_cells, read_file
 
 __all__ = ["main", "describe", "describe_file"]
 
@@ -129,7 +129,7 @@ class _Inspection:
         self.tensors[-1].feed(piece)
 
 
-def describe_file(file: Any) -> dict[str, Any]:
+def describe_file(file: Any, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """Everything ``inspect`` reports about the blob or sequence file at a binary file's position.
 
     Reads only what the headers claim (``state_format.read_file``) and keeps
@@ -139,7 +139,7 @@ def describe_file(file: Any) -> dict[str, Any]:
     """
     inspection = _Inspection()
     try:
-        contents = read_file(file, "inspect", watch=inspection, rows=inspection.rows)
+        contents = read_file(file, "inspect", watch=inspection, rows=inspection.rows, max_tokens=max_tokens)
     except StateError as exc:
         raise StateError(f"not a valid state blob or sequence file: {exc}") from None
     blob = contents.blob
@@ -183,7 +183,7 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
     for t in report["tensors"]:
         extra = f"  ({t['non_finite']} non-finite values)" if t["non_finite"] else ""
         print(f"  {t['tensor']:<12} {t['type']:<6} {t['row_bytes']:>10} "
-              f"{'-' if t['n_embd'] is None else t['n_embd']:>7} {_number(t['min']):>12} "
+              f"{t['n_embd']:>7} {_number(t['min']):>12} "
               f"{_number(t['max']):>12} {_number(t['mean']):>12}  {t['sha256'][:16]}{extra}")
 
 
@@ -211,15 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     parser.add_argument("--max-cells", type=int, default=32, metavar="N",
                         help="list at most N cells (default 32; 0 lists all)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
+                        help=f"refuse a sequence file of more than N tokens (default {MAX_TOKENS})")
     options = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with open(options.file, "rb") as file:
-            report = describe_file(file)
-    except OSError as exc:
-        print(f"inspect: cannot read {options.file}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    except RecurrentCacheError as exc:
+            report = describe_file(file, options.max_tokens)
+    except RecurrentCacheError as exc:   # before ValueError: StateError and ArgumentError are ValueErrors
         print(f"inspect: {options.file}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:   # ValueError: a path with a NUL character
+        print(f"inspect: cannot read {options.file!r}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
     except MemoryError:
         print(f"inspect: {options.file}: not enough memory to read it", file=sys.stderr)

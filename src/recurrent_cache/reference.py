@@ -19,7 +19,7 @@ import numpy as np
 
 from . import errors as E
 from .errors import engine_error
-from .state_format import CacheShape, parse_blob, target_too_small, write_all
+from .state_format import CacheShape, parse_blob, target_aliases_cache, target_too_small, write_all
 
 __all__ = ["CellTable", "Placement", "StateIO", "split_batch"]
 
@@ -547,8 +547,19 @@ def split_batch(table: CellTable, seq_id_flat: np.ndarray, seq_id_offset: np.nda
 
 # -- state serialisation (SPEC §5) --------------------------------------------------------------
 
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if len(view) else 0
+
+
 class StateIO:
     """llama.cpp's recurrent state_write / state_read over one cell table."""
+
+    def _shares_rows(self, view: memoryview) -> bool:
+        """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
+        begin, end = _address(view), _address(view) + len(view)
+        return len(view) > 0 and any(
+            begin < tensor.__array_interface__["data"][0] + tensor.nbytes and tensor.__array_interface__["data"][0] < end
+            for tensor in self.table.tensors)
 
     def __init__(self, table: CellTable, type_ids: list[int]) -> None:
         self.table = table
@@ -591,6 +602,8 @@ class StateIO:
         return b"".join(self._parts(seq_id))
 
     def write_into(self, view: memoryview, seq_id: int) -> int:
+        if self._shares_rows(view):
+            raise target_aliases_cache()
         parts = self._parts(seq_id)
         length = sum(memoryview(part).nbytes for part in parts)
         if len(view) < length:
@@ -611,6 +624,9 @@ class StateIO:
     def read(self, data: memoryview, seq_id: int) -> int:
         """Check the whole blob, then replace the cache (``-1``) or sequence ``seq_id`` with it."""
         t = self.table
+        if self._shares_rows(data):
+            # the blob lies in the cache's own rows, which the restore overwrites: read a copy
+            data = memoryview(bytes(data))
         blob = parse_blob(data, self._shape(), seq_id)   # every check, before any change
         if seq_id == -1:
             # the whole cache: blob cell i becomes cell i, with its own row

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._config import state_seq_id
 from .errors import ArgumentError, StateError
-from .state_format import SEQ_FILE_MAGIC, SEQ_FILE_VERSION, CacheShape, read_file, write_all
+from .state_format import MAX_TOKENS, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, CacheShape, read_file, write_all
 
 __all__ = ["save_seq_file", "load_seq_file"]
 
@@ -77,20 +77,25 @@ def save_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, toke
     return 12 + 4 * token_array.shape[0] + size
 
 
-def load_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int) -> np.ndarray:
+def load_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, *,
+                  max_tokens: int = MAX_TOKENS) -> np.ndarray:
     """Restore sequence ``seq_id`` of ``cache`` from a sequence file; returns its tokens (int32).
 
     The whole file is checked before the cache changes: a ``StateError``
     (bad magic, version, token count or blob) leaves the cache as it was.
-    Only what the header claims is read, and the blob no further than a
-    sequence of this cache can be: a FIFO, ``/dev/zero`` or a huge file is
-    rejected after a few bytes.
+    Only what the header claims is read, the tokens no more than
+    ``max_tokens`` (llama.cpp's ``n_token_capacity``; default 2**26) and the
+    blob no further than a sequence of this cache can be: a FIFO,
+    ``/dev/zero`` or a huge file is rejected after a few bytes.
     """
     path = _path(path, "load_seq_file")
     seq_id = state_seq_id(seq_id, cache.size, "load_seq_file")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ArgumentError(f"load_seq_file: max_tokens must be an integer >= 0, got {max_tokens!r}")
     with open(path, "rb") as file:
         try:
-            contents = read_file(file, path, CacheShape.of(cache), seq_id, sequence_file=True)
+            contents = read_file(file, path, CacheShape.of(cache), seq_id, sequence_file=True,
+                                 max_tokens=max_tokens)
         except StateError as exc:
             raise StateError(f"{path}: {exc}") from None
     try:

@@ -30,9 +30,9 @@ import numpy as np
 from .errors import ArgumentError, StateError
 
 __all__ = [
-    "GGML_TYPES", "TYPE_IDS", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
+    "GGML_TYPES", "TYPE_IDS", "MAX_TOKENS", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
     "CacheShape", "FileContents", "parse_blob", "parse_seq_file_header", "read_file", "blob_view",
-    "target_view", "target_too_small", "target_aliases_cache", "overlaps", "read_rest", "write_all",
+    "target_view", "target_too_small", "target_aliases_cache", "read_rest", "write_all",
     "check_cells",
 ]
 
@@ -43,6 +43,11 @@ TYPE_IDS = {name: type_id for type_id, (name, _) in GGML_TYPES.items()}
 
 SEQ_FILE_MAGIC = 0x67677371   # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
 SEQ_FILE_VERSION = 2          # llama.cpp's LLAMA_STATE_SEQ_VERSION
+# The most tokens a sequence file may hold unless the caller allows more (llama.cpp's
+# llama_state_seq_load_file takes the same bound as n_token_capacity): 2**26 tokens,
+# 256 MiB, beyond any context window, so a header claiming 2**32 - 1 from a stream
+# cannot make a reader buffer 16 GiB.
+MAX_TOKENS = 2**26
 
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
@@ -466,19 +471,6 @@ def target_aliases_cache() -> ArgumentError:
                          "(writing the blob there would overwrite the rows it is made of)")
 
 
-def overlaps(view: memoryview, tensors: Any) -> bool:
-    """Whether the bytes of ``view`` share memory with any of the numpy ``tensors``."""
-    if not len(view):
-        return False
-    start = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    end = start + len(view)
-    for tensor in tensors:
-        base = tensor.ctypes.data
-        if tensor.nbytes and start < base + tensor.nbytes and base < end:
-            return True
-    return False
-
-
 def write_all(file: Any, chunk: Any) -> None:
     """Write every byte of ``chunk`` to a binary file; never loops without progress.
 
@@ -692,7 +684,7 @@ def read_rest(file: Any, cache: CacheShape | None = None, seq_id: int = -1) -> b
     return read_file(file, "state_read_from", cache, seq_id, sequence_file=False).data
 
 
-def _seq_file_header(reader: Any) -> np.ndarray:
+def _seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS) -> np.ndarray:
     """The tokens of a 'ggsq' file's header; leaves the reader at the state blob."""
     head = reader.take(12, lambda at, n, length: StateError(
         f"sequence file truncated: {length} bytes, the header needs 12"))
@@ -702,15 +694,18 @@ def _seq_file_header(reader: Any) -> np.ndarray:
                          f"expected 0x{SEQ_FILE_MAGIC:08x} ('ggsq')")
     if version != SEQ_FILE_VERSION:
         raise StateError(f"sequence file version {version} at byte 4, expected {SEQ_FILE_VERSION}")
+    if n_tokens > max_tokens:
+        raise StateError(f"sequence file has {n_tokens} tokens (count at byte 8), more than "
+                         f"max_tokens {max_tokens}")
     tokens = reader.take(4 * n_tokens, lambda at, n, length: StateError(
         f"sequence file truncated: {n_tokens} tokens (count at byte 8) need {n} bytes, {length - at} left"))
     return np.frombuffer(tokens, dtype="<i4").astype(np.int32)
 
 
-def parse_seq_file_header(data: Any) -> tuple[np.ndarray, int]:
+def parse_seq_file_header(data: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.ndarray, int]:
     """The tokens of a 'ggsq' sequence file in memory and the offset where its state blob starts."""
     reader = _Reader(blob_view(data))
-    tokens = _seq_file_header(reader)
+    tokens = _seq_file_header(reader, max_tokens)
     return tokens, reader.offset
 
 
@@ -725,7 +720,8 @@ class FileContents:
 
 
 def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int = -1,
-              sequence_file: bool | None = None, watch: Any = None, rows: Any = None) -> FileContents:
+              sequence_file: bool | None = None, watch: Any = None, rows: Any = None,
+              max_tokens: int = MAX_TOKENS) -> FileContents:
     """Read a blob (``sequence_file=False``), a 'ggsq' file (True) or either (None: by its magic)
     from a binary file's position to its end, with every check of ``parse_blob``.
 
@@ -734,7 +730,8 @@ def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int =
     header are rejected after a few bytes.  With ``cache`` the claims are
     checked against the cache on the way (a sequence blob of one cell, the
     cache's row sizes), so no more than the cache's own state is ever read.
-    A defect of the blob of a sequence file is reported at its offset in the file.
+    A defect of the blob of a sequence file is reported at its offset in the file;
+    a sequence file with more than ``max_tokens`` tokens is refused at its header.
     ``watch`` and ``rows`` are for ``inspect``: ``watch`` sees the headers
     before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
     read, which are then not kept (``data`` is None).
@@ -744,7 +741,7 @@ def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int =
     tokens = None
     if sequence_file or (sequence_file is None and len(head := reader.peek(4)) == 4
                          and struct.unpack("<I", head)[0] == SEQ_FILE_MAGIC):
-        tokens = _seq_file_header(reader)
+        tokens = _seq_file_header(reader, max_tokens)
     blob_offset = reader.offset
     reader.rebase()
     try:
