@@ -273,7 +273,7 @@ def read_from_bad_files(name):
     closed.close()
     directory = tempfile.mkdtemp()
     write_only = open(os.path.join(directory, "w"), "wb")
-    text = open(os.path.join(directory, "w"), "r")
+    text = open(os.path.join(directory, "w"))
     for file in (closed, write_only, text, NonBlocking(), LyingReader(lambda n: "text"),
                  LyingReader(lambda n: b"\0" * (n + 1)), LyingReader(lambda n: 5), good, None, 3):
         rejected(cache, lambda: cache.state_read_from(file), package.ArgumentError)
@@ -516,7 +516,8 @@ def inspect_says_valid_only_for_what_state_read_accepts(name):
             (blob([(0, [0])], 1, [(0, 6), (0, 4)]), "row size 6"),
             (blob([(0, [0])], 1, [(0, 0), (0, 4)]), "row size 0"),
             (b"", "truncated at byte 0 of 0"),
-            (seq_file([1], blob([(-3, [])], 1, tensors)), "at byte 16: state blob cell 0 has pos -3 at byte 4: positions must be in"),
+            (seq_file([1], blob([(-3, [])], 1, tensors)),
+             "at byte 16: state blob cell 0 has pos -3 at byte 4: positions must be in"),
             (seq_file([1], b"\0" * 12) + b"!", "trailing")):
         Path(path).write_bytes(data)
         cli_user_error(path, match=match)

@@ -7,7 +7,6 @@ from the cell table each test builds and asserts first.
 
 from __future__ import annotations
 
-import inspect
 import io
 import struct
 
@@ -334,7 +333,7 @@ def test_truncation_at_every_offset_is_rejected(rc, seq_id):
     cache, blobs = target_and_blobs(rc)
     blob = blobs[seq_id]
     for keep in range(len(blob)):
-        expect_rejected(cache, blob[:keep], seq_id, match=r"truncated at byte \d+ of %d" % keep)
+        expect_rejected(cache, blob[:keep], seq_id, match=rf"truncated at byte \d+ of {keep}")
 
 
 @pytest.mark.parametrize("seq_id", [-1, 0])
@@ -537,7 +536,7 @@ def test_state_write_into_and_read_from_files(rc, tmp_path):
     with open(path, "rb") as file:
         fresh.state_read_from(file, seq_id=2)
     assert fresh.state_write(2) == cache.state_write(4)
-    with open(path, "r") as text, pytest.raises(ArgumentError, match="binary mode"):
+    with open(path) as text, pytest.raises(ArgumentError, match="binary mode"):
         fresh.state_read_from(text)
     with pytest.raises(ArgumentError, match="binary file"):
         fresh.state_read_from(blob)
