@@ -557,9 +557,8 @@ class StateIO:
     def _shares_rows(self, view: memoryview) -> bool:
         """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
         begin, end = _address(view), _address(view) + len(view)
-        return len(view) > 0 and any(
-            begin < tensor.__array_interface__["data"][0] + tensor.nbytes and tensor.__array_interface__["data"][0] < end
-            for tensor in self.table.tensors)
+        bases = [(tensor.__array_interface__["data"][0], tensor.nbytes) for tensor in self.table.tensors]
+        return len(view) > 0 and any(begin < base + n and base < end for base, n in bases)
 
     def __init__(self, table: CellTable, type_ids: list[int]) -> None:
         self.table = table
