@@ -42,6 +42,7 @@ cdef struct Detail:                 # what the last failure of a context was abo
     int code
     const char* what                # the call (a static string)
     int64_t token, seq, pos, prev, n, index, need
+    int64_t size                    # the range's bound when it is not the cell count (0: the cell count)
     BlobDefect blob                 # for a state blob's codes
     Py_ssize_t blob_length
 
@@ -161,7 +162,8 @@ cdef str message_for(const CtxData* ctx, int code):
             return f"state_read: the blob has a defect (code {code}; no detail recorded for it)"
         return str((<Context>ctx.owner).state_io.blob_error(code, &d.blob, d.blob_length))
     return str(errors.engine_error(code, what=d.what.decode("utf-8", "replace"), token=d.token, seq=d.seq,
-                                   pos=d.pos, prev=d.prev, n=d.n, index=d.index, need=d.need, size=size))
+                                   pos=d.pos, prev=d.prev, n=d.n, index=d.index, need=d.need,
+                                   size=d.size if d.size else size))
 
 
 cdef Py_ssize_t copy_message(const CtxData* ctx, int code, char* buffer, size_t capacity) noexcept with gil:
@@ -215,6 +217,7 @@ cdef int rc_tensor(const rc_ctx* ctx, int32_t index, void** data, size_t* row_by
     if not 0 <= index < c.n_tensors:
         record(c, RC_ERR_TENSOR_INDEX, "rc_tensor")
         c.detail.index = index
+        c.detail.size = c.n_tensors
         return RC_ERR_TENSOR_INDEX
     data[0] = c.tensor_data[index]
     row_bytes[0] = <size_t>c.row_bytes[index]
