@@ -90,7 +90,7 @@ def snapshot(cache: rc.RecurrentCache) -> tuple:
     return cells, cache.r[0].tobytes(), cache.s[0].tobytes()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def python_result(size: int, seed: int, n_steps: int = N_STEPS) -> tuple:
     cache = rc.RecurrentCache(1, 3, 5, n_seq_max=N_SEQS, size=size)
     python_schedule(cache, N_SEQS, n_steps, seed, N_UBATCH)

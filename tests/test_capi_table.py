@@ -127,7 +127,8 @@ def test_null_handles_and_arrays_are_rejected():
                  lambda: T.state_write(None, -1, None, 0, ctypes.byref(n)), lambda: T.ctx_free(None),
                  lambda: T.tensor(None, 0, None, None)):
         assert call() == errors.CAPI_NULL
-    assert message(T, None, errors.CAPI_NULL) == "recurrent_cache: a NULL pointer where a handle or an array is required"
+    assert message(T, None, errors.CAPI_NULL) == \
+        "recurrent_cache: a NULL pointer where a handle or an array is required"
 
 
 def test_bad_batches_are_rejected_with_the_python_messages_and_change_nothing(cache, ctx):
