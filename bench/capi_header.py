@@ -9,8 +9,8 @@ with the GIL released (rc_batch_init, rc_batch_apply until done, rc_batch_releas
 Python API: ``init_batch`` + ``apply()``/``next()`` over a prebuilt Batch.  Every
 size starts from a cache holding the sequences after a 4-token prompt; the figures
 are µs per step (median and min over the repeats), measured in this one run.  The
-issue's target: at most 3 µs per step through the C header at every size (checked on
-the median; the min is printed as the step's cost without preemption).
+issue's target: at most 3 µs per step through the C header at every size, checked
+on the min (the step's cost when not preempted) and on the median (with the load).
 """
 
 from __future__ import annotations
@@ -55,18 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| cells | C header | Cython API | Python API | Python / C header |")
     print("|---:|---:|---:|---:|---:|")
-    worst = 0.0
+    worst_median = worst_min = 0.0
     for size in sizes:
         stats = {name: measure(CimportDecodeStep(kernel, compiled, args.seqs, size), timing)
                  for name, kernel in kernels.items()}
         stats["Python API"] = measure(functools.partial(PythonDecodeStep, compiled, args.seqs, size)(), timing)
-        worst = max(worst, stats["C header"].median)
+        worst_median = max(worst_median, stats["C header"].median)
+        worst_min = max(worst_min, stats["C header"].low)
         print(f"| {size:,} | {cell(stats['C header'])} | {cell(stats['Cython API'])} | {cell(stats['Python API'])} "
               f"| {stats['Python API'].median / stats['C header'].median:.1f}x |", flush=True)
-    verdict = "met" if worst <= TARGET_US else "NOT met"
     print()
-    print(f"target <= {TARGET_US} µs per step through the C header at every size: {verdict} "
-          f"(worst median {worst:.2f} µs)")
+    for label, worst in (("min", worst_min), ("median", worst_median)):
+        verdict = "met" if worst <= TARGET_US else "NOT met"
+        print(f"target <= {TARGET_US} µs per step through the C header at every size, on the {label}: "
+              f"{verdict} (worst {worst:.2f} µs)")
     return 0
 
 
