@@ -134,6 +134,7 @@ static PyObject* continuous_batching(PyObject* self, PyObject* args) {
     unsigned int seed;
     rc_ctx* ctx;
     int code;
+    (void)self;
     if (!PyArg_ParseTuple(args, "OiiI|i", &cache, &n_seqs, &n_steps, &seed, &n_ubatch)) {
         return NULL;
     }
@@ -156,6 +157,7 @@ static PyObject* decode_steps(PyObject* self, PyObject* args) {
     int n_seqs, n_steps;
     rc_ctx* ctx;
     int code;
+    (void)self;
     if (!PyArg_ParseTuple(args, "Oii", &cache, &n_seqs, &n_steps)) {
         return NULL;
     }
