@@ -278,4 +278,6 @@ def test_messages_fit_any_buffer(cache, ctx):
     assert small.value == full[:7].encode()
     assert T.error_message(ctx, errors.SEQ_RANGE, None, 0) == len(full)
     assert message(T, ctx, 0) == "no error"
+    assert message(T, ctx, errors.SPLIT_GAP).endswith("(values not recorded: this context's last failure had "
+                                                      "another code)")
     assert "unknown engine code -999" in message(T, ctx, -999)

@@ -151,19 +151,22 @@ cdef str message_for(const CtxData* ctx, int code):
     cdef int32_t size = -1
     if code == RC_OK:
         return "no error"
+    cdef str missing = ""
     memset(&d, 0, sizeof(Detail))
     d.what = "recurrent_cache"
     if ctx != NULL:
         size = ctx.cells.size
         if ctx.detail.code == code:
             d = ctx.detail
+        else:
+            missing = " (values not recorded: this context's last failure had another code)"
     if RC_ERR_BLOB_FIRST <= code <= RC_ERR_BLOB_LAST:
         if ctx == NULL or ctx.detail.code != code:
             return f"state_read: the blob has a defect (code {code}; no detail recorded for it)"
         return str((<Context>ctx.owner).state_io.blob_error(code, &d.blob, d.blob_length))
     return str(errors.engine_error(code, what=d.what.decode("utf-8", "replace"), token=d.token, seq=d.seq,
                                    pos=d.pos, prev=d.prev, n=d.n, index=d.index, need=d.need,
-                                   size=d.size if d.size else size))
+                                   size=d.size if d.size else size)) + missing
 
 
 cdef Py_ssize_t copy_message(const CtxData* ctx, int code, char* buffer, size_t capacity) noexcept with gil:
@@ -551,6 +554,10 @@ cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t len
 
 
 # -- the table in the capsule -----------------------------------------------------------
+# Adding an entry (e.g. rollback): append its pointer at the END of rc_capi in capi.h, bump
+# RC_CAPI_API_VERSION there, mirror the field in _capi.pxd, set it below, declare the function
+# in _capi.pxd / capi.pxd, and add it to tests/capi_table.py's Table.  Never reorder or change
+# an existing entry: that would need RC_CAPI_ABI_VERSION bumped and every extension rebuilt.
 
 cdef rc_capi TABLE
 TABLE.abi_version = RC_CAPI_ABI_VERSION

@@ -111,7 +111,8 @@ typedef struct rc_ubatch {
     const uint8_t* output;       /* [n_tokens] 1 where that token is an output */
 } rc_ubatch;
 
-/* The function table in the capsule. Append-only: new entries go at the end. */
+/* The function table in the capsule. Append-only: new entries go at the end and bump
+ * RC_CAPI_API_VERSION (recurrent_cache/_capi.pyx says what else to update). */
 typedef struct rc_capi {
     uint32_t abi_version;
     uint32_t api_version;
