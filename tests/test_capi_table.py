@@ -281,3 +281,114 @@ def test_messages_fit_any_buffer(cache, ctx):
     assert message(T, ctx, errors.SPLIT_GAP).endswith("(values not recorded: this context's last failure had "
                                                       "another code)")
     assert "unknown engine code -999" in message(T, ctx, -999)
+
+
+# -- random operations: the C API on the compiled core against the Python API on the reference ----
+
+def c_batch(ctx, rng_batch):
+    seq_lists, pos, output, n_ubatch = rng_batch
+    flat = [seq for seqs in seq_lists for seq in seqs]
+    offsets = [0]
+    for seqs in seq_lists:
+        offsets.append(offsets[-1] + len(seqs))
+    code, batch = batch_init(ctx, flat, pos, offsets, output, n_ubatch)
+    if code != 0:
+        return code, None
+    ub, reports = Ubatch(), []
+    data, row_bytes = P(), size_t()
+    assert T.tensor(ctx, T.n_layer(ctx), ctypes.byref(data), ctypes.byref(row_bytes)) == 0
+    while (applied := T.batch_apply(batch, ctypes.byref(ub))) == 1:
+        for g in range(ub.n_seqs):   # the "model": s[0][head + g, 0] += tokens consumed
+            row = ctypes.cast(data.value + (ub.head + g) * row_bytes.value, ctypes.POINTER(ctypes.c_float))
+            row[0] += ub.n_seq_tokens
+        reports.append((ub.head, ub.n_seqs, [ub.token_order[k] for k in range(ub.n_tokens)]))
+    T.batch_release(batch)
+    assert applied == 0
+    return 0, reports
+
+
+def python_batch(cache, rng_batch):
+    seq_lists, pos, output, n_ubatch = rng_batch
+    batch = rc.Batch(token=[0] * len(pos), pos=pos, seq_id=[list(s) for s in seq_lists], logits=output)
+    st = cache.init_batch(batch, n_ubatch=n_ubatch)
+    reports = []
+    for ub in st:
+        st.s(0)[:, 0] += ub.n_seq_tokens
+        reports.append((st.head, ub.n_seqs, ub.batch_index.tolist()))
+    return reports
+
+
+def random_batch(rng, cache):
+    """Mostly valid continuations, sometimes shared tokens, sometimes a defect."""
+    seqs = rng.choice(cache.size, size=int(rng.integers(1, 4)), replace=False).tolist()
+    seq_lists, pos = [], []
+    for seq in seqs:
+        start = cache.seq_pos_max(seq) + 1
+        for k in range(int(rng.integers(1, 4))):
+            seq_lists.append((seq,))
+            pos.append(start + k)
+    if rng.random() < 0.15:                                    # a token shared with another sequence
+        other = int(rng.integers(cache.size))
+        if other not in seqs and cache.seq_pos_max(other) < 0:
+            seq_lists[-1] = (seq_lists[-1][0], other)
+    if rng.random() < 0.15:                                    # a defect: out of range, gap, negative
+        k = int(rng.integers(len(pos)))
+        kind = int(rng.integers(3))
+        if kind == 0:
+            seq_lists[k] = (cache.size + 1,)
+        else:
+            pos[k] += 3 if kind == 1 else -(pos[k] + 2)
+    output = rng.integers(0, 2, len(pos)).tolist() if rng.random() < 0.5 else None
+    return seq_lists, pos, output, int(rng.integers(1, 6))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_match_the_reference_engine(seed):
+    rng = np.random.default_rng(seed)
+    compiled = rc.RecurrentCache(1, 2, 3, n_seq_max=8, size=8)
+    reference = rc.RecurrentCache(1, 2, 3, n_seq_max=8, size=8, engine="reference")
+    ctx = T.ctx_new(compiled)
+    try:
+        for step in range(150):
+            op = rng.choice(["batch"] * 5 + ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "state"])
+            seq, other = (int(x) for x in rng.integers(-1, 9, 2))
+            if op == "batch":
+                b = random_batch(rng, reference)
+                code, reports = c_batch(ctx, b)
+                try:
+                    expected = python_batch(reference, b)
+                except rc.RecurrentCacheError as exc:
+                    assert code < 0 and message(T, ctx, code) == str(exc), (step, b)
+                else:
+                    assert code == 0 and reports == expected, (step, b)
+            elif op == "seq_rm":
+                p0, p1 = (int(x) for x in rng.integers(-1, 6, 2))
+                assert T.seq_rm(ctx, seq, p0, p1) == int(reference.seq_rm(seq, p0, p1))
+            elif op == "seq_cp":
+                assert T.seq_cp(ctx, seq, other) == 0
+                reference.seq_cp(seq, other)
+            elif op in ("seq_keep", "seq_add", "seq_div"):
+                args = {"seq_keep": (seq,), "seq_add": (seq, 0, -1, other - 3), "seq_div": (seq, 0, -1, other)}[op]
+                code = getattr(T, op)(ctx, *args)
+                try:
+                    getattr(reference, op)(*args)
+                except rc.RecurrentCacheError:
+                    assert code < 0, (step, op)
+                else:
+                    assert code == 0, (step, op)
+            else:   # state: a sequence's blob written in C, read into another sequence in C and Python
+                src, dst = int(rng.integers(8)), int(rng.integers(8))
+                n, written = size_t(), size_t()
+                assert T.state_size(ctx, src, ctypes.byref(n)) == 0
+                blob = ctypes.create_string_buffer(n.value)
+                assert T.state_write(ctx, src, blob, n.value, ctypes.byref(written)) == 0
+                assert blob.raw == reference.state_write(src)
+                assert T.state_read(ctx, dst, blob, n.value) == 0
+                reference.state_read(blob.raw, dst)
+            assert [compiled.cell(i) for i in range(8)] == [reference.cell(i) for i in range(8)], (step, op)
+            assert (compiled.head, compiled.used) == (reference.head, reference.used), (step, op)
+            assert compiled.s[0].tobytes() == reference.s[0].tobytes(), (step, op)
+        assert compiled.used > 0
+    finally:
+        assert T.ctx_free(ctx) == 0
+    compiled.check()
