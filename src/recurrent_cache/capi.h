@@ -130,7 +130,7 @@ typedef struct rc_capi {
                       const int32_t* pos, const int8_t* output, int32_t n_ubatch, uint32_t flags,
                       rc_batch** batch);
     int (*batch_apply)(rc_batch* batch, rc_ubatch* ubatch);  /* 1: applied; 0: none left; < 0: error */
-    int32_t (*batch_n_ubatches)(const rc_batch* batch);
+    int32_t (*batch_n_ubatches)(const rc_batch* batch);     /* RC_ERR_NULL for a NULL batch */
     const int64_t* (*batch_out_ids)(const rc_batch* batch, int32_t* n_outputs);
     void (*batch_release)(rc_batch* batch);       /* NULL is fine */
     /* sequences */
@@ -139,7 +139,7 @@ typedef struct rc_capi {
     int (*seq_keep)(rc_ctx* ctx, int32_t seq);
     int (*seq_add)(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t shift);
     int (*seq_div)(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t d);
-    int32_t (*seq_pos_min)(const rc_ctx* ctx, int32_t seq);  /* -1: no cell (or a bad argument) */
+    int32_t (*seq_pos_min)(const rc_ctx* ctx, int32_t seq);  /* -1: no cell (or seq out of range); RC_ERR_NULL */
     int32_t (*seq_pos_max)(const rc_ctx* ctx, int32_t seq);
     int (*clear)(rc_ctx* ctx);
     /* state (llama.cpp's byte format, seq_id -1: the whole cache) */
