@@ -162,7 +162,7 @@ def load_kernel() -> tuple[ModuleType | None, list[str]]:
         kernel = capi.decode_kernel()
     except Exception as exc:  # no Cython / setuptools / compiler: report without the column
         return None, [f"cimport API not measured: building examples/capi failed ({type(exc).__name__}: {exc})"]
-    return kernel, [f"cimport API: examples/capi/continuous_batching.pyx decode_steps ({kernel.__file__})"]
+    return kernel, [f"cimport API: examples/capi/cython/continuous_batching.pyx decode_steps ({kernel.__file__})"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,9 +117,9 @@ class ModelReadDecodeStep(PythonDecodeStep):
 
 
 class CimportDecodeStep:
-    """cimport API: the same decode step run in C by ``decode_steps(cache.cell_table, n_seqs,
-    n)`` (split_batch, split_prepare, cells_find_slot, copy plan and row moves, GIL released);
-    one call does the whole loop, so the time per step has no Python in it."""
+    """C API: the same decode step run in C by an example's ``decode_steps(cache, n_seqs, n)``
+    (rc_batch_init: validate, split, prepare; rc_batch_apply: find_slot, copy plan and row
+    moves; GIL released); one call does the whole loop, so the time per step has no Python in it."""
 
     def __init__(self, kernel: ModuleType, impl: ModuleType, n_seqs: int, size: int) -> None:
         self.kernel, self.n_seqs = kernel, n_seqs
@@ -130,7 +130,7 @@ class CimportDecodeStep:
         self.steps += n
 
         def run() -> None:
-            code = self.kernel.decode_steps(self.cache.cell_table, self.n_seqs, n)
+            code = self.kernel.decode_steps(self.cache, self.n_seqs, n)
             expect(code == 0, f"decode_steps returned error code {code}")
         return run
 

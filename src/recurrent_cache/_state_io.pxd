@@ -63,6 +63,20 @@ cdef Py_ssize_t blob_size(const Cells* c, int32_t seq_id, Py_ssize_t n_tensors,
 # write cell_count and the meta (seq ids sorted) to out[0:meta_size]; -1 when out of memory
 cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) noexcept nogil
 
+# v_trans, n_layer and every tensor section of the selected ranges to out; returns the bytes written
+cdef Py_ssize_t write_rows(unsigned char* out, Py_ssize_t n_tensors, char** tensor_data,
+                           const Py_ssize_t* row_bytes, const int32_t* type_ids, int32_t n_ranges,
+                           const int32_t* begin, const int32_t* end) noexcept nogil
+
+# rows of a checked blob to rows head.. of each tensor, then zero rows zero_from..size-1
+cdef void read_rows(const unsigned char* data, Py_ssize_t data_offset, int32_t head, int32_t count,
+                    int32_t zero_from, int32_t size, Py_ssize_t n_tensors, char** tensor_data,
+                    const Py_ssize_t* row_bytes) noexcept nogil
+
+# restore a blob check_blob accepted (seq_id -1: the whole cache); RC_OK, or find_slot's code
+cdef int restore_blob(Cells* c, const unsigned char* data, const BlobLayout* layout, int32_t seq_id,
+                      Py_ssize_t n_tensors, char** tensor_data, const Py_ssize_t* row_bytes) noexcept nogil
+
 # validate a whole blob against the cache; nothing but the seq-id stamps is written
 cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                     Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
@@ -74,7 +88,4 @@ cdef class StateIO:
     cdef Py_ssize_t n_layer
     cdef int32_t* type_ids           # [2*n_layer] ggml type of r[0..], s[0..]
     cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1
-    cdef int restore_cache(self, const unsigned char* data, const BlobLayout* layout) except -1
-    cdef int restore_sequence(self, const unsigned char* data, const BlobLayout* layout,
-                              int32_t seq_id) except -1
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length)

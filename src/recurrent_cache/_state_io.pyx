@@ -299,6 +299,40 @@ cdef void read_rows(const unsigned char* data, Py_ssize_t data_offset, int32_t h
             memset(tensor_data[k] + zero_from * row_bytes[k], 0, (size - zero_from) * row_bytes[k])
 
 
+cdef int restore_blob(Cells* c, const unsigned char* data, const BlobLayout* layout, int32_t seq_id,
+                      Py_ssize_t n_tensors, char** tensor_data, const Py_ssize_t* row_bytes) noexcept nogil:
+    """Restore a blob check_blob accepted: the whole cache (seq_id < 0) or one sequence."""
+    cdef Py_ssize_t off = 4
+    cdef uint32_t j, n_seq_id
+    cdef int32_t i, seq_offset = 0, n_one = 1
+    cdef int code
+    if seq_id < 0:
+        # cell i of the blob becomes cell i with its own row (src = i); the rest is cleared
+        cells_clear(c)
+        for i in range(layout.cell_count):
+            n_seq_id = get_u32(data + off + 4)
+            for j in range(n_seq_id):
+                cells_join(c, i, get_i32(data + off + 8 + 4 * j))
+            c.pos[i] = get_i32(data + off)
+            c.src[i] = i
+            off += 8 + 4 * n_seq_id
+        read_rows(data, layout.data_offset, 0, layout.cell_count, layout.cell_count, c.size,
+                  n_tensors, tensor_data, row_bytes)
+        return RC_OK
+    # remove the sequence, then place its one cell with find_slot and fill its row
+    cells_seq_rm(c, seq_id, -1, -1)
+    if layout.cell_count == 0:
+        return RC_OK
+    # The sequence is in no cell now, so at most size - 1 cells are taken
+    # and find_slot always finds one: it cannot fail after the removal.
+    code = cells_find_slot(c, 1, 1, &seq_id, &seq_offset, &n_one, &layout.first_pos)
+    if code != RC_OK:
+        return code
+    c.src[c.head] = c.head
+    read_rows(data, layout.data_offset, c.head, 1, c.size, c.size, n_tensors, tensor_data, row_bytes)
+    return RC_OK
+
+
 cdef inline int64_t as_i32(uint64_t value) noexcept nogil:
     return <int32_t><uint32_t>value
 
@@ -439,50 +473,11 @@ cdef class StateIO:
                                    &layout, &defect)
         if code != BLOB_OK:
             raise self.blob_error(code, &defect, length)
-        if seq_id < 0:
-            self.restore_cache(p, &layout)
-        else:
-            self.restore_sequence(p, &layout, seq_id)
-        return length
-
-    cdef int restore_cache(self, const unsigned char* data, const BlobLayout* layout) except -1:
-        """Cell i of the blob becomes cell i with its own row (src = i); the rest is cleared."""
-        cdef Cells* c = &self.table.cells
-        cdef Py_ssize_t off = 4
-        cdef uint32_t j, n_seq_id
-        cdef int32_t i
-        cells_clear(c)
-        for i in range(layout.cell_count):
-            n_seq_id = get_u32(data + off + 4)
-            for j in range(n_seq_id):
-                cells_join(c, i, get_i32(data + off + 8 + 4 * j))
-            c.pos[i] = get_i32(data + off)
-            c.src[i] = i
-            off += 8 + 4 * n_seq_id
         with nogil:
-            read_rows(data, layout.data_offset, 0, layout.cell_count, layout.cell_count, c.size,
-                      self.table.n_tensors, self.table.tensor_data, self.table.row_bytes)
-        return 0
-
-    cdef int restore_sequence(self, const unsigned char* data, const BlobLayout* layout,
-                              int32_t seq_id) except -1:
-        """Remove the sequence, then place its one cell with find_slot and fill its row."""
-        cdef Cells* c = &self.table.cells
-        cdef int32_t seq_offset = 0, n_seq_id = 1
-        cdef int code
-        cells_seq_rm(c, seq_id, -1, -1)
-        if layout.cell_count == 0:
-            return 0
-        # The sequence is in no cell now, so at most size - 1 cells are taken
-        # and find_slot always finds one: it cannot fail after the removal.
-        code = cells_find_slot(c, 1, 1, &seq_id, &seq_offset, &n_seq_id, &layout.first_pos)
+            code = restore_blob(c, p, &layout, seq_id, t.n_tensors, t.tensor_data, t.row_bytes)
         if code != RC_OK:
             raise CoreError(f"state_read: find_slot failed (code {code}) for seq {seq_id}")
-        c.src[c.head] = c.head
-        with nogil:
-            read_rows(data, layout.data_offset, c.head, 1, c.size, c.size,
-                      self.table.n_tensors, self.table.tensor_data, self.table.row_bytes)
-        return 0
+        return length
 
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
         """The StateError for a check_blob code, from the one table (``errors.engine_error``)."""

@@ -1,5 +1,16 @@
 # cython: language_level=3
-"""recurrent_cache's C-level API, for Cython extensions that drive a cache without the interpreter.
+"""DEPRECATED: use ``cimport recurrent_cache.capi`` (Cython) or ``recurrent_cache/capi.h`` (C, C++).
+
+This was recurrent_cache's first C-level API: it exposes the engine's internals (the
+``Cells`` struct and its journal, ``Split`` and its group arrays), so a decode step
+mirrors the core's own loop, nothing is checked (``split_batch`` reads the seq-id
+offsets without a NULL check) and it changes whenever the engine does.  The memory
+context of ``recurrent_cache.capi`` does the same step in three checked calls with
+opaque handles and a versioned table; it is the supported way in.  This file stays
+for existing extensions until a release after the new API has been out for one, and
+a C compiler building a module that cimports it prints a deprecation message.
+
+recurrent_cache's C-level API, for Cython extensions that drive a cache without the interpreter.
 
     from recurrent_cache.core cimport CellTable, cells_find_slot, ...
 
@@ -37,8 +48,13 @@ A decode step, as ``init_batch`` + ``apply`` do it::
         # group s of ubatch u now lives in row table.cells.head + s
     split_release(&split)
 
-See examples/capi/continuous_batching.pyx for a complete loop.
+(The new API's loop: examples/capi/cython/continuous_batching.pyx.)
 """
+
+cdef extern from *:
+    """
+    #pragma message("recurrent_cache.core is deprecated: cimport recurrent_cache.capi instead (see its docstring)")
+    """
 
 from recurrent_cache._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP,
                                      SPLIT_ERR_NEGATIVE_POS, SPLIT_ERR_NO_MEMORY, SPLIT_ERR_SEQ_RANGE,

@@ -110,6 +110,19 @@ BLOB_N_LAYER = -41        # `value` layers, the cache has `n_layer`
 BLOB_TYPE = -42           # tensor `index` has type `value`, the cache `expected`
 BLOB_ROW_BYTES = -43      # tensor `index` has rows of `value` bytes, the cache `expected`
 
+# codes only the C API (recurrent_cache/capi.h) returns: checks of its raw arguments
+CAPI_NULL = -50         # a NULL handle or array `what`
+CAPI_N_TOKENS = -51     # n_tokens `n` < 1
+CAPI_OFFSETS = -52      # seq_id_offsets[`index`] = `pos`: not starting at 0 / not growing
+CAPI_N_UBATCH = -53     # n_ubatch `n` < 1
+CAPI_STALE = -54        # a batch applied after the cache changed
+CAPI_TARGET_SIZE = -55  # a target of `n` bytes for a blob of `need`
+CAPI_OVERLAP = -56      # a state buffer overlapping the cache's own rows
+CAPI_TENSOR_INDEX = -57 # tensor `index` outside [0, `size`)
+CAPI_STATE_SEQ = -58    # a state seq_id `seq` outside [-1, `size`)
+CAPI_OPEN_BATCHES = -59 # a context freed with `n` batches not released
+CAPI_FLAGS = -60        # batch flags `n` with unknown bits
+
 POS_MAX = 2**31 - 1     # llama_pos is int32; this value stands for +infinity in ranges
 
 _TABLE: dict[int, tuple[type[Exception], str]] = {
@@ -133,6 +146,19 @@ _TABLE: dict[int, tuple[type[Exception], str]] = {
     SPLIT_NO_MEMORY: (MemoryError, "out of memory while splitting a batch"),
     SPLIT_POS_MAX: (PositionError, "token {token} has position {pos}: positions must be < 2**31 - 1 "
                                    "(2**31 - 1 means \"to the end\" in sequence ranges)"),
+    CAPI_NULL: (ArgumentError, "{what}: a NULL pointer where a handle or an array is required"),
+    CAPI_N_TOKENS: (BatchError, "{what}: n_tokens must be >= 1, got {n}"),
+    CAPI_OFFSETS: (BatchError, "{what}: seq_id_offsets[{index}] = {pos} is out of order: offsets start at 0 and "
+                               "strictly grow (every token has at least one seq id)"),
+    CAPI_N_UBATCH: (ArgumentError, "{what}: n_ubatch must be >= 1, got {n}"),
+    CAPI_STALE: (UsageError, "{what}: the cache changed since the batch was prepared (or last applied); "
+                             "init the batch again"),
+    CAPI_TARGET_SIZE: (StateError, "{what}: the target holds {n} bytes, the blob needs {need}"),
+    CAPI_OVERLAP: (StateError, "{what}: the buffer overlaps the cache's own state rows"),
+    CAPI_TENSOR_INDEX: (OutOfRangeError, "{what}: tensor index {index} is out of range [0, {size})"),
+    CAPI_STATE_SEQ: (SeqIdError, "{what}: seq_id {seq} is out of range [-1, {size})"),
+    CAPI_OPEN_BATCHES: (UsageError, "{what}: {n} batches of this context are not released"),
+    CAPI_FLAGS: (ArgumentError, "{what}: unknown flags {n} (RC_BATCH_LOGITS_ALL = 1, RC_BATCH_EMBD_POOLED = 2)"),
 }
 
 

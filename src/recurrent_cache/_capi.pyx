@@ -1,0 +1,591 @@
+# cython: language_level=3
+"""The C API: a memory context over a compiled ``RecurrentCache``, for C, C++ and Cython.
+
+A context (``rc_ctx``) holds the cache's C cell table and state-tensor pointers; a
+batch (``rc_batch``) is one ``init_batch``: validated and split (``_split``), proved
+to fit (``split_prepare``), then applied ubatch by ubatch (find_slot, copy plan, row
+moves) exactly as the Python facade's ``MemoryState`` drives ``_placement``.  Every
+call but ``rc_ctx_new`` / ``rc_ctx_free`` is ``noexcept nogil`` and returns a code of
+``recurrent_cache.errors``' table; the context records the detail of its last failure
+and ``rc_error_message`` formats it through that table (taking the GIL for it), so C
+users read the Python API's messages.
+
+Published twice: as cdef functions for ``cimport recurrent_cache.capi`` and as the
+``rc_capi`` table of the capsule ``_C_API`` for ``recurrent_cache/capi.h``.
+"""
+
+cimport cython
+from cpython.pycapsule cimport PyCapsule_New
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy, memset
+
+from ._cells cimport (CellTable, Cells, cells_check, cells_clear, cells_copy_plan, cells_find_slot,
+                      cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_pos_max,
+                      cells_seq_pos_min, cells_seq_rm, rows_apply_plan)
+from ._split cimport Split, SplitDetail, split_batch, split_prepare, split_release
+from ._state_io cimport (BLOB_OK, BlobDefect, BlobLayout, StateIO, blob_size, check_blob, restore_blob,
+                         selected_ranges, write_meta, write_rows)
+
+from . import errors
+
+cdef extern from "Python.h":
+    int Py_IsInitialized() nogil
+    const Py_ssize_t PY_SSIZE_T_MAX
+
+cdef extern from "<stdio.h>":
+    int snprintf(char* buffer, size_t capacity, const char* fmt, ...) nogil
+
+
+cdef struct Detail:                 # what the last failure of a context was about
+    int code
+    const char* what                # the call (a static string)
+    int64_t token, seq, pos, prev, n, index, need
+    int64_t size                    # the range's bound when it is not the cell count (0: the cell count)
+    BlobDefect blob                 # for a state blob's codes
+    Py_ssize_t blob_length
+
+
+cdef struct CtxData:                # what an rc_ctx* points to (inside its Context object)
+    PyObject* owner                 # the Context; each rc_ctx_new handle holds a reference
+    Cells* cells                    # the cache's cell table
+    Py_ssize_t n_tensors            # r[0..n_layer-1], then s[0..n_layer-1]
+    char** tensor_data              # [n_tensors] base pointers (the arrays never move)
+    Py_ssize_t* row_bytes           # [n_tensors]
+    const int32_t* type_ids         # [n_tensors] ggml types, for state blobs
+    int32_t* plan_copy_src          # [size] copy-plan scratch of the cell table
+    uint8_t* plan_zero              # [size]
+    bint self_check                 # debug builds: check every invariant after each placement
+    uint64_t generation             # bumped by every change made through the context
+    Py_ssize_t open_batches
+    Detail detail
+
+
+cdef struct BatchData:              # what an rc_batch* points to
+    CtxData* ctx
+    Split split
+    int32_t* seq_ids                # [n_entries] the caller's seq ids, copied (the split refers to them)
+    int32_t* offsets                # [n_tokens + 1]
+    int32_t next_ubatch
+    int32_t outputs_before          # output rows of the ubatches applied so far
+    uint64_t generation             # the context's generation this batch is valid on
+
+
+@cython.final
+cdef class Context:
+    """The owner of one cache's ``CtxData``: keeps the cache, its cell table and StateIO alive."""
+
+    cdef CtxData data
+    cdef Py_ssize_t handles         # rc_ctx_new calls not matched by rc_ctx_free yet
+    cdef CellTable table
+    cdef StateIO state_io
+    cdef object cache
+
+
+# id(cache) -> its Context while C handles exist: every handle of one cache shares one
+# context, so a batch prepared through one is stale after a change made through another
+_contexts = {}
+
+
+cdef Context context_for(object cache):
+    from .cache import RecurrentCache
+    if not isinstance(cache, RecurrentCache):
+        raise TypeError(f"rc_ctx_new takes a recurrent_cache.RecurrentCache, got {type(cache).__name__}")
+    cdef Context context = _contexts.get(id(cache))
+    if context is not None:
+        return context
+    context = Context.__new__(Context)
+    context.table = cache.cell_table   # ArgumentError on the reference engine
+    context.state_io = cache._state_io
+    context.cache = cache
+    memset(&context.data, 0, sizeof(CtxData))
+    context.data.owner = <PyObject*>context
+    context.data.cells = &context.table.cells
+    context.data.n_tensors = context.table.n_tensors
+    context.data.tensor_data = context.table.tensor_data
+    context.data.row_bytes = context.table.row_bytes
+    context.data.type_ids = context.state_io.type_ids
+    context.data.plan_copy_src = context.table.plan_copy_src
+    context.data.plan_zero = context.table.plan_zero
+    context.data.self_check = context.table.self_check
+    _contexts[id(cache)] = context
+    return context
+
+
+cdef rc_ctx* rc_ctx_new(PyObject* cache) except NULL:
+    cdef Context context = context_for(<object>cache)
+    Py_INCREF(context)
+    context.handles += 1
+    return <rc_ctx*>&context.data
+
+
+cdef int rc_ctx_free(rc_ctx* ctx) noexcept:
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* data = <CtxData*>ctx
+    cdef Context context = <Context>data.owner
+    if context.handles == 1 and data.open_batches:
+        record(data, RC_ERR_OPEN_BATCHES, "rc_ctx_free")
+        data.detail.n = data.open_batches
+        return RC_ERR_OPEN_BATCHES
+    context.handles -= 1
+    if context.handles == 0:
+        _contexts.pop(id(context.cache), None)
+    Py_DECREF(context)
+    return RC_OK
+
+
+cdef inline int record(CtxData* ctx, int code, const char* what) noexcept nogil:
+    """Keep code's detail in the context for rc_error_message; returns code."""
+    memset(&ctx.detail, 0, sizeof(Detail))
+    ctx.detail.code = code
+    ctx.detail.what = what
+    return code
+
+
+# -- messages ------------------------------------------------------------------------
+
+cdef str message_for(const CtxData* ctx, int code):
+    cdef Detail d
+    cdef int32_t size = -1
+    if code == RC_OK:
+        return "no error"
+    cdef str missing = ""
+    memset(&d, 0, sizeof(Detail))
+    d.what = "recurrent_cache"
+    if ctx != NULL:
+        size = ctx.cells.size
+        if ctx.detail.code == code:
+            d = ctx.detail
+        else:
+            missing = " (values not recorded: this context's last failure had another code)"
+    if RC_ERR_BLOB_FIRST <= code <= RC_ERR_BLOB_LAST:
+        if ctx == NULL or ctx.detail.code != code:
+            return f"state_read: the blob has a defect (code {code}; no detail recorded for it)"
+        return str((<Context>ctx.owner).state_io.blob_error(code, &d.blob, d.blob_length))
+    return str(errors.engine_error(code, what=d.what.decode("utf-8", "replace"), token=d.token, seq=d.seq,
+                                   pos=d.pos, prev=d.prev, n=d.n, index=d.index, need=d.need,
+                                   size=d.size if d.size else size)) + missing
+
+
+cdef Py_ssize_t copy_message(const CtxData* ctx, int code, char* buffer, size_t capacity) noexcept with gil:
+    """message_for into buffer (truncated, NUL-terminated); its length, or -1 if formatting failed."""
+    cdef bytes text
+    cdef size_t n
+    try:
+        text = message_for(ctx, code).encode("utf-8", "replace")
+    except BaseException:
+        return -1
+    n = <size_t>len(text)
+    if buffer != NULL and capacity > 0:
+        memcpy(buffer, <const char*>text, min(n, capacity - 1))
+        buffer[min(n, capacity - 1)] = 0
+    return <Py_ssize_t>n
+
+
+cdef int rc_error_message(const rc_ctx* ctx, int code, char* buffer, size_t capacity) noexcept nogil:
+    """The message of ``code`` (with ctx's detail when it is ctx's last failure) into buffer,
+    NUL-terminated and truncated to capacity; returns the message's full length in bytes.
+    Takes the GIL to format through ``recurrent_cache.errors``' table."""
+    cdef Py_ssize_t n = -1
+    if Py_IsInitialized():
+        n = copy_message(<const CtxData*>ctx, code, buffer, capacity)
+    if n < 0:
+        return snprintf(buffer, capacity, "recurrent_cache error %d", code)
+    return <int>n
+
+
+# -- the cache -------------------------------------------------------------------------
+
+cdef int32_t rc_size(const rc_ctx* ctx) noexcept nogil:
+    return -1 if ctx == NULL else (<const CtxData*>ctx).cells.size
+
+
+cdef int32_t rc_n_layer(const rc_ctx* ctx) noexcept nogil:
+    return -1 if ctx == NULL else <int32_t>((<const CtxData*>ctx).n_tensors // 2)
+
+
+cdef int32_t rc_used(const rc_ctx* ctx) noexcept nogil:
+    return -1 if ctx == NULL else (<const CtxData*>ctx).cells.used
+
+
+cdef int rc_tensor(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes) noexcept nogil:
+    """Base pointer and row size of state tensor ``index`` (r of layer il: il; s: n_layer + il)."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* c = <CtxData*>ctx
+    if data == NULL or row_bytes == NULL:
+        return record(c, RC_ERR_NULL, "rc_tensor")
+    if not 0 <= index < c.n_tensors:
+        record(c, RC_ERR_TENSOR_INDEX, "rc_tensor")
+        c.detail.index = index
+        c.detail.size = c.n_tensors
+        return RC_ERR_TENSOR_INDEX
+    data[0] = c.tensor_data[index]
+    row_bytes[0] = <size_t>c.row_bytes[index]
+    return RC_OK
+
+
+# -- batches ---------------------------------------------------------------------------
+
+cdef int rc_batch_init(rc_ctx* ctx, int32_t n_tokens, const int32_t* seq_ids, const int32_t* seq_id_offsets,
+                       const int32_t* pos, const int8_t* output, int32_t n_ubatch, uint32_t flags,
+                       rc_batch** batch) noexcept nogil:
+    """Validate, split and prepare a batch (``init_batch``); ``*batch`` is NULL unless RC_OK.
+
+    seq_id_offsets NULL: one seq id per token (``seq_ids[t]``); else token t lists
+    ``seq_ids[seq_id_offsets[t]:seq_id_offsets[t + 1]]``, owner first.  output NULL:
+    only the last token is an output (llama_decode's default).
+    """
+    cdef CtxData* c = <CtxData*>ctx
+    cdef BatchData* b
+    cdef SplitDetail split_detail
+    cdef int32_t t, n_entries
+    cdef int code
+    if batch != NULL:
+        batch[0] = NULL
+    if ctx == NULL:
+        return RC_ERR_NULL
+    if batch == NULL or seq_ids == NULL or pos == NULL:
+        return record(c, RC_ERR_NULL, "rc_batch_init")
+    if n_tokens < 1 or n_tokens == INT32_MAX:
+        record(c, RC_ERR_N_TOKENS, "rc_batch_init")
+        c.detail.n = n_tokens
+        return RC_ERR_N_TOKENS
+    if n_ubatch < 1:
+        record(c, RC_ERR_N_UBATCH, "rc_batch_init")
+        c.detail.n = n_ubatch
+        return RC_ERR_N_UBATCH
+    if flags & ~<uint32_t>(RC_BATCH_LOGITS_ALL | RC_BATCH_EMBD_POOLED):
+        record(c, RC_ERR_FLAGS, "rc_batch_init")
+        c.detail.n = flags
+        return RC_ERR_FLAGS
+    if seq_id_offsets == NULL:
+        n_entries = n_tokens
+    else:
+        for t in range(n_tokens + 1):
+            if (t == 0 and seq_id_offsets[0] != 0) or (t > 0 and seq_id_offsets[t] <= seq_id_offsets[t - 1]):
+                record(c, RC_ERR_OFFSETS, "rc_batch_init")
+                c.detail.index = t
+                c.detail.pos = seq_id_offsets[t]
+                return RC_ERR_OFFSETS
+        n_entries = seq_id_offsets[n_tokens]
+    b = <BatchData*>calloc(1, sizeof(BatchData))
+    if b == NULL:
+        return record(c, RC_ERR_NO_MEMORY, "rc_batch_init")
+    b.seq_ids = <int32_t*>malloc((<size_t>n_entries + <size_t>n_tokens + 1) * sizeof(int32_t))
+    if b.seq_ids == NULL:
+        free(b)
+        return record(c, RC_ERR_NO_MEMORY, "rc_batch_init")
+    b.offsets = b.seq_ids + n_entries
+    memcpy(b.seq_ids, seq_ids, <size_t>n_entries * sizeof(int32_t))
+    if seq_id_offsets == NULL:
+        for t in range(n_tokens + 1):
+            b.offsets[t] = t
+    else:
+        memcpy(b.offsets, seq_id_offsets, (<size_t>n_tokens + 1) * sizeof(int32_t))
+    code = split_batch(&b.split, c.cells, n_tokens, b.seq_ids, b.offsets, pos, output,
+                       (flags & RC_BATCH_LOGITS_ALL) != 0, n_ubatch, (flags & RC_BATCH_EMBD_POOLED) != 0,
+                       &split_detail)
+    if code == RC_OK:
+        code = split_prepare(&b.split, c.cells, b.seq_ids)
+        if code != RC_OK:
+            split_release(&b.split)
+    if code != RC_OK:
+        free(b.seq_ids)
+        free(b)
+        record(c, code, "rc_batch_init")
+        c.detail.token = split_detail.token
+        c.detail.seq = split_detail.seq
+        c.detail.pos = split_detail.pos
+        c.detail.prev = split_detail.prev
+        c.detail.n = split_detail.n
+        return code
+    b.ctx = c
+    b.generation = c.generation
+    c.open_batches += 1
+    batch[0] = <rc_batch*>b
+    return RC_OK
+
+
+cdef int rc_batch_apply(rc_batch* batch, rc_ubatch* ubatch) noexcept nogil:
+    """Place the next ubatch and move its rows: 1 (``*ubatch`` filled), 0 when none is left,
+    or a negative code (the batch is then finished)."""
+    if batch == NULL:
+        return RC_ERR_NULL
+    cdef BatchData* b = <BatchData*>batch
+    cdef CtxData* c = b.ctx
+    cdef Split* s = &b.split
+    cdef int32_t u = b.next_ubatch, g0, t0, t, n, outputs = 0
+    cdef int code
+    if ubatch == NULL:
+        return record(c, RC_ERR_NULL, "rc_batch_apply")
+    if u >= s.n_ubatches:
+        return 0
+    if b.generation != c.generation:
+        return record(c, RC_ERR_STALE, "rc_batch_apply")
+    g0 = s.ub_group_start[u]
+    t0 = s.ub_token_start[u]
+    code = cells_find_slot(c.cells, s.ub_group_start[u + 1] - g0, s.ub_token_start[u + 1] - t0, b.seq_ids,
+                           s.group_seq_offset + g0, s.group_n_seq_id + g0, s.group_last_pos + g0)
+    if code == RC_OK:
+        n = c.cells.n
+        cells_copy_plan(c.cells, c.plan_copy_src, c.plan_zero)
+        for t in range(c.n_tensors):
+            code = rows_apply_plan(c.tensor_data[t], c.row_bytes[t], c.row_bytes[t], c.cells.head, n,
+                                   c.plan_copy_src, c.plan_zero)
+            if code != RC_OK:
+                break
+    if code == RC_OK and c.self_check and cells_check(c.cells) != 0:
+        code = RC_ERR_BROKEN
+    c.generation += 1
+    if code != RC_OK:
+        b.next_ubatch = s.n_ubatches   # a failed placement ends the batch
+        return record(c, code, "rc_batch_apply")
+    b.generation = c.generation
+    b.next_ubatch = u + 1
+    for t in range(t0, s.ub_token_start[u + 1]):
+        outputs += s.output[t]
+    ubatch.index = u
+    ubatch.head = c.cells.head
+    ubatch.n_seqs = s.ub_group_start[u + 1] - g0
+    ubatch.n_seq_tokens = s.ub_n_seq_tokens[u]
+    ubatch.n_tokens = s.ub_token_start[u + 1] - t0
+    ubatch.first_output = b.outputs_before
+    ubatch.n_outputs = outputs
+    ubatch.token_order = s.order + t0
+    ubatch.output = s.output + t0
+    b.outputs_before += outputs
+    return 1
+
+
+cdef int32_t rc_batch_n_ubatches(const rc_batch* batch) noexcept nogil:
+    return RC_ERR_NULL if batch == NULL else (<const BatchData*>batch).split.n_ubatches
+
+
+cdef const int64_t* rc_batch_out_ids(const rc_batch* batch, int32_t* n_outputs) noexcept nogil:
+    """[n_outputs] the batch index of each output row (ubatch order); NULL for a NULL batch."""
+    if batch == NULL:
+        if n_outputs != NULL:
+            n_outputs[0] = 0
+        return NULL
+    cdef const BatchData* b = <const BatchData*>batch
+    if n_outputs != NULL:
+        n_outputs[0] = b.split.n_outputs
+    return b.split.out_ids
+
+
+cdef void rc_batch_release(rc_batch* batch) noexcept nogil:
+    if batch == NULL:
+        return
+    cdef BatchData* b = <BatchData*>batch
+    b.ctx.open_batches -= 1
+    split_release(&b.split)
+    free(b.seq_ids)
+    free(b)
+
+
+# -- sequences ---------------------------------------------------------------------------
+
+cdef inline int seq_code(CtxData* c, int code, const char* what, int32_t seq) noexcept nogil:
+    c.generation += 1
+    if code != RC_OK:
+        record(c, code, what)
+        c.detail.seq = seq
+    return code
+
+
+cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
+    """1 when seq's positions [p0, p1) are gone (or it had none there), 0 when refused."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* c = <CtxData*>ctx
+    c.generation += 1
+    return 1 if cells_seq_rm(c.cells, seq, p0, p1) else 0
+
+
+cdef int rc_seq_cp(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst) noexcept nogil:
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cells_seq_cp((<CtxData*>ctx).cells, seq_src, seq_dst)
+    return seq_code(<CtxData*>ctx, RC_OK, "rc_seq_cp", seq_dst)
+
+
+cdef int rc_seq_keep(rc_ctx* ctx, int32_t seq) noexcept nogil:
+    if ctx == NULL:
+        return RC_ERR_NULL
+    return seq_code(<CtxData*>ctx, cells_seq_keep((<CtxData*>ctx).cells, seq), "rc_seq_keep", seq)
+
+
+cdef int rc_seq_add(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
+    if ctx == NULL:
+        return RC_ERR_NULL
+    return seq_code(<CtxData*>ctx, cells_seq_add((<CtxData*>ctx).cells, seq, p0, p1, shift), "rc_seq_add", seq)
+
+
+cdef int rc_seq_div(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
+    if ctx == NULL:
+        return RC_ERR_NULL
+    return seq_code(<CtxData*>ctx, cells_seq_div((<CtxData*>ctx).cells, seq, p0, p1, d), "rc_seq_div", seq)
+
+
+cdef int32_t rc_seq_pos_min(const rc_ctx* ctx, int32_t seq) noexcept nogil:
+    return RC_ERR_NULL if ctx == NULL else cells_seq_pos_min((<const CtxData*>ctx).cells, seq)
+
+
+cdef int32_t rc_seq_pos_max(const rc_ctx* ctx, int32_t seq) noexcept nogil:
+    return RC_ERR_NULL if ctx == NULL else cells_seq_pos_max((<const CtxData*>ctx).cells, seq)
+
+
+cdef int rc_clear(rc_ctx* ctx) noexcept nogil:
+    """Empty every cell and zero every state row."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* c = <CtxData*>ctx
+    cdef Py_ssize_t k
+    cells_clear(c.cells)
+    for k in range(c.n_tensors):
+        memset(c.tensor_data[k], 0, <size_t>c.cells.size * <size_t>c.row_bytes[k])
+    c.generation += 1
+    return RC_OK
+
+
+# -- state -------------------------------------------------------------------------------
+
+cdef inline int check_state_seq(CtxData* c, int32_t seq_id, const char* what) noexcept nogil:
+    if -1 <= seq_id < c.cells.size:
+        return RC_OK
+    record(c, RC_ERR_STATE_SEQ, what)
+    c.detail.seq = seq_id
+    return RC_ERR_STATE_SEQ
+
+
+cdef bint overlaps_rows(const CtxData* c, const void* p, size_t n) noexcept nogil:
+    """Whether bytes [p, p + n) overlap a state tensor (the restore or write would read its own output)."""
+    cdef Py_ssize_t k
+    cdef uintptr_t begin = <uintptr_t>p, base
+    for k in range(c.n_tensors):
+        base = <uintptr_t>c.tensor_data[k]
+        if n > 0 and begin < base + <uintptr_t>(c.cells.size * c.row_bytes[k]) and base < begin + n:
+            return True
+    return False
+
+
+cdef int rc_state_size(const rc_ctx* ctx, int32_t seq_id, size_t* size) noexcept nogil:
+    """Bytes of ``rc_state_write(ctx, seq_id, ...)``."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* c = <CtxData*>ctx
+    if size == NULL:
+        return record(c, RC_ERR_NULL, "rc_state_size")
+    cdef int code = check_state_seq(c, seq_id, "rc_state_size")
+    if code == RC_OK:
+        size[0] = <size_t>blob_size(c.cells, seq_id, c.n_tensors, c.row_bytes)
+    return code
+
+
+cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capacity, size_t* written) noexcept nogil:
+    """The blob of ``state_write(seq_id)`` to target (capacity bytes); its length in ``*written``."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* c = <CtxData*>ctx
+    cdef Py_ssize_t need, off
+    cdef int32_t n_ranges
+    cdef int32_t* begin
+    if target == NULL or written == NULL:
+        return record(c, RC_ERR_NULL, "rc_state_write")
+    written[0] = 0
+    cdef int code = check_state_seq(c, seq_id, "rc_state_write")
+    if code != RC_OK:
+        return code
+    need = blob_size(c.cells, seq_id, c.n_tensors, c.row_bytes)
+    if <size_t>need > capacity:
+        record(c, RC_ERR_TARGET_SIZE, "rc_state_write")
+        c.detail.n = <int64_t>capacity
+        c.detail.need = need
+        return RC_ERR_TARGET_SIZE
+    if overlaps_rows(c, target, <size_t>need):
+        return record(c, RC_ERR_OVERLAP, "rc_state_write")
+    begin = <int32_t*>malloc(<size_t>(c.cells.size + 1) * sizeof(int32_t))   # runs: begin, then end
+    if begin == NULL:
+        return record(c, RC_ERR_NO_MEMORY, "rc_state_write")
+    n_ranges = selected_ranges(c.cells, seq_id, begin, begin + (c.cells.size + 1) // 2)
+    off = write_meta(c.cells, seq_id, <unsigned char*>target)
+    if off >= 0:
+        off += write_rows(<unsigned char*>target + off, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids,
+                          n_ranges, begin, begin + (c.cells.size + 1) // 2)
+    free(begin)
+    if off < 0:
+        return record(c, RC_ERR_NO_MEMORY, "rc_state_write")
+    written[0] = <size_t>off
+    return RC_OK
+
+
+cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t length) noexcept nogil:
+    """Check the whole blob, then restore it (``state_read``); a defect changes nothing."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    cdef CtxData* c = <CtxData*>ctx
+    cdef BlobLayout layout
+    cdef BlobDefect defect
+    if data == NULL and length > 0:
+        return record(c, RC_ERR_NULL, "rc_state_read")
+    cdef int code = check_state_seq(c, seq_id, "rc_state_read")
+    if code != RC_OK:
+        return code
+    if overlaps_rows(c, data, length):
+        return record(c, RC_ERR_OVERLAP, "rc_state_read")
+    if length > <size_t>PY_SSIZE_T_MAX:   # no buffer is that long: reported as trailing bytes
+        length = <size_t>PY_SSIZE_T_MAX
+    code = check_blob(c.cells, seq_id, <const unsigned char*>data, <Py_ssize_t>length, c.n_tensors,
+                      c.type_ids, c.row_bytes, &layout, &defect)
+    if code != BLOB_OK:
+        record(c, code, "rc_state_read")
+        c.detail.blob = defect
+        c.detail.blob_length = <Py_ssize_t>length
+        return code
+    code = restore_blob(c.cells, <const unsigned char*>data, &layout, seq_id, c.n_tensors, c.tensor_data,
+                        c.row_bytes)
+    c.generation += 1
+    if code != RC_OK:
+        return record(c, code, "rc_state_read")
+    return RC_OK
+
+
+# -- the table in the capsule -----------------------------------------------------------
+# Adding an entry (e.g. rollback): append its pointer at the END of rc_capi in capi.h, bump
+# RC_CAPI_API_VERSION there, mirror the field in _capi.pxd, set it below, declare the function
+# in _capi.pxd / capi.pxd, and add it to tests/capi_table.py's Table.  Never reorder or change
+# an existing entry: that would need RC_CAPI_ABI_VERSION bumped and every extension rebuilt.
+
+cdef rc_capi TABLE
+TABLE.abi_version = RC_CAPI_ABI_VERSION
+TABLE.api_version = RC_CAPI_API_VERSION
+TABLE.ctx_new = rc_ctx_new
+TABLE.ctx_free = rc_ctx_free
+TABLE.error_message = rc_error_message
+TABLE.size = rc_size
+TABLE.n_layer = rc_n_layer
+TABLE.used = rc_used
+TABLE.tensor = rc_tensor
+TABLE.batch_init = rc_batch_init
+TABLE.batch_apply = rc_batch_apply
+TABLE.batch_n_ubatches = rc_batch_n_ubatches
+TABLE.batch_out_ids = rc_batch_out_ids
+TABLE.batch_release = rc_batch_release
+TABLE.seq_rm = rc_seq_rm
+TABLE.seq_cp = rc_seq_cp
+TABLE.seq_keep = rc_seq_keep
+TABLE.seq_add = rc_seq_add
+TABLE.seq_div = rc_seq_div
+TABLE.seq_pos_min = rc_seq_pos_min
+TABLE.seq_pos_max = rc_seq_pos_max
+TABLE.clear = rc_clear
+TABLE.state_size = rc_state_size
+TABLE.state_write = rc_state_write
+TABLE.state_read = rc_state_read
+
+_C_API = PyCapsule_New(&TABLE, RC_CAPI_CAPSULE_NAME, NULL)
+ABI_VERSION = RC_CAPI_ABI_VERSION
+API_VERSION = RC_CAPI_API_VERSION
