@@ -41,7 +41,7 @@ def test_fork_run_passes(capsys):
     assert demo.main(SMALL + ["--fork"]) == 0
     out = capsys.readouterr().out
     assert "1 prompt forked into 3 sequences" in out and "PASSED: 3 of 3" in out
-    continuations = re.findall(r"-> ([\d ]+?)\s+\[sampled", out)
+    continuations = re.findall(r"-> (\".*\")  \[sampled", out)
     assert len(set(continuations)) == 3, "each fork samples with its own seed"
 
 
