@@ -536,14 +536,18 @@ def _stays_f32(name: str, array: np.ndarray) -> bool:
 
 
 def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32",
-               name: str = "recurrent-cache-random-mamba") -> None:
+               name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
+               token_types: Sequence[int] | None = None, tokenizer: str = "gpt2") -> None:
     """Write ``model`` as a GGUF file that llama.cpp loads (architecture ``mamba``).
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
     "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
     does (1-D tensors, ``ssm_conv1d``, ``ssm_a`` and ``ssm_d`` stay f32).  A
-    tied model gets no ``output.weight``.  There is no tokenizer
-    (``tokenizer.ggml.model = "no_vocab"``): the model takes token ids.
+    tied model gets no ``output.weight``.  Without ``tokens`` there is no
+    tokenizer (``tokenizer.ggml.model = "no_vocab"``): the model takes token
+    ids, or bytes when it has 256 tokens.  ``tokens`` (with ``token_types``)
+    are written as ``tokenizer.ggml.tokens`` of a ``tokenizer`` model, as
+    llama.cpp's converter writes them ("gpt2": byte-level BPE pieces).
     """
     if file_type not in ("f32", "f16"):
         raise ModelError(f"file_type must be 'f32' or 'f16', got {file_type!r}")
@@ -564,7 +568,13 @@ def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32
     writer.add_ssm_dt_b_c_rms(p.dt_b_c_rms)
     writer.add_vocab_size(p.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("no_vocab")
+    if tokens is None:
+        writer.add_tokenizer_model("no_vocab")
+    else:
+        writer.add_tokenizer_model(tokenizer)
+        writer.add_token_list(list(tokens))
+        if token_types is not None:
+            writer.add_token_types(list(token_types))
 
     named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
     if not model.tied:
