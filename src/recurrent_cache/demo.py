@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = build_model(options)
         if options.write_model:
-            write_gguf(model, options.write_model)
+            write_gguf(model, options.write_model, name="recurrent-cache-random-mamba" if options.random_weights
+                       else "recurrent-cache-byte-mamba")
             print(f"wrote {options.write_model}: {model.hparams.describe()}")
             return 0
     except (ImportError, OSError, ModelError) as exc:
