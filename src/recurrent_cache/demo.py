@@ -435,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = np.random.default_rng(options.seed)
     clients = make_clients(options, model, rng)
-    cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)
+    try:
+        cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)
+    except (MemoryError, rc.RecurrentCacheError) as exc:
+        print(f"demo: cannot allocate {options.parallel} state cells for this model: {exc}", file=sys.stderr)
+        return USER_ERROR
     progress = progress_bar(sum(client.n_predict for client in clients), options.quiet)
     server = Server(model, cache, options.ubatch, progress, options.corrupt_step, options.seed)
     start = time.perf_counter()
