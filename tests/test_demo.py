@@ -39,7 +39,8 @@ def test_half_precision_states_pass(capsys, dtype):
 
 
 def test_fork_run_passes(capsys):
-    assert demo.main(SMALL + ["--fork"]) == 0
+    # hot sampling and 16 bytes: an indented block's first bytes are the same for any seed
+    assert demo.main(SMALL + ["--fork", "--n-predict", "16", "--temperature", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "1 prompt forked into 3 sequences" in out and "PASSED: 3 of 3" in out
     continuations = re.findall(r"-> (\".*\")  \[sampled", out)
@@ -75,12 +76,19 @@ def test_default_run_serves_the_shipped_model_as_text(capsys):
     out = capsys.readouterr().out
     assert "the shipped byte-level model" in out
     prompts = set(demo.HANDWRITTEN_PROMPTS) | set(demo.held_out_prompts())
-    lines = re.findall(r'^  client \d+ +prompt +(\d+) tokens "(.*)" -> "(.*)"  \[greedy\]$', out, re.MULTILINE)
+    lines = re.findall(r'^  client \d+ +prompt +(\d+) tokens "(.*)" -> "(.*)"  \[sampled \(temperature 0.7, top-k 40, '
+                       r'seed \(0, \d\)\)\]$', out, re.MULTILINE)
     assert len(lines) == 5
     for length, shown_prompt, _ in lines:
         ends = shown_prompt.removeprefix("...")
         assert any(len(p.encode()) == int(length) and escape(p.encode()).replace('"', '\\"').endswith(ends)
                    for p in prompts)
+
+
+def test_greedy_run_passes(capsys):
+    assert demo.main(SMALL + ["--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[greedy]") == 5 and "PASSED: 5 of 5" in out
 
 
 def test_random_weights_and_sampling_options_pass(capsys):

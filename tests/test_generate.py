@@ -24,7 +24,7 @@ def plain_greedy(model, prompt: bytes, n: int) -> bytes:
 
 
 def test_prints_prompt_and_greedy_continuation_then_figures(capsys):
-    assert generate_command.main(["def fibonacci(n):", "-n", "30"]) == 0
+    assert generate_command.main(["def fibonacci(n):", "-n", "30", "--temperature", "0"]) == 0
     captured = capsys.readouterr()
     expected = io.StringIO()
     TextStream(expected).write(plain_greedy(trained_model(), b"def fibonacci(n):", 30), final=True)

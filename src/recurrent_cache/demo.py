@@ -37,6 +37,7 @@ import recurrent_cache as rc
 from ._cli import USER_ERROR, OneLineParser, float_in, int_in
 from .models import (MambaModel, ModelError, ReferenceRun, Sampler, held_out_prompts, load_gguf,
                      random_model, trained_model, write_gguf)
+from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .models._storage import StateStorage
 from .models.vocab import escape
 
@@ -360,10 +361,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="n_ubatch: most tokens per ubatch (default 16)")
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
                         help="seed of the prompt order, the samplers and the random weights")
-    parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=None,
-                        help="0 is greedy; above 0 samples (default: greedy, 1 with --fork)")
-    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=0,
-                        help="sample from the k most likely tokens only (default 0: all)")
+    parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
+                        help=f"0 is greedy; above 0 samples softmax(logits / T) (default {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=DEFAULT_TOP_K,
+                        help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="f32", help="state storage type")
     parser.add_argument("--compute", choices=["f32", "f64"], default="f32",
                         help="model arithmetic (default f32, as the model was trained)")
@@ -410,14 +411,13 @@ def make_clients(options: argparse.Namespace, model: MambaModel, rng: np.random.
         length = int(rng.integers(PROMPT_LENGTHS[0], PROMPT_LENGTHS[1] + 1))
         return rng.integers(0, model.hparams.n_vocab, size=length).tolist()
 
+    def sampler(k: int) -> Sampler:
+        return Sampler(options.temperature, options.top_k, (options.seed, k))
+
     if options.fork:
-        temperature = 1.0 if options.temperature is None else options.temperature
         shared = prompt(0)
-        return [Client(k, shared, options.n_predict, Sampler(temperature, options.top_k, (options.seed, k)))
-                for k in range(options.parallel)]
-    temperature = 0.0 if options.temperature is None else options.temperature
-    return [Client(k, prompt(k), options.n_predict, Sampler(temperature, options.top_k, (options.seed, k)))
-            for k in range(options.clients)]
+        return [Client(k, shared, options.n_predict, sampler(k)) for k in range(options.parallel)]
+    return [Client(k, prompt(k), options.n_predict, sampler(k)) for k in range(options.clients)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import recurrent_cache as rc
 
 from ._cli import USER_ERROR, OneLineParser, float_in, int_in
 from .models import MambaModel, ModelError, Sampler, load_gguf, random_model, trained_model
+from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 
 STATE_DTYPES = ("f32", "f16", "bf16")
 MAX_SEED = 2**63 - 1
@@ -37,10 +38,10 @@ def parse_args(argv: list[str]):
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument("-n", "--n-predict", type=int_in(1, 1_000_000), default=200,
                         help="tokens to generate (default 200)")
-    parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=0.0,
-                        help="0 is greedy (default); above 0 samples from softmax(logits / temperature)")
-    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=0,
-                        help="sample only from the k most likely tokens (default 0: all)")
+    parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
+                        help=f"0 is greedy; above 0 samples softmax(logits / T) (default {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=DEFAULT_TOP_K,
+                        help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="seed of the sampling")
     parser.add_argument("--ubatch", type=int_in(1, 65536), default=64,
                         help="n_ubatch: most prompt tokens per ubatch (default 64)")

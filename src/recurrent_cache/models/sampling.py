@@ -7,7 +7,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_K"]
+
+# The commands sample by default: greedy decoding of a small byte-level model soon repeats
+# itself (runs of spaces); a draw from the 40 most likely bytes at temperature 0.7 reads like Python.
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K = 0.7, 40
 
 
 class Sampler:
