@@ -24,6 +24,13 @@ from recurrent_cache.models import held_out_prompts, trained_model
 TARGETS = {1: 200.0, 8: 1000.0}
 
 
+def greedy(model, st) -> list[int]:
+    """The argmax token of each output, in batch order (logits row i is batch index st.out_ids[i])."""
+    logits = model.forward(st)
+    row_of_batch_index = np.argsort(st.out_ids)
+    return [int(logits[row].argmax()) for row in row_of_batch_index]
+
+
 def decode_rate(model, n_seqs: int, n_steps: int) -> float:
     """Generated tokens per second, summed over ``n_seqs`` sequences decoding together."""
     prompts = [model.vocab.encode(text) for text in held_out_prompts()[:n_seqs]]
@@ -31,15 +38,15 @@ def decode_rate(model, n_seqs: int, n_steps: int) -> float:
     tokens = [t for p in prompts for t in p]
     pos = [i for p in prompts for i in range(len(p))]
     seq_id = [s for s, p in enumerate(prompts) for _ in p]
-    logits = model.forward(cache.init_batch(rc.Batch(token=tokens, pos=pos, seq_id=seq_id), 512))
-    next_tokens = logits.argmax(axis=1).tolist()
+    last = [i == len(p) - 1 for p in prompts for i in range(len(p))]
+    next_tokens = greedy(model, cache.init_batch(rc.Batch(token=tokens, pos=pos, seq_id=seq_id, logits=last), 512))
     positions = np.array([len(p) for p in prompts])
     seq_ids = list(range(n_seqs))
     start = time.perf_counter()
     for _ in range(n_steps):
         st = cache.init_batch(rc.Batch(token=next_tokens, pos=positions, seq_id=seq_ids, logits=[1] * n_seqs),
                               n_seqs)
-        next_tokens = model.forward(st).argmax(axis=1).tolist()
+        next_tokens = greedy(model, st)
         positions = positions + 1
     return n_seqs * n_steps / (time.perf_counter() - start)
 
