@@ -326,19 +326,20 @@ def model_name(options: argparse.Namespace) -> str:
     return "the shipped byte-level model, trained on the standard library"
 
 
-def shown_tokens(model: MambaModel, tokens: list[int]) -> str:
-    """Tokens as quoted, escaped text (or their ids when the model has no vocabulary)."""
+def shown_tokens(model: MambaModel, tokens: list[int], tail: int | None = None) -> str:
+    """Tokens as quoted, escaped text (or their ids when the model has no vocabulary); with
+    ``tail``, only the last ``tail`` bytes after "..." (cut before escaping, so no escape is cut)."""
     if model.vocab is None:
         return " ".join(map(str, tokens[:12])) + (" ..." if len(tokens) > 12 else "")
-    return '"' + escape(model.vocab.decode(tokens)).replace('"', '\\"') + '"'
+    data = model.vocab.decode(tokens)
+    cut = tail is not None and len(data) > tail
+    text = escape(data[-tail:] if cut else data).replace('"', '\\"')
+    return f'"{"..." if cut else ""}{text}"'
 
 
-def shown_prompt(model: MambaModel, prompt: list[int], tail: int = 32) -> str:
+def shown_prompt(model: MambaModel, prompt: list[int], tail: int = 28) -> str:
     """The end of a prompt, where the generated text continues it."""
-    if model.vocab is None:
-        return ""
-    text = shown_tokens(model, prompt)[1:-1]
-    return '"' + (text if len(text) <= tail else "..." + text[-tail:]) + '"'
+    return "" if model.vocab is None else shown_tokens(model, prompt, tail)
 
 
 # -- command line -------------------------------------------------------------------------
