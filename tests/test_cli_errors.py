@@ -206,3 +206,14 @@ def test_shutil_copy_of_the_shipped_model_loads(tmp_path):
     """The control case for the damaged files: an intact copy loads."""
     shutil.copy(TRAINED_GGUF, tmp_path / "copy.gguf")
     assert load_gguf(tmp_path / "copy.gguf").hparams.n_vocab == 256
+
+
+def test_nan_weights_are_refused_with_the_tensor_name(tmp_path):
+    from recurrent_cache.models.gguf_file import GGUFFile
+    good = TRAINED_GGUF.read_bytes()
+    info = GGUFFile(TRAINED_GGUF).tensors["blk.1.ssm_d"]  # f32
+    data = bytearray(good)
+    data[info.offset:info.offset + 4] = np.float32("nan").tobytes()
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="tensor blk.1.ssm_d holds 1 values that are NaN or infinite"):
+        load_gguf(tmp_path / "nan.gguf")

@@ -150,7 +150,13 @@ def _checked(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype) -> 
         raise ModelError(f"tensor {name} has shape {array.shape}, expected {shape}")
     if array.dtype.kind not in "fiu":
         raise ModelError(f"tensor {name} holds {array.dtype}, not numbers")
-    return np.ascontiguousarray(array, dtype=dtype)
+    with np.errstate(all="ignore"):  # an overflow to inf is reported just below
+        converted = np.ascontiguousarray(array, dtype=dtype)
+    if not np.isfinite(converted).all():
+        # NaN or inf weights would make every logit NaN: refuse them with the tensor's name
+        raise ModelError(f"tensor {name} holds {np.size(converted) - np.isfinite(converted).sum()} "
+                         f"values that are NaN or infinite (as {np.dtype(dtype).name})")
+    return converted
 
 
 # -- the math shared by the batched and the reference forward -----------------------
