@@ -26,7 +26,7 @@ trained weights, as stored in the GGUF, give on a held-out snippet: the package'
 numpy forward must reproduce them.
 
     python tools/train_byte_mamba.py                      # the shipped model
-    python tools/train_byte_mamba.py --tiny --steps 3 --out-dir /tmp/m --log-dir /tmp/m   # smoke test
+    python tools/train_byte_mamba.py --tiny --steps 3 --out-dir /tmp/m   # smoke test, everything in /tmp/m
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "src" / "recurrent_cache" / "models" / "data"
 DEFAULT_LOG = REPO / "tools" / "training"
+REFERENCE = REPO / "tests" / "data" / "byte_mamba_reference.npz"
 HELD_OUT_MODULUS = 20
 SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 FILE_SEPARATOR = b"\n\n"
@@ -274,12 +275,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--final-eval-windows", type=int, default=256, help="held-out windows at the end")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and data for a smoke test")
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--log-dir", type=Path, default=DEFAULT_LOG)
-    parser.add_argument("--reference-out", type=Path, default=REPO / "tests" / "data" / "byte_mamba_reference.npz",
-                        help="where the logits of the held-out snippet go (the tests compare against them)")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
+                        help="where the GGUF and its JSON go (default: the package's shipped model)")
+    parser.add_argument("--log-dir", type=Path,
+                        help="log and loss curve (default: tools/training for the shipped model, else --out-dir)")
+    parser.add_argument("--reference-out", type=Path,
+                        help="the held-out snippet's logits (default: tests/data/byte_mamba_reference.npz for "
+                             "the shipped model, else reference_logits.npz in --out-dir)")
     parser.add_argument("--params-out", type=Path, help="also save the trained float32 parameters (npz)")
     options = parser.parse_args(argv)
+    shipped = options.out_dir.resolve() == DEFAULT_OUT
+    if options.tiny and shipped:
+        parser.error("a --tiny run needs --out-dir: it would replace the shipped model")
+    if options.log_dir is None:
+        options.log_dir = DEFAULT_LOG if shipped else options.out_dir
+    if options.reference_out is None:
+        options.reference_out = REFERENCE if shipped else options.out_dir / "reference_logits.npz"
     if options.tiny:
         options.n_embd, options.n_layer, options.d_state = 16, 1, 4
         options.batch, options.seq_len, options.eval_len = 2, 32, 64
