@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,26 @@ def test_same_seed_same_draws_and_fresh_restarts():
 def test_bad_sampler_settings_are_named(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         Sampler(**kwargs)
+
+
+def test_commands_speak_through_a_bpe_vocabulary(tmp_path, capsys):
+    """A llama.cpp-style Mamba GGUF with GPT-2 pieces: generate encodes the prompt with them and
+    prints the decoded continuation; demo serves text prompts and passes its verification."""
+    pytest.importorskip("gguf")
+    from recurrent_cache import demo, generate
+    tokens, types = gpt2_vocabulary()
+    model = random_model(seed=4, n_vocab=-(len(tokens) // -8) * 8, n_embd=16, n_layer=2, d_state=4)
+    path = str(tmp_path / "bpe.gguf")
+    write_gguf(model, path, tokens=tokens, token_types=types)
+    loaded = load_gguf(path, dtype=np.float32)
+
+    assert generate.main(["def fib(n):", "--model", path, "-n", "12", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    prompt = loaded.vocab.encode("def fib(n):")
+    expected, _ = generate.generate(loaded, prompt, 12, Sampler(), n_ubatch=64, dtype="f32")
+    shown = io.StringIO()
+    generate.TextStream(shown).write(loaded.vocab.decode(expected), final=True)
+    assert out == "def fib(n):" + shown.getvalue() + "\n"
+    assert demo.main(["--model", path, "--clients", "3", "--parallel", "2", "--n-predict", "4", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED: 3 of 3" in out and out.count('" -> "') == 3
