@@ -95,12 +95,11 @@ CLASSES = {
 }
 
 
-@pytest.mark.parametrize("command", [0, 1], ids=["demo", "generate"])
-@pytest.mark.parametrize("kind", sorted(CLASSES))
-def test_bad_invocation_in_a_real_process(kind, command):
-    args = CLASSES[kind][command]
-    if args is None:
-        pytest.skip(f"demo has no {kind}")
+REAL_PROCESS_CASES = [(kind, args) for kind in sorted(CLASSES) for args in CLASSES[kind] if args is not None]
+
+
+@pytest.mark.parametrize("kind, args", REAL_PROCESS_CASES, ids=[f"{k}-{a[0]}" for k, a in REAL_PROCESS_CASES])
+def test_bad_invocation_in_a_real_process(kind, args):
     assert_one_line_error(run_cli(*args))
 
 
