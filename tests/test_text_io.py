@@ -174,3 +174,18 @@ def test_commands_speak_through_a_bpe_vocabulary(tmp_path, capsys):
     assert demo.main(["--model", path, "--clients", "3", "--parallel", "2", "--n-predict", "4", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "PASSED: 3 of 3" in out and out.count('" -> "') == 3
+
+
+def test_generation_stops_at_the_files_end_of_text_token(tmp_path):
+    pytest.importorskip("gguf")
+    from recurrent_cache.generate import generate
+    tokens, types = gpt2_vocabulary()
+    model = random_model(seed=6, n_vocab=len(tokens), n_embd=16, n_layer=1, d_state=4)
+    prompt = list(range(1, 9))
+    free, _ = generate(model, prompt, 6, Sampler(), n_ubatch=64, dtype="f32")
+    eos = free[2]  # make the third greedy token the end of text
+    write_gguf(model, tmp_path / "eos.gguf", tokens=tokens, token_types=types, eos=eos)
+    loaded = load_gguf(tmp_path / "eos.gguf")
+    assert loaded.vocab.eos == eos
+    stopped, _ = generate(loaded, prompt, 6, Sampler(), n_ubatch=64, dtype="f32")
+    assert stopped == free[:free.index(eos) + 1]

@@ -81,10 +81,12 @@ def generate(model: MambaModel, prompt: list[int], n_predict: int, sampler: Samp
              dtype: str, stream: TextStream | None = None) -> tuple[list[int], dict[str, float]]:
     """Run ``prompt`` then generate ``n_predict`` tokens on a fresh one-cell cache.
 
+    Stops early at the vocabulary's end-of-text token (kept as the last token).
     Returns the generated tokens and the figures: seconds of the prompt and of
     the generation, and the cache's state per sequence in bytes.
     """
     cache = model.new_cache(n_seq_max=1, dtype=dtype)
+    eos = model.vocab.eos if model.vocab is not None else None
     start = time.perf_counter()
     st = cache.init_batch(rc.Batch(token=prompt, pos=np.arange(len(prompt)), seq_id=[0] * len(prompt)), n_ubatch)
     logits = model.forward(st)[-1]
@@ -96,7 +98,7 @@ def generate(model: MambaModel, prompt: list[int], n_predict: int, sampler: Samp
         tokens.append(token)
         if stream is not None:
             stream.write(model.vocab.decode([token]))
-        if len(tokens) == n_predict:
+        if len(tokens) == n_predict or token == eos:
             break
         st = cache.init_batch(rc.Batch(token=[token], pos=[len(prompt) + len(tokens) - 1], seq_id=[0]), 1)
         logits = model.forward(st)[-1]

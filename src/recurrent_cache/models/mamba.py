@@ -516,7 +516,9 @@ def _vocabulary(file: GGUFFile) -> Vocabulary | None:
         raise ModelError("GGUF key tokenizer.ggml.tokens is not a list of strings")
     types = file.fields.get("tokenizer.ggml.token_type")
     try:
-        return Vocabulary.from_gguf_tokens(str(file.fields.get("tokenizer.ggml.model", "gpt2")), tokens, types)
+        eos = file.fields.get("tokenizer.ggml.eos_token_id")
+        return Vocabulary.from_gguf_tokens(str(file.fields.get("tokenizer.ggml.model", "gpt2")), tokens, types,
+                                           eos if isinstance(eos, int) else None)
     except ValueError as exc:
         raise ModelError(f"vocabulary: {exc}") from None
 
@@ -543,7 +545,7 @@ def _stays_f32(name: str, array: np.ndarray) -> bool:
 
 def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32",
                name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
-               token_types: Sequence[int] | None = None, tokenizer: str = "gpt2") -> None:
+               token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None) -> None:
     """Write ``model`` as a GGUF file that llama.cpp loads (architecture ``mamba``).
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
@@ -551,8 +553,8 @@ def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32
     does (1-D tensors, ``ssm_conv1d``, ``ssm_a`` and ``ssm_d`` stay f32).  A
     tied model gets no ``output.weight``.  Without ``tokens`` there is no
     tokenizer (``tokenizer.ggml.model = "no_vocab"``): the model takes token
-    ids, or bytes when it has 256 tokens.  ``tokens`` (with ``token_types``)
-    are written as ``tokenizer.ggml.tokens`` of a ``tokenizer`` model, as
+    ids, or bytes when it has 256 tokens.  ``tokens`` (with ``token_types``
+    and the ``eos`` token id) are written as ``tokenizer.ggml.tokens`` of a ``tokenizer`` model, as
     llama.cpp's converter writes them ("gpt2": byte-level BPE pieces).
     """
     if file_type not in ("f32", "f16"):
@@ -581,6 +583,8 @@ def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32
         writer.add_token_list(list(tokens))
         if token_types is not None:
             writer.add_token_types(list(token_types))
+        if eos is not None:
+            writer.add_eos_token_id(eos)
 
     named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
     if not model.tied:

@@ -50,8 +50,11 @@ class Vocabulary:
     ``encodable[i]`` says whether ``encode`` may produce it.
     """
 
-    def __init__(self, kind: str, pieces: Sequence[bytes], encodable: Sequence[bool] | None = None) -> None:
+    def __init__(self, kind: str, pieces: Sequence[bytes], encodable: Sequence[bool] | None = None,
+                 eos: int | None = None) -> None:
         self.kind = kind
+        # the end-of-text token (tokenizer.ggml.eos_token_id): generation stops there; None: never
+        self.eos = eos if eos is not None and 0 <= eos < len(pieces) else None
         self.pieces = list(pieces)
         self.encodable = [True] * len(self.pieces) if encodable is None else list(encodable)
         if len(self.encodable) != len(self.pieces):
@@ -68,8 +71,9 @@ class Vocabulary:
         return cls("bytes", [bytes([b]) for b in range(256)])
 
     @classmethod
-    def from_gguf_tokens(cls, model: str, tokens: Sequence[str], token_types: Sequence[int] | None = None) -> "Vocabulary":
-        """From ``tokenizer.ggml.model``, ``tokenizer.ggml.tokens`` and ``tokenizer.ggml.token_type``."""
+    def from_gguf_tokens(cls, model: str, tokens: Sequence[str], token_types: Sequence[int] | None = None,
+                         eos: int | None = None) -> "Vocabulary":
+        """From ``tokenizer.ggml.model``, ``.tokens``, ``.token_type`` and ``.eos_token_id``."""
         types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
@@ -89,12 +93,12 @@ class Vocabulary:
         else:
             raise ValueError(f"tokenizer model {model!r} is not supported (gpt2 and llama are)")
         pieces = [b"" if kind == TOKEN_CONTROL else piece_of(text, kind) for text, kind in zip(tokens, types)]
-        return cls(model, pieces, [kind not in _NOT_ENCODED for kind in types])
+        return cls(model, pieces, [kind not in _NOT_ENCODED for kind in types], eos)
 
     def padded(self, n_vocab: int) -> "Vocabulary":
         """This vocabulary with ids up to ``n_vocab`` (the extra ones decode to nothing, never encoded)."""
         extra = n_vocab - len(self.pieces)
-        return Vocabulary(self.kind, self.pieces + [b""] * extra, self.encodable + [False] * extra)
+        return Vocabulary(self.kind, self.pieces + [b""] * extra, self.encodable + [False] * extra, self.eos)
 
     def __len__(self) -> int:
         return len(self.pieces)
