@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from recurrent_cache import demo
+from recurrent_cache.models import escape
 
 SMALL = ["--clients", "5", "--parallel", "3", "--n-predict", "5", "--ubatch", "4", "--quiet"]
 
@@ -38,10 +39,11 @@ def test_half_precision_states_pass(capsys, dtype):
 
 
 def test_fork_run_passes(capsys):
-    assert demo.main(SMALL + ["--fork"]) == 0
+    # hot sampling and 16 bytes: an indented block's first bytes are the same for any seed
+    assert demo.main(SMALL + ["--fork", "--n-predict", "16", "--temperature", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "1 prompt forked into 3 sequences" in out and "PASSED: 3 of 3" in out
-    continuations = re.findall(r"-> ([\d ]+?)\s+\[sampled", out)
+    continuations = re.findall(r"-> (\".*\")  \[sampled", out)
     assert len(set(continuations)) == 3, "each fork samples with its own seed"
 
 
@@ -57,7 +59,7 @@ def test_corrupted_state_fails_verification(capsys, mode):
 def test_written_model_runs_from_file(tmp_path, capsys):
     pytest.importorskip("gguf", reason="--write-model / --model need the gguf package")
     path = tmp_path / "demo.gguf"
-    assert demo.main(["--write-model", str(path), "--seed", "3"]) == 0
+    assert demo.main(["--write-model", str(path), "--random-weights", "--seed", "3"]) == 0
     assert path.stat().st_size > 0
     assert demo.main(SMALL + ["--model", str(path)]) == 0
     assert "PASSED" in capsys.readouterr().out
@@ -67,6 +69,33 @@ def test_missing_model_file_is_a_clear_error(tmp_path, capsys):
     pytest.importorskip("gguf")
     assert demo.main(["--model", str(tmp_path / "absent.gguf"), "--quiet"]) == 2
     assert "absent.gguf" in capsys.readouterr().err
+
+
+def test_default_run_serves_the_shipped_model_as_text(capsys):
+    assert demo.main(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "the shipped byte-level model" in out
+    prompts = set(demo.HANDWRITTEN_PROMPTS) | set(demo.held_out_prompts())
+    lines = re.findall(r'^  client \d+ +prompt +(\d+) tokens "(.*)" -> "(.*)"  \[sampled \(temperature 0.7, top-k 40, '
+                       r'seed \(0, \d\)\)\]$', out, re.MULTILINE)
+    assert len(lines) == 5
+    for length, shown_prompt, _ in lines:
+        ends = shown_prompt.removeprefix("...")
+        assert any(len(p.encode()) == int(length) and escape(p.encode()[-28:]).replace('"', '\\"') == ends
+                   for p in prompts)
+
+
+def test_greedy_run_passes(capsys):
+    assert demo.main(SMALL + ["--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[greedy]") == 5 and "PASSED: 5 of 5" in out
+
+
+def test_random_weights_and_sampling_options_pass(capsys):
+    assert demo.main(SMALL + ["--random-weights", "--temperature", "0.7", "--top-k", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "random weights, seed 0" in out and "PASSED: 5 of 5" in out
+    assert out.count("sampled (temperature 0.7, top-k 8") == 5
 
 
 def test_command_line_entry_point():

@@ -1,4 +1,4 @@
-"""Command line: ``python -m recurrent_cache {demo,inspect} ...``."""
+"""Command line: ``python -m recurrent_cache {demo,generate,inspect} ...``."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ import argparse
 import importlib
 import sys
 
+from ._cli import OneLineParser
+
 COMMANDS = {
     "demo": ("recurrent_cache.demo", "run a recurrent model on the cache with continuous batching"),
+    "generate": ("recurrent_cache.generate", "continue one prompt with the model, streaming the text"),
     "inspect": ("recurrent_cache.blob_report", "describe a state blob or a 'ggsq' sequence file"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m recurrent_cache")
+    parser = OneLineParser(prog="python -m recurrent_cache")
     parser.add_argument("command", choices=sorted(COMMANDS),
                         help="; ".join(f"{name}: {text}" for name, (_, text) in sorted(COMMANDS.items())))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's own options (try --help)")

@@ -1,22 +1,23 @@
 """``python -m recurrent_cache demo``: a Mamba model serving many clients from one cache.
 
 In the spirit of llama.cpp's ``llama-parallel -np 5 -ns 8``: ``--clients``
-clients, each with a random prompt, are served by ``--parallel`` sequence
-slots.  Every step is ONE ``init_batch`` that mixes the prompts of newly
-admitted clients with one decode token of every running client, split into
-ubatches of at most ``--ubatch`` tokens.  A client that has generated
-``--n-predict`` tokens is removed (``seq_rm``) and a waiting client takes its
-slot, so freed cells are re-used.  ``--fork`` instead runs one prompt and
-forks it (``seq_cp``) into ``--parallel`` sequences that continue with
-different sampling seeds.
+clients, each with a prompt (the start of a held-out standard-library file, or
+one written by hand), are served by ``--parallel`` sequence slots.  Every step
+is ONE ``init_batch`` that mixes the prompts of newly admitted clients with one
+decode token of every running client, split into ubatches of at most
+``--ubatch`` tokens.  A client that has generated ``--n-predict`` tokens is
+removed (``seq_rm``) and a waiting client takes its slot, so freed cells are
+re-used.  ``--fork`` instead runs one prompt and forks it (``seq_cp``) into
+``--parallel`` sequences that continue with different sampling seeds.
 
 Afterwards every client is run again alone, from a zero state, through the
 plain reference forward (no cache): its tokens must be identical and its last
 logits equal within ``TOLERANCE``.  Any difference is reported loudly and the
 exit status is 1.
 
-Without ``--model`` the model is a small Mamba with seeded random weights
-(numpy only); ``--model`` and ``--write-model`` need the ``gguf`` package.
+The model is the byte-level Mamba shipped with the package (numpy only);
+``--random-weights`` gives the seeded random one, ``--model FILE.gguf`` any
+Mamba-1 GGUF (its own vocabulary encodes the prompts and decodes the text).
 """
 
 from __future__ import annotations
@@ -33,10 +34,25 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from .models import MambaModel, ModelError, ReferenceRun, load_gguf, random_model, write_gguf
+from ._cli import USER_ERROR, OneLineParser, float_in, int_in
+from .models import (MambaModel, ModelError, ReferenceRun, Sampler, held_out_prompts, load_gguf,
+                     random_model, trained_model, write_gguf)
+from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .models._storage import StateStorage
+from .models.vocab import escape
 
-PROMPT_LENGTHS = (4, 48)  # inclusive range of the random prompt lengths
+PROMPT_LENGTHS = (4, 48)  # inclusive range of random prompt lengths (a model without a vocabulary)
+
+# Prompts written by hand, served with the starts of held-out standard-library files.
+HANDWRITTEN_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n',
+    "    for i in range(len(items)):\n",
+    "# Copyright (C) 2001 Python Software Foundation\n",
+    'def read_config(path):\n    """Return the settings in the file at *path*."""\n',
+)
+MAX_SEED = 2**63 - 1
 
 # Largest accepted max|logits - solo logits| / max|solo logits| per state dtype.
 # The batched and the solo run round their states at the same points (every
@@ -51,28 +67,6 @@ CLIENTS_LISTED = 10
 
 
 # -- clients --------------------------------------------------------------------------
-
-
-class Sampler:
-    """Picks the next token: greedy (``seed=None``) or from softmax(logits) with a seeded RNG."""
-
-    def __init__(self, seed: Any = None) -> None:
-        self.seed = seed
-        self._rng = None if seed is None else np.random.default_rng(seed)
-
-    def __call__(self, logits: np.ndarray) -> int:
-        if self._rng is None:
-            return int(np.argmax(logits))
-        weights = np.exp(logits - logits.max())
-        cumulative = np.cumsum(weights)
-        return int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
-
-    def fresh(self) -> "Sampler":
-        """The same sampler from its start: same seed, same draws."""
-        return Sampler(self.seed)
-
-    def __str__(self) -> str:
-        return "greedy" if self.seed is None else f"sampled (seed {self.seed})"
 
 
 @dataclass(eq=False)
@@ -307,12 +301,12 @@ def report(options: argparse.Namespace, model: MambaModel, clients: list[Client]
     shares = {what: 100.0 * spent / seconds for what, spent in stats.seconds.items()}
     mode = f"1 prompt forked into {len(clients)} sequences" if options.fork else \
         f"{len(clients)} ({options.parallel} at a time)"
-    print(f"model            {model.hparams.describe()} ({options.model or f'random weights, seed {options.seed}'})")
+    print(f"model            {model.hparams.describe()} ({model_name(options)})")
     print(f"cache            {cells} cells, {options.dtype} states, n_ubatch {options.ubatch}")
     print(f"clients          {mode}")
     for client in clients[:CLIENTS_LISTED]:
-        shown = " ".join(map(str, client.tokens[:12])) + (" ..." if len(client.tokens) > 12 else "")
-        print(f"  client {client.number:<3} prompt {len(client.prompt):>3} tokens -> {shown}  [{client.sampler}]")
+        print(f"  client {client.number:<3} prompt {len(client.prompt):>3} tokens {shown_prompt(model, client.prompt)}"
+              f" -> {shown_tokens(model, client.tokens)}  [{client.sampler}]")
     if len(clients) > CLIENTS_LISTED:
         print(f"  ... and {len(clients) - CLIENTS_LISTED} more")
     print(f"tokens           {processed} processed ({stats.prompt_tokens} prompt + {stats.decode_tokens} decode), "
@@ -324,23 +318,57 @@ def report(options: argparse.Namespace, model: MambaModel, clients: list[Client]
           f"model {shares['model']:.1f}% · other {100.0 - shares['cache'] - shares['model']:.1f}%")
 
 
+def model_name(options: argparse.Namespace) -> str:
+    if options.model:
+        return options.model
+    if options.random_weights:
+        return f"random weights, seed {options.seed}"
+    return "the shipped byte-level model, trained on the standard library"
+
+
+def shown_tokens(model: MambaModel, tokens: list[int], tail: int | None = None) -> str:
+    """Tokens as quoted, escaped text (or their ids when the model has no vocabulary); with
+    ``tail``, only the last ``tail`` bytes after "..." (cut before escaping, so no escape is cut)."""
+    if model.vocab is None:
+        return " ".join(map(str, tokens[:12])) + (" ..." if len(tokens) > 12 else "")
+    data = model.vocab.decode(tokens)
+    cut = tail is not None and len(data) > tail
+    text = escape(data[-tail:] if cut else data).replace('"', '\\"')
+    return f'"{"..." if cut else ""}{text}"'
+
+
+def shown_prompt(model: MambaModel, prompt: list[int], tail: int = 28) -> str:
+    """The end of a prompt, where the generated text continues it."""
+    return "" if model.vocab is None else shown_tokens(model, prompt, tail)
+
+
 # -- command line -------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m recurrent_cache demo",
         description="Serve clients with a Mamba model from one recurrent cache (continuous batching), "
                     "then check every client against a solo run.")
-    parser.add_argument("--model", metavar="GGUF", help="a Mamba-1 GGUF file (default: random weights)")
-    parser.add_argument("--clients", type=int, default=8, help="clients to serve (default 8)")
-    parser.add_argument("--parallel", type=int, default=5, help="sequence slots / cache cells (default 5)")
-    parser.add_argument("--n-predict", type=int, default=16, help="tokens each client generates (default 16)")
-    parser.add_argument("--ubatch", type=int, default=16, help="n_ubatch: most tokens per ubatch (default 16)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, samplers and random weights")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="GGUF", help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
+    source.add_argument("--random-weights", action="store_true", help="a seeded random model instead")
+    parser.add_argument("--clients", type=int_in(1, 10_000), default=8, help="clients to serve (default 8)")
+    parser.add_argument("--parallel", type=int_in(1, 1024), default=5,
+                        help="sequence slots / cache cells (default 5)")
+    parser.add_argument("--n-predict", type=int_in(1, 100_000), default=32,
+                        help="tokens each client generates (default 32)")
+    parser.add_argument("--ubatch", type=int_in(1, 65536), default=16,
+                        help="n_ubatch: most tokens per ubatch (default 16)")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                        help="seed of the prompt order, the samplers and the random weights")
+    parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
+                        help=f"0 is greedy; above 0 samples softmax(logits / T) (default {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=DEFAULT_TOP_K,
+                        help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="f32", help="state storage type")
-    parser.add_argument("--compute", choices=["f32", "f64"], default="f64",
-                        help="model arithmetic (default f64; f32 halves the memory of a large model)")
+    parser.add_argument("--compute", choices=["f32", "f64"], default="f32",
+                        help="model arithmetic (default f32, as the model was trained)")
     parser.add_argument("--fork", action="store_true",
                         help="one prompt forked with seq_cp into --parallel sampled continuations "
                              "(--clients is ignored)")
@@ -350,30 +378,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--write-model", metavar="GGUF", help="write the model as a GGUF file and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # Testing only: overwrite a live state after this step; the verification must then fail.
-    parser.add_argument("--corrupt-step", type=int, help=argparse.SUPPRESS)
-    options = parser.parse_args(argv)
-    for name in ("clients", "parallel", "n_predict", "ubatch"):
-        if getattr(options, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return options
+    parser.add_argument("--corrupt-step", type=int_in(0, 2**31 - 1), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
 
 
 def build_model(options: argparse.Namespace) -> MambaModel:
     dtype = np.float32 if options.compute == "f32" else np.float64
     if options.model:
         return load_gguf(options.model, dtype=dtype)
-    return random_model(options.seed, dtype=dtype)
+    if options.random_weights:
+        return random_model(options.seed, dtype=dtype)
+    return trained_model(dtype=dtype)
 
 
-def make_clients(options: argparse.Namespace, n_vocab: int, rng: np.random.Generator) -> list[Client]:
-    def prompt() -> list[int]:
+def prompt_pool(model: MambaModel) -> list[list[int]]:
+    """The prompts as token ids: hand-written ones and held-out file starts, encoded by the model's
+    vocabulary; empty when it has none (the clients then get random token ids)."""
+    if model.vocab is None:
+        return []
+    pool = []
+    for text in (*HANDWRITTEN_PROMPTS, *held_out_prompts()):
+        try:
+            pool.append(model.vocab.encode(text))
+        except ValueError:  # a vocabulary without a token for some byte: leave that prompt out
+            continue
+    return pool
+
+
+def make_clients(options: argparse.Namespace, model: MambaModel, rng: np.random.Generator) -> list[Client]:
+    pool = prompt_pool(model)
+    order = rng.permutation(len(pool)).tolist()
+
+    def prompt(k: int) -> list[int]:
+        if pool:
+            return pool[order[k % len(pool)]]
         length = int(rng.integers(PROMPT_LENGTHS[0], PROMPT_LENGTHS[1] + 1))
-        return rng.integers(0, n_vocab, size=length).tolist()
+        return rng.integers(0, model.hparams.n_vocab, size=length).tolist()
+
+    def sampler(k: int) -> Sampler:
+        return Sampler(options.temperature, options.top_k, (options.seed, k))
 
     if options.fork:
-        shared = prompt()
-        return [Client(k, shared, options.n_predict, Sampler((options.seed, k))) for k in range(options.parallel)]
-    return [Client(k, prompt(), options.n_predict, Sampler()) for k in range(options.clients)]
+        shared = prompt(0)
+        return [Client(k, shared, options.n_predict, sampler(k)) for k in range(options.parallel)]
+    return [Client(k, prompt(k), options.n_predict, sampler(k)) for k in range(options.clients)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,19 +429,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = build_model(options)
         if options.write_model:
-            write_gguf(model, options.write_model)
+            write_gguf(model, options.write_model, name="recurrent-cache-random-mamba" if options.random_weights
+                       else "recurrent-cache-byte-mamba")
             print(f"wrote {options.write_model}: {model.hparams.describe()}")
             return 0
     except (ImportError, OSError, ModelError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR
 
     if options.prefix_cache:
         from .demo_prefix import main as prefix_cache_main
         return prefix_cache_main(options, model)
     rng = np.random.default_rng(options.seed)
-    clients = make_clients(options, model.hparams.n_vocab, rng)
-    cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)
+    clients = make_clients(options, model, rng)
+    try:
+        cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)
+    except (MemoryError, rc.RecurrentCacheError) as exc:
+        print(f"demo: cannot allocate {options.parallel} state cells for this model: {exc}", file=sys.stderr)
+        return USER_ERROR
     progress = progress_bar(sum(client.n_predict for client in clients), options.quiet)
     server = Server(model, cache, options.ubatch, progress, options.corrupt_step, options.seed)
     start = time.perf_counter()

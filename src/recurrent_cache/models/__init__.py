@@ -1,13 +1,17 @@
-"""Models that run on the cache (numpy only; GGUF files need the ``gguf`` package).
+"""Models that run on the cache (numpy only; writing GGUF files and quantized tensors need ``gguf``).
 
-    from recurrent_cache.models import random_model
-    model = random_model(seed=0)
+    from recurrent_cache.models import trained_model
+    model = trained_model()                     # the shipped byte-level Mamba
     cache = model.new_cache(n_seq_max=4)
-    logits = model.forward(cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 0, 1], pos=[0, 1, 0])))
+    logits = model.forward(cache.init_batch(rc.Batch(token=model.vocab.encode("def f"), seq_id=[0] * 5)))
 """
 
 from .mamba import (MambaHParams, MambaLayer, MambaModel, ModelError, ReferenceRun, load_gguf,
                     random_model, write_gguf)
+from .sampling import Sampler
+from .trained import TRAINED_GGUF, held_out_prompts, trained_model, training_facts
+from .vocab import Vocabulary, escape
 
-__all__ = ["MambaHParams", "MambaLayer", "MambaModel", "ModelError", "ReferenceRun",
-           "load_gguf", "random_model", "write_gguf"]
+__all__ = ["MambaHParams", "MambaLayer", "MambaModel", "ModelError", "ReferenceRun", "Sampler",
+           "TRAINED_GGUF", "Vocabulary", "escape", "held_out_prompts", "load_gguf", "random_model",
+           "trained_model", "training_facts", "write_gguf"]

@@ -42,6 +42,8 @@ import numpy as np
 from ..errors import RecurrentCacheError
 from ..memory_state import MemoryStatus
 from ._storage import StateStorage
+from .gguf_file import FLOAT_TYPES, GGUFError, GGUFFile
+from .vocab import Vocabulary
 
 __all__ = ["ModelError", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
            "random_model", "load_gguf", "write_gguf"]
@@ -148,7 +150,13 @@ def _checked(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype) -> 
         raise ModelError(f"tensor {name} has shape {array.shape}, expected {shape}")
     if array.dtype.kind not in "fiu":
         raise ModelError(f"tensor {name} holds {array.dtype}, not numbers")
-    return np.ascontiguousarray(array, dtype=dtype)
+    with np.errstate(all="ignore"):  # an overflow to inf is reported just below
+        converted = np.ascontiguousarray(array, dtype=dtype)
+    if not np.isfinite(converted).all():
+        # NaN or inf weights would make every logit NaN: refuse them with the tensor's name
+        raise ModelError(f"tensor {name} holds {np.size(converted) - np.isfinite(converted).sum()} "
+                         f"values that are NaN or infinite (as {np.dtype(dtype).name})")
+    return converted
 
 
 # -- the math shared by the batched and the reference forward -----------------------
@@ -178,8 +186,17 @@ class MambaModel:
     """
 
     def __init__(self, hparams: MambaHParams, token_embd: Any, layers: Sequence[MambaLayer],
-                 output_norm: Any, output: Any = None, dtype: Any = np.float64) -> None:
+                 output_norm: Any, output: Any = None, dtype: Any = np.float64,
+                 vocab: Vocabulary | None = None) -> None:
         p = self.hparams = hparams
+        if vocab is None and p.n_vocab == 256:
+            vocab = Vocabulary.of_bytes()
+        if vocab is not None and len(vocab) > p.n_vocab:
+            raise ModelError(f"a vocabulary of {len(vocab)} tokens for a model of n_vocab = {p.n_vocab}")
+        if vocab is not None and len(vocab) < p.n_vocab:  # the converter pads n_vocab: padding decodes to nothing
+            vocab = vocab.padded(p.n_vocab)
+        # token ids <-> bytes; None when the model has no vocabulary (token ids only)
+        self.vocab = vocab
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ModelError(f"a model computes in float32 or float64, not {self.dtype}")
@@ -401,7 +418,7 @@ def random_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer
 
 # -- GGUF files -------------------------------------------------------------------------
 
-_GGUF_MISSING = ("reading or writing GGUF files needs the gguf package: "
+_GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
                  "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
 
 
@@ -416,60 +433,108 @@ def _import_gguf():
 def load_gguf(path: str | os.PathLike, dtype: Any = np.float64) -> MambaModel:
     """Load a Mamba-1 GGUF file written by llama.cpp's converter (or ``write_gguf``).
 
-    Reads the ``mamba.*`` hyper-parameters and llama.cpp's tensor names;
-    tensors may be f32, f16, bf16 or any type the ``gguf`` package can
-    dequantize.  Without ``output.weight`` the output is tied to
-    ``token_embd``.  The vocabulary size is ``token_embd``'s row count
-    (llama.cpp's converter pads it to a multiple of 8).
+    Reads the ``mamba.*`` hyper-parameters, llama.cpp's tensor names and the
+    vocabulary (``tokenizer.ggml.tokens``; none for a byte-level model).
+    f32, f16, bf16 and f64 tensors need numpy only; quantized tensors are
+    dequantized by the ``gguf`` package.  Without ``output.weight`` the output
+    is tied to ``token_embd``.  The vocabulary size is ``token_embd``'s row
+    count (llama.cpp's converter pads it to a multiple of 8).
+
+    Any problem — a missing, empty, truncated or corrupt file, another
+    architecture, a missing key or tensor, a wrong shape — raises
+    ``ModelError`` naming the file and the problem.
     """
-    gguf = _import_gguf()
-    reader = gguf.GGUFReader(os.fspath(path))
+    name = os.fspath(path)
+    try:
+        return _load_gguf(GGUFFile(name), dtype)
+    except ModelError as exc:
+        raise ModelError(f"{name}: {exc}") from None
+    except GGUFError as exc:
+        raise ModelError(f"{name}: not a valid GGUF file: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a key of the wrong type
+        raise ModelError(f"{name}: not a valid Mamba GGUF file: {exc}") from None
 
-    def key(name: str, default: Any = None) -> Any:
-        field = reader.fields.get(name)
-        if field is None:
-            if default is None:
-                raise ModelError(f"{path}: GGUF key {name} is missing")
-            return default
-        return field.contents()
 
-    arch = key("general.architecture")
+def _load_gguf(file: GGUFFile, dtype: Any) -> MambaModel:
+    def key(name: str, kind: type, default: Any = None) -> Any:
+        value = file.fields.get(name, default)
+        if value is None:
+            raise ModelError(f"GGUF key {name} is missing")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ModelError(f"GGUF key {name} is {value!r}, not an integer")
+        if kind is float and not isinstance(value, (int, float)):
+            raise ModelError(f"GGUF key {name} is {value!r}, not a number")
+        return kind(value)
+
+    arch = file.fields.get("general.architecture")
     if arch != ARCH:
-        raise ModelError(f"{path}: architecture {arch!r}; this loader reads {ARCH!r} (Mamba-1) models")
-    tensors = {t.name: t for t in reader.tensors}
+        raise ModelError(f"architecture {arch!r}; this loader reads {ARCH!r} (Mamba-1) models")
 
     def tensor(name: str, required: bool = True) -> np.ndarray | None:
-        info = tensors.get(name)
+        info = file.tensors.get(name)
         if info is None:
             if required:
-                raise ModelError(f"{path}: tensor {name} is missing")
+                raise ModelError(f"tensor {name} is missing")
             return None
-        try:
-            values = gguf.quants.dequantize(info.data, info.tensor_type)
-        except NotImplementedError as exc:
-            raise ModelError(f"{path}: tensor {name} has type {info.tensor_type.name}: {exc}") from None
-        return values.reshape([int(n) for n in reversed(info.shape)])
+        if info.type_id in FLOAT_TYPES:
+            return file.floats(info)
+        return _dequantized(file, info)
 
     token_embd = tensor("token_embd.weight")
+    if token_embd.ndim != 2:
+        raise ModelError(f"tensor token_embd.weight has shape {token_embd.shape}, not 2-D")
     hparams = MambaHParams(
         n_vocab=int(token_embd.shape[0]),
-        n_embd=int(key("mamba.embedding_length")),
-        n_layer=int(key("mamba.block_count")),
-        d_conv=int(key("mamba.ssm.conv_kernel")),
-        d_inner=int(key("mamba.ssm.inner_size")),
-        d_state=int(key("mamba.ssm.state_size")),
-        dt_rank=int(key("mamba.ssm.time_step_rank")),
-        rms_eps=float(key("mamba.attention.layer_norm_rms_epsilon")),
-        dt_b_c_rms=bool(key("mamba.ssm.dt_b_c_rms", False)),
+        n_embd=key("mamba.embedding_length", int),
+        n_layer=key("mamba.block_count", int),
+        d_conv=key("mamba.ssm.conv_kernel", int),
+        d_inner=key("mamba.ssm.inner_size", int),
+        d_state=key("mamba.ssm.state_size", int),
+        dt_rank=key("mamba.ssm.time_step_rank", int),
+        rms_eps=key("mamba.attention.layer_norm_rms_epsilon", float),
+        dt_b_c_rms=key("mamba.ssm.dt_b_c_rms", bool, False),
     )
     layers = []
     for il in range(hparams.n_layer):
         weights = {name: tensor(f"blk.{il}.{suffix}") for name, suffix in LAYER_TENSORS.items()}
         # Early converters kept the conv weight as {d_conv, 1, d_inner}: drop the unit axis.
-        weights["ssm_conv1d"] = weights["ssm_conv1d"].reshape(hparams.d_inner, -1)
+        if weights["ssm_conv1d"].size == hparams.d_inner * hparams.d_conv:
+            weights["ssm_conv1d"] = weights["ssm_conv1d"].reshape(hparams.d_inner, hparams.d_conv)
         layers.append(MambaLayer(**weights))
     return MambaModel(hparams, token_embd, layers, tensor("output_norm.weight"),
-                      tensor("output.weight", required=False), dtype=dtype)
+                      tensor("output.weight", required=False), dtype=dtype, vocab=_vocabulary(file))
+
+
+def _vocabulary(file: GGUFFile) -> Vocabulary | None:
+    """The file's vocabulary: its tokens, or bytes for a token-free ("no_vocab") model of 256 tokens."""
+    tokens = file.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None  # MambaModel takes a 256-token model as byte-level
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ModelError("GGUF key tokenizer.ggml.tokens is not a list of strings")
+    types = file.fields.get("tokenizer.ggml.token_type")
+    try:
+        eos = file.fields.get("tokenizer.ggml.eos_token_id")
+        return Vocabulary.from_gguf_tokens(str(file.fields.get("tokenizer.ggml.model", "gpt2")), tokens, types,
+                                           eos if isinstance(eos, int) else None)
+    except ValueError as exc:
+        raise ModelError(f"vocabulary: {exc}") from None
+
+
+def _dequantized(file: GGUFFile, info) -> np.ndarray:
+    try:
+        gguf = _import_gguf()
+    except ImportError:
+        raise ModelError(f"tensor {info.name} is {info.type_name} (quantized); {_GGUF_MISSING}") from None
+    try:
+        qtype = gguf.GGMLQuantizationType(info.type_id)
+        raw = file.raw(info).reshape(int(np.prod(info.shape[:-1], dtype=np.int64)), -1)
+        values = gguf.quants.dequantize(raw, qtype)
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelError(f"tensor {info.name} has type {info.type_name}: {exc}") from None
+    return values.reshape(info.shape)
 
 
 # Tensors llama.cpp's converter keeps in f32 in an f16 file: every 1-D tensor,
@@ -479,14 +544,18 @@ def _stays_f32(name: str, array: np.ndarray) -> bool:
 
 
 def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32",
-               name: str = "recurrent-cache-random-mamba") -> None:
+               name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
+               token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None) -> None:
     """Write ``model`` as a GGUF file that llama.cpp loads (architecture ``mamba``).
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
     "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
     does (1-D tensors, ``ssm_conv1d``, ``ssm_a`` and ``ssm_d`` stay f32).  A
-    tied model gets no ``output.weight``.  There is no tokenizer
-    (``tokenizer.ggml.model = "no_vocab"``): the model takes token ids.
+    tied model gets no ``output.weight``.  Without ``tokens`` there is no
+    tokenizer (``tokenizer.ggml.model = "no_vocab"``): the model takes token
+    ids, or bytes when it has 256 tokens.  ``tokens`` (with ``token_types``
+    and the ``eos`` token id) are written as ``tokenizer.ggml.tokens`` of a ``tokenizer`` model, as
+    llama.cpp's converter writes them ("gpt2": byte-level BPE pieces).
     """
     if file_type not in ("f32", "f16"):
         raise ModelError(f"file_type must be 'f32' or 'f16', got {file_type!r}")
@@ -507,7 +576,15 @@ def write_gguf(model: MambaModel, path: str | os.PathLike, file_type: str = "f32
     writer.add_ssm_dt_b_c_rms(p.dt_b_c_rms)
     writer.add_vocab_size(p.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("no_vocab")
+    if tokens is None:
+        writer.add_tokenizer_model("no_vocab")
+    else:
+        writer.add_tokenizer_model(tokenizer)
+        writer.add_token_list(list(tokens))
+        if token_types is not None:
+            writer.add_token_types(list(token_types))
+        if eos is not None:
+            writer.add_eos_token_id(eos)
 
     named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
     if not model.tied:

@@ -1,0 +1,51 @@
+"""Command-line plumbing shared by the ``python -m recurrent_cache`` commands.
+
+A user error must print ONE line on stderr and exit non-zero, never a
+traceback or argparse's usage block; numeric options are range-checked when
+parsed, so no command ever starts with a value it cannot run with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable, NoReturn
+
+__all__ = ["OneLineParser", "int_in", "float_in", "USER_ERROR"]
+
+USER_ERROR = 2  # the exit status of every command-line user error (argparse's)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line: ``prog: error: message``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USER_ERROR, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{low}, {high}]")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in ``[low, high]``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{value:g} is outside [{low:g}, {high:g}]")
+        return value
+    parse.__name__ = "number"
+    return parse

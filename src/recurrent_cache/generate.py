@@ -1,0 +1,159 @@
+"""``python -m recurrent_cache generate "def fibonacci(n):"``: one prompt, streamed token by token.
+
+The cache as a library user drives it: one ``RecurrentCache`` cell, the prompt
+in one ``init_batch`` (split into ubatches of ``--ubatch`` tokens), then one
+``init_batch`` per generated token; the model reads and writes the sequence's
+state through ``st.r(il)`` / ``st.s(il)``.  The text goes to stdout as it is
+generated; the figures (speed, the cache's cells, positions and state size)
+go to stderr at the end, so ``generate ... > out.txt`` keeps only the text.
+
+The model is the shipped byte-level Mamba unless ``--model FILE.gguf`` names
+another (its own vocabulary encodes the prompt and decodes the tokens) or
+``--random-weights`` asks for the seeded random one.
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+from typing import TextIO
+
+import numpy as np
+
+import recurrent_cache as rc
+
+from ._cli import USER_ERROR, OneLineParser, float_in, int_in
+from .models import MambaModel, ModelError, Sampler, load_gguf, random_model, trained_model
+from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+
+STATE_DTYPES = ("f32", "f16", "bf16")
+MAX_SEED = 2**63 - 1
+
+
+def parse_args(argv: list[str]):
+    parser = OneLineParser(
+        prog="python -m recurrent_cache generate",
+        description="Continue one prompt with a Mamba model served from a recurrent cache, streaming the text.")
+    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("-n", "--n-predict", type=int_in(1, 1_000_000), default=200,
+                        help="tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
+                        help=f"0 is greedy; above 0 samples softmax(logits / T) (default {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=DEFAULT_TOP_K,
+                        help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="seed of the sampling")
+    parser.add_argument("--ubatch", type=int_in(1, 65536), default=64,
+                        help="n_ubatch: most prompt tokens per ubatch (default 64)")
+    parser.add_argument("--dtype", choices=STATE_DTYPES, default="f32", help="state storage type")
+    parser.add_argument("--compute", choices=["f32", "f64"], default="f32", help="model arithmetic (default f32)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="GGUF", help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
+    source.add_argument("--random-weights", action="store_true", help="the seeded random model instead")
+    return parser.parse_args(argv)
+
+
+def load_model(options) -> MambaModel:
+    dtype = np.float32 if options.compute == "f32" else np.float64
+    if options.model:
+        return load_gguf(options.model, dtype=dtype)
+    if options.random_weights:
+        return random_model(options.seed, dtype=dtype)
+    return trained_model(dtype=dtype)
+
+
+class TextStream:
+    """Writes token bytes as text as soon as they form whole UTF-8 characters, escaping
+    control characters other than newline and tab (they could drive the terminal)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        text = self.decoder.decode(data, final)
+        self.out.write("".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode()
+                               for c in text))
+        self.out.flush()
+
+
+def generate(model: MambaModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
+             dtype: str, stream: TextStream | None = None) -> tuple[list[int], dict[str, float]]:
+    """Run ``prompt`` then generate ``n_predict`` tokens on a fresh one-cell cache.
+
+    Stops early at the vocabulary's end-of-text token (kept as the last token).
+    Returns the generated tokens and the figures: seconds of the prompt and of
+    the generation, and the cache's state per sequence in bytes.
+    """
+    cache = model.new_cache(n_seq_max=1, dtype=dtype)
+    eos = model.vocab.eos if model.vocab is not None else None
+    start = time.perf_counter()
+    st = cache.init_batch(rc.Batch(token=prompt, pos=np.arange(len(prompt)), seq_id=[0] * len(prompt)), n_ubatch)
+    logits = model.forward(st)[-1]
+    prompt_seconds = time.perf_counter() - start
+    tokens: list[int] = []
+    start = time.perf_counter()
+    while True:
+        token = sampler(logits)
+        tokens.append(token)
+        if stream is not None:
+            stream.write(model.vocab.decode([token]))
+        if len(tokens) == n_predict or token == eos:
+            break
+        st = cache.init_batch(rc.Batch(token=[token], pos=[len(prompt) + len(tokens) - 1], seq_id=[0]), 1)
+        logits = model.forward(st)[-1]
+    figures = {
+        "prompt_seconds": prompt_seconds,
+        "generate_seconds": time.perf_counter() - start,
+        "state_bytes": cache.state_size(0),
+        "cells_used": cache.used,
+        "size": cache.size,
+        "pos_max": cache.seq_pos_max(0),
+    }
+    return tokens, figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        model = load_model(options)
+    except (ModelError, ImportError) as exc:
+        print(f"generate: {exc}", file=sys.stderr)
+        return USER_ERROR
+    if model.vocab is None:
+        print(f"generate: {options.model}: the model has no vocabulary (tokenizer.ggml.tokens) and "
+              f"{model.hparams.n_vocab} tokens, so text cannot be encoded", file=sys.stderr)
+        return USER_ERROR
+    try:
+        prompt = model.vocab.encode(options.prompt)
+    except ValueError as exc:
+        print(f"generate: the prompt cannot be encoded: {exc}", file=sys.stderr)
+        return USER_ERROR
+    if not prompt:
+        print("generate: the prompt is empty", file=sys.stderr)
+        return USER_ERROR
+
+    sampler = Sampler(options.temperature, options.top_k, options.seed)
+    stream = TextStream(sys.stdout)
+    sys.stdout.write(options.prompt)
+    tokens, figures = generate(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream)
+    stream.write(b"", final=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+    name = options.model or ("random weights" if options.random_weights else "shipped byte-level model")
+    p = model.hparams
+    print(f"\n--- {name}: {p.describe()}, {sampler}", file=sys.stderr)
+    print(f"--- prompt {len(prompt)} tokens in {figures['prompt_seconds']:.3f} s "
+          f"({len(prompt) / figures['prompt_seconds']:.0f} tokens/s, ubatches of {options.ubatch}); "
+          f"generated {len(tokens)} tokens in {figures['generate_seconds']:.3f} s "
+          f"({len(tokens) / figures['generate_seconds']:.0f} tokens/s)", file=sys.stderr)
+    print(f"--- cache: {figures['cells_used']} of {figures['size']} cell used, holding sequence 0 up to "
+          f"position {figures['pos_max']}; its state is {figures['state_bytes']:,} bytes "
+          f"({options.dtype}; {p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values) "
+          f"whatever the length", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Choosing the next token from logits: greedy, or sampled at a temperature from the top k, seeded."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Sampler", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_K"]
+
+# The commands sample by default: greedy decoding of a small byte-level model soon repeats
+# itself (runs of spaces); a draw from the 40 most likely bytes at temperature 0.7 reads like Python.
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K = 0.7, 40
+
+
+class Sampler:
+    """Picks the next token: ``temperature`` 0 is greedy (argmax); otherwise a draw from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (0: all),
+    with a ``numpy`` generator seeded by ``seed`` (an int or a tuple of ints).
+
+    Two samplers with the same settings make the same draws: ``fresh()`` gives
+    one from the start, which is how a served client is replayed alone.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, seed: Any = 0) -> None:
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def __call__(self, logits: np.ndarray) -> int:
+        logits = np.asarray(logits, dtype=np.float64)
+        if self.greedy:
+            return int(np.argmax(logits))
+        candidates = np.arange(len(logits))
+        if 0 < self.top_k < len(logits):
+            # sorted ids: the same candidates in the same order whatever argpartition's order
+            candidates = np.sort(np.argpartition(logits, -self.top_k)[-self.top_k:])
+        scaled = logits[candidates] / self.temperature
+        cumulative = np.cumsum(np.exp(scaled - scaled.max()))
+        pick = np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right")
+        return int(candidates[min(pick, len(candidates) - 1)])
+
+    def fresh(self) -> "Sampler":
+        """The same sampler from its start: same settings, same draws."""
+        return Sampler(self.temperature, self.top_k, self.seed)
+
+    def __str__(self) -> str:
+        if self.greedy:
+            return "greedy"
+        top = f", top-k {self.top_k}" if self.top_k else ""
+        return f"sampled (temperature {self.temperature:g}{top}, seed {self.seed})"

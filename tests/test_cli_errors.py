@@ -1,0 +1,218 @@
+"""Hostile command lines and model files: one line on stderr naming the problem, non-zero exit,
+never a traceback (issue 8, the CLI part); and ``load_gguf`` raises only ``ModelError``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from recurrent_cache import __main__ as cli
+from recurrent_cache.models import TRAINED_GGUF, ModelError, load_gguf
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recurrent_cache", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def run_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``python -m recurrent_cache ARGS`` without a new interpreter: same exit status and stderr."""
+    try:
+        status = cli.main(list(args))
+    except SystemExit as exit_:
+        status = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, captured.out, captured.err)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# -- numeric options out of range, malformed values, unknown options -------------------------------
+
+BAD_OPTIONS = [
+    (["--seed", "-1"], "--seed"),
+    (["--seed", "9223372036854775808"], "--seed"),
+    (["--seed", "abc"], "--seed"),
+    (["--parallel", "2147483648"], "--parallel"),
+    (["--parallel", "0"], "--parallel"),
+    (["--clients", "0"], "--clients"),
+    (["--clients", "-3"], "--clients"),
+    (["--n-predict", "0"], "--n-predict"),
+    (["--ubatch", "99999999999"], "--ubatch"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--dtype", "f8"], "--dtype"),
+    (["--no-such-option"], "--no-such-option"),
+]
+
+
+@pytest.mark.parametrize("args, named", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_demo_rejects_bad_option_in_one_line(capsys, args, named):
+    assert_one_line_error(run_in_process(capsys, "demo", "--quiet", *args), named)
+
+
+GENERATE_BAD = [
+    (["x", "--seed", "-1"], "--seed"),
+    (["x", "-n", "0"], "--n-predict"),
+    (["x", "--n-predict", "2147483648000"], "--n-predict"),
+    (["x", "--temperature", "inf"], "--temperature"),
+    (["x", "--top-k", "-2"], "--top-k"),
+    (["x", "--ubatch", "0"], "--ubatch"),
+    ([], "prompt"),
+    (["", "--random-weights"], "prompt is empty"),
+    (["x", "--model", "a.gguf", "--random-weights"], "--random-weights"),
+]
+
+
+@pytest.mark.parametrize("args, named", GENERATE_BAD, ids=[" ".join(a) or "no-prompt" for a, _ in GENERATE_BAD])
+def test_generate_rejects_bad_invocation_in_one_line(capsys, args, named):
+    assert_one_line_error(run_in_process(capsys, "generate", *args), named)
+
+
+def test_unknown_command_is_one_line(capsys):
+    assert_one_line_error(run_in_process(capsys, "frobnicate"), "frobnicate")
+
+
+# One real process per class of bad invocation and command: what a user's shell sees.
+CLASSES = {
+    "out-of-range": (["demo", "--seed", "-1"], ["generate", "x", "--top-k", "-1"]),
+    "huge-number": (["demo", "--parallel", "2147483648"], ["generate", "x", "-n", "2147483648000"]),
+    "not-a-number": (["demo", "--ubatch", "many"], ["generate", "x", "--temperature", "warm"]),
+    "unknown-option": (["demo", "--bogus"], ["generate", "x", "--bogus"]),
+    "empty-prompt": (None, ["generate", "", "--random-weights"]),
+}
+
+
+REAL_PROCESS_CASES = [(kind, args) for kind in sorted(CLASSES) for args in CLASSES[kind] if args is not None]
+
+
+@pytest.mark.parametrize("kind, args", REAL_PROCESS_CASES, ids=[f"{k}-{a[0]}" for k, a in REAL_PROCESS_CASES])
+def test_bad_invocation_in_a_real_process(kind, args):
+    assert_one_line_error(run_cli(*args))
+
+
+# -- bad model files --------------------------------------------------------------------------------
+
+
+def bad_model_files(directory) -> dict[str, tuple[str, str]]:
+    """name -> (path, a word the error must contain)."""
+    good = TRAINED_GGUF.read_bytes()
+    files = {}
+
+    def make(name: str, data: bytes, needle: str) -> None:
+        path = directory / f"{name}.gguf"
+        path.write_bytes(data)
+        files[name] = (str(path), needle)
+
+    make("empty", b"", "empty")
+    make("truncated-header", good[:300], "truncated")
+    make("truncated-data", good[:len(good) // 2], "truncated")
+    make("not-gguf", b"PK\x03\x04 a zip file, not a model" * 10, "not a GGUF file")
+    make("bad-version", good[:4] + (99).to_bytes(4, "little") + good[8:], "version 99")
+    # the same length so the file stays well-formed: only the architecture changes
+    make("foreign-architecture", good.replace(b"mamba", b"llama", 1), "architecture 'llama'")
+    make("huge-counts", good[:8] + (2**62).to_bytes(8, "little") + good[16:], "claims")
+    files["missing"] = (str(directory / "absent.gguf"), "No such file")
+    files["directory"] = (str(directory), "cannot read")
+    return files
+
+
+BAD_FILES = ["empty", "truncated-header", "truncated-data", "not-gguf", "bad-version", "foreign-architecture",
+             "huge-counts", "missing", "directory"]
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_load_gguf_raises_model_error_naming_file_and_problem(tmp_path, name):
+    path, needle = bad_model_files(tmp_path)[name]
+    with pytest.raises(ModelError) as caught:
+        load_gguf(path)
+    assert path in str(caught.value) and needle in str(caught.value)
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_commands_reject_bad_model_file_in_one_line(tmp_path, capsys, command, name):
+    path, needle = bad_model_files(tmp_path)[name]
+    args = ["demo", "--quiet", "--model", path] if command == "demo" else ["generate", "x", "--model", path]
+    assert_one_line_error(run_in_process(capsys, *args), path, needle)
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_bad_model_file_in_a_real_process(tmp_path, command):
+    path, needle = bad_model_files(tmp_path)["truncated-data"]
+    args = ["demo", "--quiet", "--model", path] if command == "demo" else ["generate", "x", "--model", path]
+    assert_one_line_error(run_cli(*args), path, needle)
+
+
+def test_every_truncation_and_random_corruption_gives_model_error_or_a_model(tmp_path):
+    """Cut the shipped file at many lengths and flip random header bytes: load_gguf either loads
+    a model or raises ModelError — never another exception."""
+    good = TRAINED_GGUF.read_bytes()
+    path = tmp_path / "damaged.gguf"
+    rng = np.random.default_rng(13)
+    header_end = 4096
+    cuts = sorted(set(range(0, header_end, 7)) | set(rng.integers(header_end, len(good), 20).tolist()))
+    for cut in cuts:
+        path.write_bytes(good[:cut])
+        with pytest.raises(ModelError):
+            load_gguf(path)
+    loaded = 0
+    for _ in range(300):
+        data = bytearray(good)
+        for at in rng.integers(0, header_end, size=int(rng.integers(1, 4))):
+            data[at] = int(rng.integers(0, 256))
+        path.write_bytes(bytes(data))
+        try:
+            load_gguf(path)
+            loaded += 1
+        except ModelError:
+            pass
+    assert loaded < 300, "no corruption was detected: the header bytes were not where they were expected"
+
+
+def test_a_model_without_vocabulary_cannot_take_text(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from recurrent_cache.models import random_model, write_gguf
+    path = tmp_path / "ids.gguf"
+    write_gguf(random_model(seed=0, n_vocab=100, n_embd=16, n_layer=1, d_state=4), path)
+    assert_one_line_error(run_in_process(capsys, "generate", "x", "--model", str(path)), "no vocabulary")
+    result = run_in_process(capsys, "demo", "--quiet", "--model", str(path), "--clients", "2", "--n-predict", "3")
+    assert result.returncode == 0 and "PASSED" in result.stdout, result.stderr  # random token-id prompts
+
+
+def test_no_hang_and_no_traceback_when_the_model_file_is_a_fifo(tmp_path, capsys):
+    if not hasattr(__import__("os"), "mkfifo"):
+        pytest.skip("no FIFOs here")
+    import os
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    assert_one_line_error(run_in_process(capsys, "generate", "x", "--model", str(fifo)), str(fifo))
+
+
+def test_shutil_copy_of_the_shipped_model_loads(tmp_path):
+    """The control case for the damaged files: an intact copy loads."""
+    shutil.copy(TRAINED_GGUF, tmp_path / "copy.gguf")
+    assert load_gguf(tmp_path / "copy.gguf").hparams.n_vocab == 256
+
+
+def test_nan_weights_are_refused_with_the_tensor_name(tmp_path):
+    from recurrent_cache.models.gguf_file import GGUFFile
+    good = TRAINED_GGUF.read_bytes()
+    info = GGUFFile(TRAINED_GGUF).tensors["blk.1.ssm_d"]  # f32
+    data = bytearray(good)
+    data[info.offset:info.offset + 4] = np.float32("nan").tobytes()
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="tensor blk.1.ssm_d holds 1 values that are NaN or infinite"):
+        load_gguf(tmp_path / "nan.gguf")
