@@ -110,6 +110,35 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
                          int32_t n, const int32_t* copy_src, const uint8_t* zero) noexcept nogil
 
 
+# Rollback history (SPEC §7): n_rollback slots per cell; the state after position q of a
+# cell lives in slot q % n_rollback of its history row, tagged q + 1 (0 = empty).  The
+# history row travels with the state through every copy plan.
+cdef struct History:
+    int32_t n_rollback          # 0: no history (every function below does nothing)
+    Py_ssize_t n_tensors
+    char** tensor_data          # [n_tensors] the state tensors (shared with the cell table's handle)
+    Py_ssize_t* row_bytes       # [n_tensors]
+    char** hist_data            # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
+    int32_t* tags               # [size * n_rollback]
+
+# the history rows follow a copy plan (a zeroed row has none)
+cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int32_t* copy_src,
+                            const uint8_t* zero) noexcept nogil
+# before the model overwrites them, the states groups start from join their cells' histories
+cdef void history_keep_start_states(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
+                                    const int32_t* last_pos, const uint8_t* zero) noexcept nogil
+# the model's promise for one applied ubatch: m states per group are written into these slots
+cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogil
+cdef char* history_step_row(const History* h, int32_t k, int32_t cell, int32_t last_pos, int32_t m,
+                            int32_t j) noexcept nogil
+cdef void history_expect_steps(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
+                               const int32_t* last_pos) noexcept nogil
+cdef void history_forget(const History* h, int32_t cell) noexcept nogil       # one cell's
+cdef void history_forget_all(const History* h, int32_t size) noexcept nogil
+cdef int32_t history_rollback_min(const History* h, const Cells* c, int32_t seq) noexcept nogil
+cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) noexcept nogil
+
+
 cdef class CellTable:
     cdef Cells cells
     cdef Py_ssize_t n_tensors
@@ -119,14 +148,7 @@ cdef class CellTable:
     cdef int32_t* plan_copy_src  # [size] scratch for the copy plan of the ubatch being applied
     cdef uint8_t* plan_zero      # [size]
     cdef readonly bint self_check  # check every invariant after each placement (debug builds)
-    # rollback history (SPEC §7): n_rollback slots per cell; the state after position q lives in
-    # slot q % n_rollback of its cell's history row, tagged q + 1 (0 = empty)
-    cdef readonly int32_t n_rollback
-    cdef char** hist_data      # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
-    cdef int32_t* hist_tag     # [size * n_rollback]
-    cdef object history        # keeps the history arrays alive
-    cdef void keep_start_states(self, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
-                                const int32_t* last_pos, const uint8_t* zero) noexcept nogil
-    cdef void forget_cell(self, int32_t cell) noexcept nogil
+    cdef History history
+    cdef object history_arrays   # keeps the history arrays alive
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil

@@ -510,6 +510,120 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
     return RC_OK
 
 
+# -- rollback history (SPEC §7) -----------------------------------------------------
+
+cdef inline Py_ssize_t slot_of(const History* h, int32_t cell, int32_t q) noexcept nogil:
+    return <Py_ssize_t>cell * h.n_rollback + q % h.n_rollback
+
+
+cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int32_t* copy_src,
+                            const uint8_t* zero) noexcept nogil:
+    cdef Py_ssize_t k, row
+    cdef int code
+    if not h.n_rollback:
+        return RC_OK
+    for k in range(h.n_tensors):
+        row = h.n_rollback * h.row_bytes[k]
+        code = rows_apply_plan(h.hist_data[k], row, row, head, n, copy_src, zero)
+        if code != RC_OK:
+            return code
+    row = h.n_rollback * sizeof(int32_t)
+    return rows_apply_plan(<char*>h.tags, row, row, head, n, copy_src, zero)
+
+
+cdef void history_keep_start_states(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
+                                    const int32_t* last_pos, const uint8_t* zero) noexcept nogil:
+    cdef int32_t g, cell, q
+    cdef Py_ssize_t k, slot
+    if not h.n_rollback:
+        return
+    for g in range(n_seqs):
+        cell = head + g
+        q = last_pos[g] - n_seq_tokens            # the group continues the state after q
+        if zero[g] or q < 0 or q < last_pos[g] - h.n_rollback:
+            continue                              # no state yet, or outside the window
+        slot = slot_of(h, cell, q)
+        for k in range(h.n_tensors):
+            memcpy(h.hist_data[k] + slot * h.row_bytes[k],
+                   h.tensor_data[k] + <Py_ssize_t>cell * h.row_bytes[k], h.row_bytes[k])
+        h.tags[slot] = q + 1
+
+
+cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogil:
+    """m: the states the model writes per group, after tokens n_seq_tokens - 1 - m .. n_seq_tokens - 2."""
+    return min(h.n_rollback, n_seq_tokens - 1) if h.n_rollback else 0
+
+
+cdef char* history_step_row(const History* h, int32_t k, int32_t cell, int32_t last_pos, int32_t m,
+                            int32_t j) noexcept nogil:
+    """Where the state of tensor k after position last_pos - m + j of cell's group is kept."""
+    return h.hist_data[k] + slot_of(h, cell, last_pos - m + j) * h.row_bytes[k]
+
+
+cdef void history_expect_steps(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
+                               const int32_t* last_pos) noexcept nogil:
+    """Tag the slots the model writes its step states into (n_rollback > 0 is its promise)."""
+    cdef int32_t g, j, m = history_steps(h, n_seq_tokens)
+    for g in range(n_seqs):
+        for j in range(m):
+            h.tags[slot_of(h, head + g, last_pos[g] - m + j)] = last_pos[g] - m + j + 1
+
+
+cdef void history_forget(const History* h, int32_t cell) noexcept nogil:
+    if h.n_rollback and cell >= 0:
+        memset(h.tags + <Py_ssize_t>cell * h.n_rollback, 0, h.n_rollback * sizeof(int32_t))
+
+
+cdef void history_forget_all(const History* h, int32_t size) noexcept nogil:
+    if h.n_rollback:
+        memset(h.tags, 0, <size_t>size * h.n_rollback * sizeof(int32_t))
+
+
+cdef int32_t history_rollback_min(const History* h, const Cells* c, int32_t seq) noexcept nogil:
+    cdef int32_t cell, pos, j, q, best = -1
+    if not h.n_rollback or not 0 <= seq < c.size or c.tail[seq] < 0:
+        return -1
+    cell = c.tail[seq]
+    pos = c.pos[cell]
+    for j in range(h.n_rollback):
+        q = h.tags[<Py_ssize_t>cell * h.n_rollback + j] - 1
+        if q >= 0 and pos - h.n_rollback <= q < pos and (best < 0 or q < best):
+            best = q
+    return best
+
+
+cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) noexcept nogil:
+    cdef int32_t cell, target, j
+    cdef Py_ssize_t k, n = h.n_rollback, slot
+    if not n or not 0 <= seq < c.size or c.tail[seq] < 0:
+        return False
+    cell = c.tail[seq]
+    if not (c.pos[cell] - n <= q < c.pos[cell]) or q < 0:
+        return False
+    slot = slot_of(h, cell, q)
+    if h.tags[slot] != q + 1:
+        return False
+    target = cell
+    if c.n_seq[cell] > 1:   # copy on write: the others keep the shared cell
+        target = cells_next_free(c, c.head)
+        if target < 0:
+            return False
+        leave(c, seq)
+        join(c, target, seq)
+        c.src[target] = target
+        for k in range(h.n_tensors):   # the branch keeps the history it had
+            memcpy(h.hist_data[k] + target * n * h.row_bytes[k], h.hist_data[k] + cell * n * h.row_bytes[k],
+                   n * h.row_bytes[k])
+        memcpy(h.tags + target * n, h.tags + cell * n, n * sizeof(int32_t))
+    for k in range(h.n_tensors):
+        memcpy(h.tensor_data[k] + target * h.row_bytes[k], h.hist_data[k] + slot * h.row_bytes[k], h.row_bytes[k])
+    c.pos[target] = q
+    for j in range(n):   # states after q and later are gone
+        if h.tags[target * n + j] > q:
+            h.tags[target * n + j] = 0
+    return True
+
+
 # -- invariants ----------------------------------------------------------------
 
 cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
@@ -589,27 +703,30 @@ cdef class CellTable:
             self.row_bytes[k] = view.shape[1]
         self.tensors = tensors
         self.self_check = RC_SELF_CHECK
+        self.history.n_tensors = self.n_tensors
+        self.history.tensor_data = self.tensor_data
+        self.history.row_bytes = self.row_bytes
         if history is not None:
             tag_view = tags
             if tag_view.shape[0] != size or tag_view.shape[1] < 1 or len(history) != self.n_tensors:
                 raise ValueError("history: one (size, n_rollback, n_embd) array per tensor and (size, n_rollback) tags")
-            self.n_rollback = <int32_t>tag_view.shape[1]
-            self.hist_tag = &tag_view[0, 0]
-            self.hist_data = <char**>malloc(max(1, self.n_tensors) * sizeof(char*))
-            if self.hist_data == NULL:
+            self.history.hist_data = <char**>malloc(max(1, self.n_tensors) * sizeof(char*))
+            if self.history.hist_data == NULL:
                 raise MemoryError("cannot allocate the history table")
             for k in range(self.n_tensors):
                 array = history[k]
                 if (not array.flags.c_contiguous or array.shape[0] != size
-                        or array.nbytes != size * self.n_rollback * self.row_bytes[k]):
+                        or array.nbytes != size * tag_view.shape[1] * self.row_bytes[k]):
                     raise ValueError("history arrays must be C-contiguous (size, n_rollback, n_embd)")
                 view = array.view("u1").reshape(size, -1)
-                self.hist_data[k] = &view[0, 0]
-            self.history = (history, tags)
+                self.history.hist_data[k] = &view[0, 0]
+            self.history.tags = &tag_view[0, 0]
+            self.history.n_rollback = <int32_t>tag_view.shape[1]
+            self.history_arrays = (history, tags)
 
     def __dealloc__(self):
         cells_release(&self.cells)
-        free(self.hist_data)
+        free(self.history.hist_data)
         free(self.tensor_data)
         free(self.row_bytes)
         free(self.plan_copy_src)
@@ -617,66 +734,29 @@ cdef class CellTable:
 
     cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
                              const uint8_t* zero) noexcept nogil:
-        cdef Py_ssize_t k, hist_bytes
+        cdef Py_ssize_t k
         cdef int code
         for k in range(self.n_tensors):
             code = rows_apply_plan(self.tensor_data[k], self.row_bytes[k], self.row_bytes[k],
                                    head, n, copy_src, zero)
             if code != RC_OK:
                 return code
-        if self.n_rollback:
-            # a state's history travels with it; a zeroed row has none
-            for k in range(self.n_tensors):
-                hist_bytes = self.n_rollback * self.row_bytes[k]
-                code = rows_apply_plan(self.hist_data[k], hist_bytes, hist_bytes, head, n, copy_src, zero)
-                if code != RC_OK:
-                    return code
-            hist_bytes = self.n_rollback * sizeof(int32_t)
-            return rows_apply_plan(<char*>self.hist_tag, hist_bytes, hist_bytes, head, n, copy_src, zero)
-        return RC_OK
+        return history_apply_plan(&self.history, head, n, copy_src, zero)
 
-    cdef void keep_start_states(self, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
-                                const int32_t* last_pos, const uint8_t* zero) noexcept nogil:
-        """Before the model overwrites them, the state each group starts from joins its history."""
-        cdef int32_t g, cell, q, slot
-        cdef Py_ssize_t k
-        for g in range(n_seqs):
-            cell = head + g
-            q = last_pos[g] - n_seq_tokens            # the group continues the state after q
-            if zero[g] or q < 0 or q < last_pos[g] - self.n_rollback:
-                continue                              # no state yet, or outside the window
-            slot = q % self.n_rollback
-            for k in range(self.n_tensors):
-                memcpy(self.hist_data[k] + (<Py_ssize_t>cell * self.n_rollback + slot) * self.row_bytes[k],
-                       self.tensor_data[k] + <Py_ssize_t>cell * self.row_bytes[k], self.row_bytes[k])
-            self.hist_tag[<Py_ssize_t>cell * self.n_rollback + slot] = q + 1
-
-    cdef void forget_cell(self, int32_t cell) noexcept nogil:
-        if self.n_rollback and cell >= 0:
-            memset(self.hist_tag + <Py_ssize_t>cell * self.n_rollback, 0, self.n_rollback * sizeof(int32_t))
+    @property
+    def n_rollback(self):
+        return self.history.n_rollback
 
     def forget_history(self, int32_t seq):
         """Forget the history of ``seq``'s cell (``-1``: of every cell): its state was replaced."""
-        cdef int32_t cell
-        if not self.n_rollback:
-            return
         if seq < 0:
-            memset(self.hist_tag, 0, <size_t>self.cells.size * self.n_rollback * sizeof(int32_t))
+            history_forget_all(&self.history, self.cells.size)
         elif seq < self.cells.size:
-            self.forget_cell(self.cells.tail[seq])
+            history_forget(&self.history, self.cells.tail[seq])
 
     def rollback_min(self, int32_t seq):
         """The smallest position q whose state a rollback of ``seq`` can reach, or -1."""
-        cdef int32_t cell, pos, slot, q, best = -1
-        if not self.n_rollback or not 0 <= seq < self.cells.size or self.cells.tail[seq] < 0:
-            return -1
-        cell = self.cells.tail[seq]
-        pos = self.cells.pos[cell]
-        for slot in range(self.n_rollback):
-            q = self.hist_tag[<Py_ssize_t>cell * self.n_rollback + slot] - 1
-            if pos - self.n_rollback <= q < pos and q >= 0 and (best < 0 or q < best):
-                best = q
-        return best
+        return history_rollback_min(&self.history, &self.cells, seq)
 
     def rollback(self, int32_t seq, int32_t q):
         """Make ``seq``'s state the state after ``q`` (held in its cell's history); True if done.
@@ -684,37 +764,7 @@ cdef class CellTable:
         A sequence sharing its cell first gets a free cell of its own (copy on write), so the
         others keep theirs; no free cell, or no state after ``q`` held: False, nothing changed.
         """
-        cdef Cells* c = &self.cells
-        cdef int32_t cell, target, slot, j
-        cdef Py_ssize_t k, n = self.n_rollback
-        if not n or not 0 <= seq < c.size or c.tail[seq] < 0:
-            return False
-        cell = c.tail[seq]
-        if not (c.pos[cell] - n <= q < c.pos[cell]) or q < 0:
-            return False
-        slot = q % n
-        if self.hist_tag[cell * n + slot] != q + 1:
-            return False
-        target = cell
-        if c.n_seq[cell] > 1:
-            target = cells_next_free(c, c.head)
-            if target < 0:
-                return False
-            leave(c, seq)
-            join(c, target, seq)
-            c.src[target] = target
-            for k in range(self.n_tensors):   # the branch keeps the history it had
-                memcpy(self.hist_data[k] + target * n * self.row_bytes[k],
-                       self.hist_data[k] + cell * n * self.row_bytes[k], n * self.row_bytes[k])
-            memcpy(self.hist_tag + target * n, self.hist_tag + cell * n, n * sizeof(int32_t))
-        for k in range(self.n_tensors):
-            memcpy(self.tensor_data[k] + target * self.row_bytes[k],
-                   self.hist_data[k] + (cell * n + slot) * self.row_bytes[k], self.row_bytes[k])
-        c.pos[target] = q
-        for j in range(n):   # states after q and later are gone
-            if self.hist_tag[target * n + j] > q:
-                self.hist_tag[target * n + j] = 0
-        return True
+        return history_rollback(&self.history, &self.cells, seq, q)
 
     @property
     def size(self):
@@ -750,7 +800,7 @@ cdef class CellTable:
         cells_clear(&self.cells)
         for k in range(self.n_tensors):
             memset(self.tensor_data[k], 0, self.cells.size * self.row_bytes[k])
-        self.forget_history(-1)
+        history_forget_all(&self.history, self.cells.size)
 
     def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
         return cells_seq_rm(&self.cells, seq, p0, p1)
@@ -766,7 +816,7 @@ cdef class CellTable:
         cdef int32_t cell = cells_tail_in_range(&self.cells, seq, p0, p1)
         cdef int code = cells_seq_add(&self.cells, seq, p0, p1, shift)
         if code == RC_OK and shift != 0:
-            self.forget_cell(cell)
+            history_forget(&self.history, cell)
         return code
 
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
@@ -774,7 +824,7 @@ cdef class CellTable:
         cdef int32_t cell = cells_tail_in_range(&self.cells, seq, p0, p1)
         cdef int code = cells_seq_div(&self.cells, seq, p0, p1, d)
         if code == RC_OK and d != 1:
-            self.forget_cell(cell)
+            history_forget(&self.history, cell)
         return code
 
     def place(self, int32_t seq, int32_t pos):

@@ -18,7 +18,8 @@ import numpy as np
 
 from ._cells cimport (RC_ERR_ARGUMENT, RC_ERR_BROKEN, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL,
                       RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
-                      RC_ERR_SEQ_RANGE, RC_OK, CellTable, cells_check, cells_copy_plan, cells_find_slot)
+                      RC_ERR_SEQ_RANGE, RC_OK, CellTable, cells_check, cells_copy_plan, cells_find_slot,
+                      history_keep_start_states)
 from ._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP, SPLIT_ERR_NEGATIVE_POS,
                       SPLIT_ERR_NO_MEMORY, SPLIT_ERR_POS_MAX, SPLIT_ERR_SEQ_RANGE, SPLIT_OK, Split,
                       SplitDetail, split_batch as split_cells, split_prepare, split_release)
@@ -86,9 +87,10 @@ cdef class Placement:
                 n = t.cells.n
                 cells_copy_plan(&t.cells, t.plan_copy_src, t.plan_zero)
                 code = t.apply_plan_rows(t.cells.head, n, t.plan_copy_src, t.plan_zero)
-            if code == RC_OK and t.n_rollback:
-                t.keep_start_states(t.cells.head, self.split.ub_group_start[u + 1] - g0,
-                                    self.split.ub_n_seq_tokens[u], self.split.group_last_pos + g0, t.plan_zero)
+            if code == RC_OK:
+                history_keep_start_states(&t.history, t.cells.head, self.split.ub_group_start[u + 1] - g0,
+                                          self.split.ub_n_seq_tokens[u], self.split.group_last_pos + g0,
+                                          t.plan_zero)
             if code == RC_OK and t.self_check and cells_check(&t.cells) != 0:
                 code = RC_ERR_BROKEN
             if code == RC_OK:
