@@ -372,6 +372,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fork", action="store_true",
                         help="one prompt forked with seq_cp into --parallel sampled continuations "
                              "(--clients is ignored)")
+    parser.add_argument("--speculative", type=int_in(1, 64), metavar="K",
+                        help="speculative decoding: draft K tokens by prompt lookup, verify them in one "
+                             "batch, roll the rejected ones back (greedy; compared with plain decoding)")
     parser.add_argument("--prefix-cache", action="store_true",
                         help="conversations sharing system prompts, served with and without rc.PrefixCache "
                              "(see recurrent_cache.demo_prefix; --fork is ignored)")
@@ -440,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     if options.prefix_cache:
         from .demo_prefix import main as prefix_cache_main
         return prefix_cache_main(options, model)
+    if options.speculative:
+        from .demo_speculative import main as speculative_main
+        return speculative_main(options, model)
     rng = np.random.default_rng(options.seed)
     clients = make_clients(options, model, rng)
     try:

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -217,13 +218,15 @@ class MambaModel:
         """True when the output projection is ``token_embd`` (no ``output.weight``)."""
         return self.output is self.token_embd
 
-    def new_cache(self, n_seq_max: int = 1, size: int | None = None, dtype: str = "f32"):
-        """A ``RecurrentCache`` shaped for this model, with ``dtype`` states ("f32", "f16", "bf16")."""
-        from .. import RecurrentCache  # the implementation the package exports (core or reference)
+    def new_cache(self, n_seq_max: int = 1, size: int | None = None, dtype: str = "f32", n_rollback: int = 0,
+                  engine: str | None = None):
+        """A ``RecurrentCache`` shaped for this model, with ``dtype`` states ("f32", "f16", "bf16");
+        ``n_rollback`` past states per cell for speculative decoding (the model writes them)."""
+        from .. import RecurrentCache
 
         p = self.hparams
         return RecurrentCache(p.n_layer, p.n_embd_r, p.n_embd_s, n_seq_max=n_seq_max, size=size,
-                              dtype_r=dtype, dtype_s=dtype)
+                              dtype_r=dtype, dtype_s=dtype, n_rollback=n_rollback, engine=engine)
 
     # -- running on the cache ---------------------------------------------------
 
@@ -242,8 +245,10 @@ class MambaModel:
         """Run the ubatch that ``st`` has just applied, updating its state rows in place.
 
         Group ``s`` starts from rows ``st.r(il)[s]`` / ``st.s(il)[s]`` and its
-        final states are written back there.  Returns the logits of the
-        ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``.
+        final states are written back there; with a cache that keeps a rollback
+        history (``n_rollback > 0``) the states after the group's earlier tokens
+        go into ``st.r_steps(il)`` / ``st.s_steps(il)`` (SPEC §7).  Returns the
+        logits of the ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``.
         """
         p = self.hparams
         ub = st.ubatch
@@ -261,12 +266,17 @@ class MambaModel:
         conv = [storage_r.decode(rows, self.dtype).reshape(n_seqs, p.d_inner, p.d_conv - 1) for rows in r_rows]
         ssm = [storage_s.decode(rows, self.dtype).reshape(n_seqs, p.d_inner, p.d_state) for rows in s_rows]
 
+        m = st.r_steps(0).shape[1] if p.n_layer else 0   # step states the cache keeps per group
+        steps: list[tuple[np.ndarray, np.ndarray]] = []
         x = self._embed(ub.token, ub.embd).reshape(n_seqs, n_seq_tokens, p.n_embd)
-        x = self._blocks(x, conv, ssm, storage_r, storage_s)
+        x = self._blocks(x, conv, ssm, storage_r, storage_s, m, steps)
 
         for il in range(p.n_layer):
             r_rows[il][...] = storage_r.encode(conv[il].reshape(n_seqs, p.n_embd_r))
             s_rows[il][...] = storage_s.encode(ssm[il].reshape(n_seqs, p.n_embd_s))
+            if m:
+                st.r_steps(il)[...] = storage_r.encode(steps[il][0].reshape(n_seqs, m, p.n_embd_r))
+                st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape(n_seqs, m, p.n_embd_s))
         return self._logits(x.reshape(ub.n_tokens, p.n_embd)[ub.output])
 
     # -- the layers ---------------------------------------------------------------
@@ -284,15 +294,22 @@ class MambaModel:
         return self.token_embd[tokens]
 
     def _blocks(self, x: np.ndarray, conv: list[np.ndarray], ssm: list[np.ndarray],
-                storage_r: StateStorage, storage_s: StateStorage) -> np.ndarray:
-        """All layers on ``x`` [n_seqs, n_tokens, n_embd]; ``conv`` / ``ssm`` are updated in place."""
+                storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
+                steps: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
+        """All layers on ``x`` [n_seqs, n_tokens, n_embd]; ``conv`` / ``ssm`` are updated in place.
+
+        With ``m > 0`` each layer's states after tokens n_tokens-1-m .. n_tokens-2 are appended
+        to ``steps`` as (conv [n_seqs, m, d_inner, d_conv-1], ssm [n_seqs, m, d_inner, d_state]).
+        """
         eps = self.hparams.rms_eps
         for layer, conv_l, ssm_l in zip(self.layers, conv, ssm):
-            x = x + self._mixer(layer, rms_norm(x, eps) * layer.attn_norm, conv_l, ssm_l, storage_r, storage_s)
+            x = x + self._mixer(layer, rms_norm(x, eps) * layer.attn_norm, conv_l, ssm_l, storage_r, storage_s,
+                                m, steps)
         return x
 
     def _mixer(self, layer: MambaLayer, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
-               storage_r: StateStorage, storage_s: StateStorage) -> np.ndarray:
+               storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
+               steps: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
         """One Mamba block on ``u`` [n_seqs, n_tokens, n_embd].
 
         conv: [n_seqs, d_inner, d_conv-1] and ssm: [n_seqs, d_inner, d_state],
@@ -323,11 +340,19 @@ class MambaModel:
         dt_x = dt * xc
 
         # The selective scan: the only loop over tokens, vectorised over sequences.
+        first_step = n_tokens - 1 - m
+        if m:
+            conv_steps = np.stack([window[:, :, t + 1:t + p.d_conv] for t in range(first_step, n_tokens - 1)], axis=1)
+            ssm_steps = np.empty((ssm.shape[0], m) + ssm.shape[1:], dtype=ssm.dtype)
         y = np.empty_like(xc)
         for t in range(n_tokens):
             h = ssm * np.exp(dt[:, t, :, None] * layer.ssm_a) + dt_x[:, t, :, None] * b[:, t, None, :]
             y[:, t] = (h @ c[:, t, :, None])[..., 0]
             ssm[...] = storage_s.round(h)
+            if first_step <= t < n_tokens - 1:
+                ssm_steps[:, t - first_step] = ssm
+        if m and steps is not None:
+            steps.append((conv_steps, ssm_steps))
         return ((y + xc * layer.ssm_d) * silu(z)) @ layer.ssm_out.T
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
