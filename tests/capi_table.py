@@ -52,6 +52,11 @@ class Table(ctypes.Structure):
         ("state_size", C(ctypes.c_int, P, i32, ctypes.POINTER(size_t))),
         ("state_write", C(ctypes.c_int, P, i32, P, size_t, ctypes.POINTER(size_t))),
         ("state_read", C(ctypes.c_int, P, i32, P, size_t)),
+        # API version 2: rollback
+        ("n_rollback", C(i32, P)),
+        ("seq_rollback_min", C(i32, P, i32)),
+        ("batch_n_steps", C(i32, P)),
+        ("batch_step_row", C(ctypes.c_int, P, i32, i32, i32, ctypes.POINTER(P))),
     ]
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import recurrent_cache as rc
+from recurrent_cache import _capi as capi_versions
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "capi"
 N_SEQS, N_STEPS, N_UBATCH, MAX_PROMPT = 32, 1000, 16, 8
@@ -188,10 +189,14 @@ print("imported")
 """
 
 
+API = capi_versions.API_VERSION
+
+
 @pytest.mark.parametrize("kind", ["c", "cpp"])
 @pytest.mark.parametrize("abi, api, expected", [
-    (2, 1, "built against ABI version 1, the installed recurrent_cache has ABI version 2"),
-    (1, 0, "needs API version 1, the installed recurrent_cache has API version 0; upgrade recurrent_cache"),
+    (2, API, "built against ABI version 1, the installed recurrent_cache has ABI version 2"),
+    (1, API - 1, f"needs API version {API}, the installed recurrent_cache has API version {API - 1}; "
+                 "upgrade recurrent_cache"),
 ])
 def test_a_version_mismatch_fails_the_import_with_a_message(built, kind, abi, api, expected):
     path = built(kind)
@@ -205,7 +210,7 @@ def test_a_version_mismatch_fails_the_import_with_a_message(built, kind, abi, ap
 def test_a_newer_library_than_the_header_imports(built):
     """Entries are only appended: a table with a higher api_version serves an older header."""
     path = built("c")
-    script = FAKE_TABLE.format(tests=str(Path(__file__).parent), abi=1, api=7, path=str(path),
+    script = FAKE_TABLE.format(tests=str(Path(__file__).parent), abi=1, api=API + 5, path=str(path),
                                module=path.name.split(".")[0])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "imported" in result.stdout, result.stdout + result.stderr

@@ -392,3 +392,64 @@ def test_random_operations_match_the_reference_engine(seed):
     finally:
         assert T.ctx_free(ctx) == 0
     compiled.check()
+
+
+# -- rollback (API version 2) -------------------------------------------------------------------
+
+def fill_steps_python(st, step):
+    """The Python API's model writing its step states: deterministic values per (tensor, g, j)."""
+    cache = st._cache
+    for il in range(cache.n_layer):
+        for k, steps in ((il, st.r_steps(il)), (cache.n_layer + il, st.s_steps(il))):
+            for g in range(steps.shape[0]):
+                for j in range(steps.shape[1]):
+                    steps[g, j] = 1000 * step + 100 * k + 10 * g + j
+
+
+def fill_steps_c(batch, n_tensors, n_seqs, step, row_bytes):
+    m = T.batch_n_steps(batch)
+    for k in range(n_tensors):
+        for g in range(n_seqs):
+            for j in range(m):
+                row = P()
+                assert T.batch_step_row(batch, k, g, j, ctypes.byref(row)) == 0
+                values = np.full(row_bytes[k] // 4, 1000 * step + 100 * k + 10 * g + j, dtype=np.float32)
+                ctypes.memmove(row, values.ctypes.data, row_bytes[k])
+    return m
+
+
+def test_rollback_through_the_c_api_equals_the_python_api():
+    """The same prompts, step states and rollbacks through the C API and the Python API."""
+    make = lambda: rc.RecurrentCache(2, 3, 4, n_seq_max=4, n_rollback=3)   # noqa: E731
+    by_c, by_python = make(), make()
+    handle = T.ctx_new(by_c)
+    try:
+        assert T.n_rollback(handle) == 3
+        row_bytes = [t.shape[1] * 4 for t in by_c.r + by_c.s]
+        schedule = [([0] * 6 + [1] * 6, list(range(6)) * 2), ([0, 1], [6, 6]), ([0, 1], [7, 7])]
+        for step, (seq_ids, pos) in enumerate(schedule):
+            code, batch = batch_init(handle, seq_ids, pos)
+            assert code == 0
+            ub = Ubatch()
+            while T.batch_apply(batch, ctypes.byref(ub)) == 1:
+                m = fill_steps_c(batch, 4, ub.n_seqs, step, row_bytes)
+                assert m == min(3, ub.n_seq_tokens - 1)
+            T.batch_release(batch)
+            st = by_python.init_batch(rc.Batch(token=[0] * len(pos), seq_id=seq_ids, pos=pos))
+            for _ in st:
+                fill_steps_python(st, step)
+        for seq in (0, 1):
+            assert T.seq_rollback_min(handle, seq) == by_python.seq_rollback_min(seq) == 4
+        # the facade has not seen the C calls: compare through the state blobs and the queries
+        assert T.seq_rm(handle, 0, 6, -1) == 1 and by_python.seq_rm(0, 6, -1)
+        assert T.seq_rm(handle, 1, 2, -1) == 0 and not by_python.seq_rm(1, 2, -1)   # beyond reach
+        assert T.seq_cp(handle, 1, 2) == 0
+        by_python.seq_cp(1, 2)
+        assert T.seq_rm(handle, 2, 7, -1) == 1 and by_python.seq_rm(2, 7, -1)      # copy on write
+        assert by_c.state_write() == by_python.state_write()
+        for seq in range(3):
+            assert T.seq_rollback_min(handle, seq) == by_python.seq_rollback_min(seq)
+        row = P()
+        assert T.batch_step_row(None, 0, 0, 0, ctypes.byref(row)) == errors.CAPI_NULL
+    finally:
+        assert T.ctx_free(handle) == 0

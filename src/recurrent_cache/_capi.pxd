@@ -96,6 +96,11 @@ cdef extern from "recurrent_cache/capi.h":
         int (*state_size)(const rc_ctx* ctx, int32_t seq_id, size_t* size) noexcept nogil
         int (*state_write)(rc_ctx* ctx, int32_t seq_id, void* target, size_t capacity, size_t* written) noexcept nogil
         int (*state_read)(rc_ctx* ctx, int32_t seq_id, const void* data, size_t length) noexcept nogil
+        int32_t (*n_rollback)(const rc_ctx* ctx) noexcept nogil
+        int32_t (*seq_rollback_min)(const rc_ctx* ctx, int32_t seq) noexcept nogil
+        int32_t (*batch_n_steps)(const rc_batch* batch) noexcept nogil
+        int (*batch_step_row)(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j,
+                              void** row) noexcept nogil
 
 
 # -- context (with the GIL) --
@@ -125,3 +130,7 @@ cdef int rc_clear(rc_ctx* ctx) noexcept nogil
 cdef int rc_state_size(const rc_ctx* ctx, int32_t seq_id, size_t* size) noexcept nogil
 cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capacity, size_t* written) noexcept nogil
 cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t length) noexcept nogil
+cdef int32_t rc_n_rollback(const rc_ctx* ctx) noexcept nogil
+cdef int32_t rc_seq_rollback_min(const rc_ctx* ctx, int32_t seq) noexcept nogil
+cdef int32_t rc_batch_n_steps(const rc_batch* batch) noexcept nogil
+cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j, void** row) noexcept nogil

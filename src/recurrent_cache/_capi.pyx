@@ -23,7 +23,10 @@ from libc.string cimport memcpy, memset
 
 from ._cells cimport (CellTable, Cells, cells_check, cells_clear, cells_copy_plan, cells_find_slot,
                       cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_pos_max,
-                      cells_seq_pos_min, cells_seq_rm, rows_apply_plan)
+                      cells_seq_pos_min, cells_seq_rm, cells_tail_in_range, rows_apply_plan, History,
+                      history_apply_plan, history_expect_steps, history_forget, history_forget_all,
+                      history_keep_start_states, history_rollback, history_rollback_min, history_step_row,
+                      history_steps)
 from ._split cimport Split, SplitDetail, split_batch, split_prepare, split_release
 from ._state_io cimport (BLOB_OK, BlobDefect, BlobLayout, StateIO, blob_size, check_blob, restore_blob,
                          selected_ranges, write_meta, write_rows)
@@ -57,6 +60,7 @@ cdef struct CtxData:                # what an rc_ctx* points to (inside its Cont
     int32_t* plan_copy_src          # [size] copy-plan scratch of the cell table
     uint8_t* plan_zero              # [size]
     bint self_check                 # debug builds: check every invariant after each placement
+    const History* history          # the cell table's rollback history (n_rollback 0: none)
     uint64_t generation             # bumped by every change made through the context
     Py_ssize_t open_batches
     Detail detail
@@ -70,6 +74,10 @@ cdef struct BatchData:              # what an rc_batch* points to
     int32_t next_ubatch
     int32_t outputs_before          # output rows of the ubatches applied so far
     uint64_t generation             # the context's generation this batch is valid on
+    int32_t steps_head              # the last applied ubatch, for rc_batch_step_row: its head,
+    int32_t steps_n_seqs            # groups,
+    int32_t steps_m                 # step states per group,
+    const int32_t* steps_last_pos   # [steps_n_seqs] and each group's last position
 
 
 @cython.final
@@ -109,6 +117,7 @@ cdef Context context_for(object cache):
     context.data.plan_copy_src = context.table.plan_copy_src
     context.data.plan_zero = context.table.plan_zero
     context.data.self_check = context.table.self_check
+    context.data.history = &context.table.history
     _contexts[id(cache)] = context
     return context
 
@@ -337,6 +346,17 @@ cdef int rc_batch_apply(rc_batch* batch, rc_ubatch* ubatch) noexcept nogil:
                                    c.plan_copy_src, c.plan_zero)
             if code != RC_OK:
                 break
+        if code == RC_OK:
+            code = history_apply_plan(c.history, c.cells.head, n, c.plan_copy_src, c.plan_zero)
+        if code == RC_OK:
+            history_keep_start_states(c.history, c.cells.head, s.ub_group_start[u + 1] - g0, s.ub_n_seq_tokens[u],
+                                      s.group_last_pos + g0, c.plan_zero)
+            history_expect_steps(c.history, c.cells.head, s.ub_group_start[u + 1] - g0, s.ub_n_seq_tokens[u],
+                                 s.group_last_pos + g0)
+            b.steps_head = c.cells.head
+            b.steps_n_seqs = s.ub_group_start[u + 1] - g0
+            b.steps_m = history_steps(c.history, s.ub_n_seq_tokens[u])
+            b.steps_last_pos = s.group_last_pos + g0
     if code == RC_OK and c.self_check and cells_check(c.cells) != 0:
         code = RC_ERR_BROKEN
     c.generation += 1
@@ -401,7 +421,10 @@ cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept no
     if ctx == NULL:
         return RC_ERR_NULL
     cdef CtxData* c = <CtxData*>ctx
+    cdef int32_t pos = cells_seq_pos_max(c.cells, seq) if c.history.n_rollback and 0 <= seq < c.cells.size else -1
     c.generation += 1
+    if 0 < p0 <= pos and (p1 < 0 or p1 > pos):   # SPEC 7: back to the state after p0 - 1
+        return 1 if history_rollback(c.history, c.cells, seq, p0 - 1) else 0
     return 1 if cells_seq_rm(c.cells, seq, p0, p1) else 0
 
 
@@ -421,13 +444,23 @@ cdef int rc_seq_keep(rc_ctx* ctx, int32_t seq) noexcept nogil:
 cdef int rc_seq_add(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    return seq_code(<CtxData*>ctx, cells_seq_add((<CtxData*>ctx).cells, seq, p0, p1, shift), "rc_seq_add", seq)
+    cdef CtxData* c = <CtxData*>ctx
+    cdef int32_t cell = cells_tail_in_range(c.cells, seq, p0, p1)
+    cdef int code = cells_seq_add(c.cells, seq, p0, p1, shift)
+    if code == RC_OK and shift != 0:
+        history_forget(c.history, cell)   # its positions moved: the history no longer matches
+    return seq_code(c, code, "rc_seq_add", seq)
 
 
 cdef int rc_seq_div(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    return seq_code(<CtxData*>ctx, cells_seq_div((<CtxData*>ctx).cells, seq, p0, p1, d), "rc_seq_div", seq)
+    cdef CtxData* c = <CtxData*>ctx
+    cdef int32_t cell = cells_tail_in_range(c.cells, seq, p0, p1)
+    cdef int code = cells_seq_div(c.cells, seq, p0, p1, d)
+    if code == RC_OK and d != 1:
+        history_forget(c.history, cell)
+    return seq_code(c, code, "rc_seq_div", seq)
 
 
 cdef int32_t rc_seq_pos_min(const rc_ctx* ctx, int32_t seq) noexcept nogil:
@@ -447,6 +480,7 @@ cdef int rc_clear(rc_ctx* ctx) noexcept nogil:
     cells_clear(c.cells)
     for k in range(c.n_tensors):
         memset(c.tensor_data[k], 0, <size_t>c.cells.size * <size_t>c.row_bytes[k])
+    history_forget_all(c.history, c.cells.size)
     c.generation += 1
     return RC_OK
 
@@ -550,6 +584,48 @@ cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t len
     c.generation += 1
     if code != RC_OK:
         return record(c, code, "rc_state_read")
+    if seq_id < 0:   # the blob carries no history (llama.cpp's bytes)
+        history_forget_all(c.history, c.cells.size)
+    else:
+        history_forget(c.history, c.cells.tail[seq_id])
+    return RC_OK
+
+
+# -- rollback (API version 2) ------------------------------------------------------------
+
+cdef int32_t rc_n_rollback(const rc_ctx* ctx) noexcept nogil:
+    return RC_ERR_NULL if ctx == NULL else (<const CtxData*>ctx).history.n_rollback
+
+
+cdef int32_t rc_seq_rollback_min(const rc_ctx* ctx, int32_t seq) noexcept nogil:
+    """The smallest q that rc_seq_rm(ctx, seq, q + 1, -1) can roll seq back to, or -1."""
+    if ctx == NULL:
+        return RC_ERR_NULL
+    return history_rollback_min((<const CtxData*>ctx).history, (<const CtxData*>ctx).cells, seq)
+
+
+cdef int32_t rc_batch_n_steps(const rc_batch* batch) noexcept nogil:
+    """m: the step states per group the model writes for the last applied ubatch (0: none)."""
+    return RC_ERR_NULL if batch == NULL else (<const BatchData*>batch).steps_m
+
+
+cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j,
+                           void** row) noexcept nogil:
+    """Where the model writes tensor ``tensor``'s state after token n_seq_tokens - 1 - m + j of
+    ``group`` of the last applied ubatch (row_bytes of rc_tensor wide)."""
+    if batch == NULL or row == NULL:
+        return RC_ERR_NULL
+    cdef const BatchData* b = <const BatchData*>batch
+    cdef CtxData* c = b.ctx
+    if not 0 <= tensor < c.n_tensors:
+        record(c, RC_ERR_TENSOR_INDEX, "rc_batch_step_row")
+        c.detail.index = tensor
+        c.detail.size = c.n_tensors
+        return RC_ERR_TENSOR_INDEX
+    if not (0 <= group < b.steps_n_seqs and 0 <= j < b.steps_m):
+        record(c, RC_ERR_ARGUMENT, "rc_batch_step_row")
+        return RC_ERR_ARGUMENT
+    row[0] = history_step_row(c.history, tensor, b.steps_head + group, b.steps_last_pos[group], b.steps_m, j)
     return RC_OK
 
 
@@ -585,6 +661,10 @@ TABLE.clear = rc_clear
 TABLE.state_size = rc_state_size
 TABLE.state_write = rc_state_write
 TABLE.state_read = rc_state_read
+TABLE.n_rollback = rc_n_rollback
+TABLE.seq_rollback_min = rc_seq_rollback_min
+TABLE.batch_n_steps = rc_batch_n_steps
+TABLE.batch_step_row = rc_batch_step_row
 
 _C_API = PyCapsule_New(&TABLE, RC_CAPI_CAPSULE_NAME, NULL)
 ABI_VERSION = RC_CAPI_ABI_VERSION

@@ -54,7 +54,7 @@
 #include <stdint.h>
 
 #define RC_CAPI_ABI_VERSION 1
-#define RC_CAPI_API_VERSION 1
+#define RC_CAPI_API_VERSION 2   /* 2: rollback (n_rollback, seq_rollback_min, step rows) */
 #define RC_CAPI_CAPSULE_NAME "recurrent_cache._capi._C_API"
 
 #define RC_OK 0
@@ -146,6 +146,17 @@ typedef struct rc_capi {
     int (*state_size)(const rc_ctx* ctx, int32_t seq_id, size_t* size);
     int (*state_write)(rc_ctx* ctx, int32_t seq_id, void* target, size_t capacity, size_t* written);
     int (*state_read)(rc_ctx* ctx, int32_t seq_id, const void* data, size_t length);
+    /* -- API version 2: rollback for speculative decoding (SPEC section 7) --
+     * With a cache made with n_rollback > 0, rc_seq_rm(ctx, seq, p0, -1) with 0 < p0 <= pos rolls
+     * seq back to its state after p0 - 1 when its cell holds it (1), else 0, nothing changed.
+     * After rc_batch_apply, the model writes the state of each tensor after each token but the
+     * last of every group (m = rc_batch_n_steps of them per group) into the rows rc_batch_step_row
+     * gives: group g, j in [0, m) is the state after the group's token n_seq_tokens - 1 - m + j.
+     * The cache counts on it (n_rollback > 0 is the model's promise). */
+    int32_t (*n_rollback)(const rc_ctx* ctx);                        /* RC_ERR_NULL for NULL */
+    int32_t (*seq_rollback_min)(const rc_ctx* ctx, int32_t seq);     /* smallest reachable q, or -1 */
+    int32_t (*batch_n_steps)(const rc_batch* batch);                 /* m of the last applied ubatch */
+    int (*batch_step_row)(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j, void** row);
 } rc_capi;
 
 #ifndef RC_CAPI_TYPES_ONLY  /* defined by recurrent_cache itself and by Cython cimports */
@@ -212,6 +223,10 @@ static int import_recurrent_cache(void) {
 #define rc_state_size (RC_CAPI_TABLE->state_size)
 #define rc_state_write (RC_CAPI_TABLE->state_write)
 #define rc_state_read (RC_CAPI_TABLE->state_read)
+#define rc_n_rollback (RC_CAPI_TABLE->n_rollback)
+#define rc_seq_rollback_min (RC_CAPI_TABLE->seq_rollback_min)
+#define rc_batch_n_steps (RC_CAPI_TABLE->batch_n_steps)
+#define rc_batch_step_row (RC_CAPI_TABLE->batch_step_row)
 #endif /* RC_CAPI_NO_MACROS */
 #endif /* RC_CAPI_TYPES_ONLY */
 
