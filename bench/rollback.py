@@ -4,7 +4,8 @@
 
 One run, interleaved round by round so every case sees the same machine load:
 - the decode step (64 sequences, one token each, init_batch + apply/next through the
-  Python API) with n_rollback = 0, 4 and 16: the cache files the state each group
+  Python API, and through the C header: ``decode_steps`` of examples/capi/c/) with
+  n_rollback = 0, 4 and 16: the cache files the state each group
   starts from into its history (one row per tensor per sequence), so the cost grows with
   the sequences in the ubatch, never with the cache's size;
 - a rollback of one sequence by 1 and by k tokens (seq_rm(seq, p0, -1));
@@ -18,11 +19,16 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
+if __package__ in (None, ""):   # run as a script: the repository root on the path, for bench.capi
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import recurrent_cache as rc
+import numpy as np  # noqa: E402
+
+import recurrent_cache as rc  # noqa: E402
 
 N_SEQS, N_EMBD = 64, 16
 
@@ -44,6 +50,22 @@ def step(cache: rc.RecurrentCache, batch: rc.Batch) -> None:
         st.apply()
         if not st.next():
             break
+
+
+def timed_c_steps(kernel, repeats: int, size: int) -> dict[int, float]:
+    """µs per decode step through the C header (one call runs 200 steps, GIL released)."""
+    steps = 200
+    runs = {k: decoding(k, 0, size)[0] for k in (0, 4, 16)}
+    samples: dict[int, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, cache in runs.items():
+            start = time.perf_counter_ns()
+            kernel.decode_steps(cache, N_SEQS, steps)
+            samples[k].append((time.perf_counter_ns() - start) / steps / 1e3)
+    for k, cache in runs.items():
+        cache.check()
+        assert cache.seq_pos_max(0) == steps * repeats
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def timed_steps(repeats: int, size: int) -> dict[int, float]:
@@ -86,12 +108,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     options = parser.parse_args()
     print("# rollback ({})".format("load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())))
-    print(f"\n## decode step, {N_SEQS} sequences (Python API), µs, median of {options.repeats}")
-    print("| cache size | n_rollback 0 | n_rollback 4 | n_rollback 16 | 16 / 0 |")
-    print("|---:|---:|---:|---:|---:|")
+    print(f"\n## decode step, {N_SEQS} sequences, µs, median of {options.repeats}")
+    print("| API | cache size | n_rollback 0 | n_rollback 4 | n_rollback 16 | 16 / 0 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    try:
+        from bench.capi import decode_kernel   # builds examples/capi/c once, cached in build/bench
+        kernel = decode_kernel("c")
+    except Exception as exc:  # no compiler / setuptools: the Python rows only
+        kernel = None
+        print(f"(C header not measured: {type(exc).__name__}: {exc})")
     for size in (64, 65536):
         t = timed_steps(options.repeats, size)
-        print(f"| {size} | {t[0]:.1f} | {t[4]:.1f} | {t[16]:.1f} | {t[16] / t[0]:.2f}x |")
+        print(f"| Python | {size} | {t[0]:.1f} | {t[4]:.1f} | {t[16]:.1f} | {t[16] / t[0]:.2f}x |")
+        if kernel is not None:
+            t = timed_c_steps(kernel, options.repeats, size)
+            print(f"| C header | {size} | {t[0]:.2f} | {t[4]:.2f} | {t[16]:.2f} | {t[16] / t[0]:.2f}x |")
     print("\n## rollback of one sequence, mamba-130m-shaped state (24 layers, 2.7 MiB), µs")
     print("| n_rollback | back 1 token | back n_rollback tokens |")
     print("|---:|---:|---:|")
