@@ -34,27 +34,31 @@ class MemoryStatus(enum.IntEnum):
     FAILED_COMPUTE = 3
 
 
-class SeqIdLists(Sequence[tuple[int, ...]]):
-    """The seq-id lists of a ubatch's groups (owner first), built only when read.
+class SeqIdLists:
+    """The seq-id lists of a ubatch's groups (owner first), built only when read: a
+    ``collections.abc.Sequence`` (registered, not derived: an ABC base costs every ubatch).
 
     ``lists[g]`` is a tuple of ints; it compares equal to a tuple or list of such tuples.
     Code that wants numbers reads ``Ubatch.seq_id_flat`` / ``seq_id_offset`` instead.
     """
 
-    __slots__ = ("_ubatch", "_lists")
+    __slots__ = ("_placement", "_u", "_n_seqs", "_lists")
 
-    def __init__(self, ubatch: Ubatch) -> None:
-        self._ubatch = ubatch
+    def __init__(self, placement: Any, u: int, n_seqs: int) -> None:
+        # the engine's placement, not the Ubatch: no reference cycle to leave to the collector
+        self._placement = placement
+        self._u = u
+        self._n_seqs = n_seqs
         self._lists: tuple[tuple[int, ...], ...] | None = None
 
     def _all(self) -> tuple[tuple[int, ...], ...]:
         if self._lists is None:
-            flat, offset = self._ubatch.seq_id_flat.tolist(), self._ubatch.seq_id_offset.tolist()
+            flat, offset = (array.tolist() for array in self._placement.seq_id_arrays(self._u))
             self._lists = tuple(tuple(flat[offset[g]:offset[g + 1]]) for g in range(len(offset) - 1))
         return self._lists
 
     def __len__(self) -> int:
-        return int(self._ubatch.n_seqs)
+        return self._n_seqs
 
     @overload
     def __getitem__(self, index: int) -> tuple[int, ...]: ...
@@ -78,6 +82,21 @@ class SeqIdLists(Sequence[tuple[int, ...]]):
 
     def __repr__(self) -> str:
         return repr(self._all())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._all()
+
+    def __reversed__(self) -> Iterator[tuple[int, ...]]:
+        return reversed(self._all())
+
+    def index(self, value: object, *args: Any) -> int:
+        return self._all().index(value, *args)
+
+    def count(self, value: object) -> int:
+        return self._all().count(value)
+
+
+Sequence.register(SeqIdLists)
 
 
 class Ubatch:
@@ -136,7 +155,6 @@ class Ubatch:
         """[n_tokens] bool: the tokens whose outputs (logits, embeddings) are wanted."""
         if self._output is None:
             self._output = self._placement.output(self._u)
-            self._output.flags.writeable = False
         return self._output
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -165,7 +183,7 @@ class Ubatch:
     def seq_id(self) -> SeqIdLists:
         """[n_seqs] seq-id lists, owner first (tuples of ints)."""
         if self._seq_id is None:
-            self._seq_id = SeqIdLists(self)
+            self._seq_id = SeqIdLists(self._placement, self._u, self.n_seqs)
         return self._seq_id
 
     def __repr__(self) -> str:

@@ -446,7 +446,9 @@ class Placement:
         return self.batch_index(u)
 
     def output(self, u: int) -> np.ndarray:
-        return np.array([self._output[i] for _, tokens in self.ubatches[u][1] for i in tokens], dtype=bool)
+        flags = np.array([self._output[i] for _, tokens in self.ubatches[u][1] for i in tokens], dtype=bool)
+        flags.flags.writeable = False
+        return flags
 
     def seq_id_arrays(self, u: int) -> tuple[np.ndarray, np.ndarray]:
         lists = [ids for ids, _ in self.ubatches[u][1]]
