@@ -62,7 +62,7 @@ def timed_c_steps(kernel, repeats: int, size: int) -> dict[int, float]:
             start = time.perf_counter_ns()
             kernel.decode_steps(cache, N_SEQS, steps)
             samples[k].append((time.perf_counter_ns() - start) / steps / 1e3)
-    for k, cache in runs.items():
+    for cache in runs.values():
         cache.check()
         assert cache.seq_pos_max(0) == steps * repeats
     return {k: statistics.median(v) for k, v in samples.items()}

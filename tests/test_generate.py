@@ -30,7 +30,8 @@ def test_prints_prompt_and_greedy_continuation_then_figures(capsys):
     TextStream(expected).write(plain_greedy(trained_model(), b"def fibonacci(n):", 30), final=True)
     assert captured.out == "def fibonacci(n):" + expected.getvalue() + "\n"
     assert "generated 30 tokens" in captured.err and "tokens/s" in captured.err
-    assert "1 of 1 cell used" in captured.err and "up to position 45" in captured.err  # 17 prompt + 29 generated tokens fed back
+    # 17 prompt + 29 generated tokens fed back
+    assert "1 of 1 cell used" in captured.err and "up to position 45" in captured.err
 
 
 def test_text_is_written_as_each_token_arrives():

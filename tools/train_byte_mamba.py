@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"stdlib {options.stdlib}: {len(train_files)} training files ({len(train):,} bytes), "
         f"{len(held_files)} held-out files ({len(held):,} bytes)")
     say(f"model: {asdict(cfg)} d_inner {cfg.d_inner} dt_rank {cfg.dt_rank}, {n_params:,} parameters")
-    say(f"training: {options.steps} steps x {options.batch} x {options.seq_len} bytes, lr {options.lr}, seed {options.seed}")
+    say(f"training: {options.steps} steps x {options.batch} x {options.seq_len} bytes, lr {options.lr}, "
+        f"seed {options.seed}")
 
     rng = np.random.default_rng(options.seed)
     history: list[tuple[int, int, float, float | None]] = []   # step, tokens, train loss (bpb), held-out bpb

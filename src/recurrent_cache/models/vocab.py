@@ -21,7 +21,7 @@ detokenizer without ``special``.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["Vocabulary", "escape", "gpt2_byte_decoder"]
 
