@@ -21,7 +21,7 @@ from .batch import Batch
 from .errors import (POS_MAX, ArgumentError, CoreError, OutOfRangeError, PositionError, UsageError,
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus
-from .state_format import blob_view, read_rest, target_view
+from .state_format import CacheShape, blob_view, read_rest, target_view
 
 __all__ = ["RecurrentCache"]
 
@@ -471,7 +471,8 @@ class RecurrentCache:
     def state_read_from(self, file: object, seq_id: int = -1) -> int:
         """``state_read`` of everything from a binary file's position to its end."""
         seq_id = state_seq_id(seq_id, self.size, "state_read_from")
-        return self.state_read(read_rest(file), seq_id)
+        # bounded by this cache's state size, and checked as state_read checks the bytes
+        return self.state_read(read_rest(file, CacheShape.of(self), seq_id), seq_id)
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "
