@@ -245,7 +245,7 @@ class PrefixCache:
         self._stats = dict.fromkeys(("lookups", "hits", "tokens_matched", "tokens_recomputed", "saves",
                                      "rejected", "evictions"), 0)
         self._store_stats = dict.fromkeys(("store_lookups", "store_hits", "store_tokens_restored", "store_puts",
-                                           "store_spills"), 0)
+                                           "store_written", "store_spills"), 0)
 
     # -- public API --------------------------------------------------------------------
 
@@ -379,9 +379,10 @@ class PrefixCache:
         ``snapshots`` and ``bytes`` held, ``ghosts`` (paths remembered without state),
         ``capacity`` (snapshots) and ``max_bytes``.  With a store:
         ``store_lookups`` (restores that asked it), ``store_hits`` (restores
-        from it), ``store_tokens_restored``, ``store_puts`` (states written:
-        each new save, and ``store_spills`` of them evicted snapshots whose
-        write the store had not confirmed), ``store_damaged`` (damaged or
+        from it), ``store_tokens_restored``, ``store_puts`` (states handed to
+        it: each new save, and ``store_spills`` of them evicted snapshots
+        whose write it had not confirmed), ``store_written`` (puts it confirmed
+        as new: not there already, not failed), ``store_damaged`` (damaged or
         foreign entries: a miss) and ``store_errors`` (failed calls: a miss or
         a skipped write) — these two include the store object's own counts.
         """
@@ -637,6 +638,7 @@ class PrefixCache:
         confirmed = self._tier.put(np.frombuffer(data, _TOKEN), r_rows, s_rows)
         snapshot.stored = snapshot.stored or confirmed   # "had it already" keeps an earlier confirmation
         self._store_stats["store_puts"] += 1
+        self._store_stats["store_written"] += int(confirmed)
 
     def _spill(self, snapshot: _Snapshot) -> None:
         """An evicted snapshot whose write the store did not confirm is offered again."""
