@@ -9,7 +9,9 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache import demo
-from test_stores_shared import redis_server  # noqa: F401
+import test_stores_shared
+
+redis_server = test_stores_shared.redis_server   # a fixture: a real redis-server on a unix socket
 
 SMALL = ["--clients", "4", "--parallel", "2", "--n-predict", "3", "--ubatch", "8", "--quiet", "--prefix-cache"]
 
@@ -100,4 +102,5 @@ def test_a_store_it_cannot_use_is_one_line(capsys, tmp_path):
     not_a_directory.write_text("")
     assert demo.main(SMALL + ["--store", str(not_a_directory)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("demo: --store: DirectoryStore cannot use ") and str(not_a_directory) in err
+    assert err.count("\n") == 1 and err.startswith("demo: --store: DirectoryStore cannot use ")
+    assert str(not_a_directory) in err

@@ -27,7 +27,11 @@ from recurrent_cache.models import random_model
 from recurrent_cache.stores import Geometry, RedisStore, encode_snapshot, open_store, snapshot_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # when run as the worker script
-from test_stores_shared import RedisServer, StoreKind, kind, redis_server  # noqa: E402,F401
+import test_stores_shared  # noqa: E402
+from test_stores_shared import RedisServer  # noqa: E402
+
+kind = test_stores_shared.kind                  # fixtures: a DirectoryStore and a RedisStore on a real server
+redis_server = test_stores_shared.redis_server
 
 HERE = Path(__file__).resolve()
 MODEL = dict(seed=3, n_embd=16, n_layer=2, d_state=4, n_vocab=64)

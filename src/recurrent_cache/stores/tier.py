@@ -17,7 +17,8 @@ logger; a damaged or foreign entry is a miss counted in ``damaged``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
