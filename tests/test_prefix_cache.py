@@ -275,41 +275,60 @@ def test_save_of_a_held_key_refreshes_it(rc):
 
 
 class DictTier:
-    """A second tier in a dict: what the store integration plugs into the two hooks."""
+    """A second tier in a dict (SnapshotTier); ``confirm``: what its put answers."""
 
-    def __init__(self) -> None:
-        self.held: dict[tuple, tuple[int, list, list]] = {}
+    def __init__(self, confirm: bool = True) -> None:
+        self.held: dict[tuple, tuple[list, list]] = {}
         self.asked: list[list[int]] = []
+        self.puts: list[tuple] = []
+        self.confirm = confirm
 
-    def put(self, tokens, pos, r, s) -> None:
-        assert pos == len(tokens) - 1
-        self.held[tuple(tokens.tolist())] = (pos, [x.copy() for x in r], [x.copy() for x in s])
+    def put(self, tokens, r, s) -> bool:
+        self.puts.append(tuple(tokens.tolist()))
+        self.held[tuple(tokens.tolist())] = ([x.copy() for x in r], [x.copy() for x in s])
+        return self.confirm
 
-    def longest(self, tokens, lengths) -> int:
+    def fetch(self, tokens, lengths):
         self.asked.append(list(lengths))
-        return max((n for n in lengths if tuple(tokens[:n].tolist()) in self.held), default=0)
+        for n in lengths:
+            entry = self.held.get(tuple(tokens[:n].tolist()))
+            if entry is not None:
+                return n, entry[0], entry[1]
+        return None
 
-    def get(self, tokens):
-        entry = self.held.get(tuple(tokens.tolist()))
-        return None if entry is None else (entry[1], entry[2])
+    def stats(self):
+        return {"damaged": 0, "errors": 0}
 
 
-def test_second_tier_hooks(rc):
-    """Evicted snapshots go to the tier (tokens, pos, rows); a memory miss finds them there."""
+def test_second_tier_write_through_and_fetch(rc):
+    """Every new save goes to the tier at once; a memory miss finds it there and promotes it."""
     cache = make_cache(rc)
     pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=4)
     tier = pc._tier = DictTier()
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    serve(rc, cache, pc, a)   # saves 4, 8, 9 into one slot: each evicts (spills) the one before
-    assert set(tier.held) == {tuple(a[:4]), tuple(a[:8])}
-    assert pc.stats()["tier_spills"] == 2 and pc.match(a + [10]) == 9
+    serve(rc, cache, pc, a)   # saves 4, 8, 9 into one slot: each evicts the one before
+    assert tier.puts == [tuple(a[:4]), tuple(a[:8]), tuple(a)]   # written through, once each
+    assert pc.stats()["store_spills"] == 0 and pc.match(a + [10]) == 9
     cache.seq_rm(0, -1, -1)
-    # a prompt that leaves a after 6: memory has nothing; the tier is asked for the grid
-    # point 4 and the junction 6, and has 4
+    # a prompt that leaves a after 6: memory has nothing; the tier is asked for the junction 6
+    # and the grid point 4, longest first, and has 4
     assert pc.restore(0, a[:6] + [0]) == 4
-    assert tier.asked[-1] == [4, 6]
+    assert tier.asked == [[8, 4], [6, 4]]   # (a's own restore asked for its grid, and missed)
     assert_state_of(cache, 0, a[:4])
-    assert pc.stats()["tier_hits"] == 1
+    stats = pc.stats()
+    assert (stats["store_hits"], stats["store_tokens_restored"], stats["store_lookups"]) == (1, 4, 2)
+    assert pc.match(a[:4] + [0]) == 4   # promoted into memory
+
+
+def test_second_tier_gets_unconfirmed_writes_again_on_eviction(rc):
+    """A write the tier did not confirm (down, or had it already) is offered again when evicted."""
+    cache = make_cache(rc)
+    pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=4)
+    tier = pc._tier = DictTier(confirm=False)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    serve(rc, cache, pc, a)
+    assert tier.puts == [tuple(a[:4]), tuple(a[:4]), tuple(a[:8]), tuple(a[:8]), tuple(a)]
+    assert pc.stats()["store_spills"] == 2 and pc.stats()["store_puts"] == 5
 
 
 def test_exported_from_the_package():
@@ -338,13 +357,13 @@ def test_second_tier_rows_that_do_not_fit_are_a_miss(rc):
     tier = pc._tier = DictTier()
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     serve(rc, cache, pc, a)
-    pos, r, s = tier.held[tuple(a[:4])]
-    tier.held[tuple(a[:4])] = (pos, r[:1], s)           # a damaged entry: a layer missing
+    r, s = tier.held[tuple(a[:4])]
+    tier.held[tuple(a[:4])] = (r[:1], s)           # a damaged entry: a layer missing
     cache.seq_rm(0, -1, -1)
     assert pc.restore(0, a[:6] + [0]) == 0 and cache.cell(0)[2] == -1
-    tier.held[tuple(a[:4])] = (pos, [x.astype(np.float64) for x in r], s)   # the wrong dtype
+    tier.held[tuple(a[:4])] = ([x.astype(np.float64) for x in r], s)   # rows of the wrong size
     assert pc.restore(0, a[:6] + [0]) == 0
-    assert pc.stats()["tier_hits"] == 0 and len(pc) == 1
+    assert pc.stats()["store_hits"] == 0 and len(pc) == 1
 
 
 def test_a_snapshot_no_longer_used_ages_out(rc):

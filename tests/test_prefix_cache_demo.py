@@ -9,6 +9,9 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache import demo
+import test_stores_shared
+
+redis_server = test_stores_shared.redis_server   # a fixture: a real redis-server on a unix socket
 
 SMALL = ["--clients", "4", "--parallel", "2", "--n-predict", "3", "--ubatch", "8", "--quiet", "--prefix-cache"]
 
@@ -54,3 +57,50 @@ def test_default_demo_is_unchanged(capsys):
     assert demo.main(SMALL[:-1]) == 0
     out = capsys.readouterr().out
     assert "prefix cache" not in out and "PASSED: 4 of 4 clients" in out
+
+
+# -- --store: the second run restores the first run's prefixes ------------------------------
+
+def store_line(out: str) -> tuple[int, int]:
+    """(restores from the store, prompt tokens computed) of a --store run."""
+    restores = int(re.search(r"^store .*: (\d+) restores from it", out, re.MULTILINE).group(1))
+    computed = int(re.search(r"^prefill\s+(\d+) of", out, re.MULTILINE).group(1))
+    return restores, computed
+
+
+def run_twice(capsys, spec: str, second_options: tuple[str, ...] = ()) -> list[str]:
+    outs = []
+    for options in ((), second_options):
+        assert demo.main(SMALL + ["--store", spec, *options]) == 0
+        outs.append(capsys.readouterr().out)
+        assert "verification     PASSED: 24 of 24 requests" in outs[-1]
+    return outs
+
+
+def test_second_run_restores_the_first_runs_prefixes_from_a_directory(capsys, tmp_path):
+    first, second = run_twice(capsys, str(tmp_path / "states"))
+    (hits_1, computed_1), (hits_2, computed_2) = store_line(first), store_line(second)
+    assert hits_1 == 0 and hits_2 >= 4          # a new process: the first turns come from the store
+    assert computed_2 < computed_1
+    assert re.search(r"namespace\s+mamba1 weights-sha256 [0-9a-f]{64} compute f64", second)
+
+
+def test_second_run_restores_the_first_runs_prefixes_from_redis(capsys, redis_server):
+    first, second = run_twice(capsys, redis_server.url)
+    assert store_line(first)[0] == 0 and store_line(second)[0] >= 4
+    assert store_line(second)[1] < store_line(first)[1]
+
+
+def test_another_model_finds_nothing_in_the_store(capsys, tmp_path):
+    """f32 arithmetic gives other states than f64: another namespace, no restores from the store."""
+    first, second = run_twice(capsys, str(tmp_path / "states"), ("--compute", "f32"))
+    assert store_line(second)[0] == 0 and "compute f32" in second
+
+
+def test_a_store_it_cannot_use_is_one_line(capsys, tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    assert demo.main(SMALL + ["--store", str(not_a_directory)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("demo: --store: DirectoryStore cannot use ")
+    assert str(not_a_directory) in err

@@ -20,6 +20,7 @@ from .errors import (ArgumentError, BatchError, ConfigError, CoreError, OutOfRan
 from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
 from .prefix_cache import PrefixCache
 from .seqfile import load_seq_file, save_seq_file
+from . import stores   # rc.stores.DirectoryStore / RedisStore (the redis client is imported when used)
 
 try:
     __version__ = _version("recurrent_cache")
@@ -40,5 +41,5 @@ __all__ = [
     "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError",
-    "get_include", "save_seq_file", "load_seq_file", "PrefixCache",
+    "get_include", "save_seq_file", "load_seq_file", "PrefixCache", "stores",
 ]

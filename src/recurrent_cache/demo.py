@@ -379,6 +379,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefix-cache", action="store_true",
                         help="conversations sharing system prompts, served with and without rc.PrefixCache "
                              "(see recurrent_cache.demo_prefix; --fork is ignored)")
+    parser.add_argument("--store", metavar="DIR_OR_URL",
+                        help="with --prefix-cache (implied): a shared state store behind it, a directory or "
+                             "a redis:// / unix:// URL; run twice, the second run restores the first's prefixes")
     parser.add_argument("--write-model", metavar="GGUF", help="write the model as a GGUF file and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # Testing only: overwrite a live state after this step; the verification must then fail.
@@ -441,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return USER_ERROR
 
-    if options.prefix_cache:
+    if options.prefix_cache or options.store:
         from .demo_prefix import main as prefix_cache_main
         return prefix_cache_main(options, model)
     if options.speculative:

@@ -18,11 +18,20 @@ The same requests are served a second time without the prefix cache (every
 prompt computed whole), and every request of both runs is checked against
 its solo run (``ReferenceRun``, token by token from a zero state): tokens
 identical, last logits within the demo's tolerance.
+
+``--store DIR_OR_URL`` puts a shared state store (``rc.stores.open_store``:
+a directory, or a Redis / Valkey URL) behind the prefix cache, under a
+namespace that is the model's identity (``model_identity``).  Every new
+snapshot is written to the store; a restore looks there for longer prefixes
+than memory holds.  Run the demo twice with the same store: the second run,
+a new process with an empty memory, restores the first run's prefixes from
+the store (the ``store`` line reports it), and still equals the solo runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from collections import deque
@@ -84,11 +93,34 @@ def make_conversations(options: argparse.Namespace, n_vocab: int) -> list[list[l
             for client in range(options.clients)]
 
 
+def model_identity(options: argparse.Namespace, model: MambaModel) -> str:
+    """The store namespace: what the states depend on besides the tokens and the cache geometry.
+
+    The sha256 of the GGUF file, or (random or built-in weights) of the weights
+    themselves; and the arithmetic, which changes the states too.
+    """
+    digest = hashlib.sha256()
+    if options.model:
+        with open(options.model, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+        source = "gguf"
+    else:
+        for layer in model.layers:
+            for weights in vars(layer).values():
+                digest.update(np.ascontiguousarray(weights).tobytes())
+        for weights in (model.token_embd, model.output_norm, model.output):
+            digest.update(np.ascontiguousarray(weights).tobytes())
+        source = "weights"
+    return f"mamba1 {source}-sha256 {digest.hexdigest()} compute {options.compute}"
+
+
 def serve(model: MambaModel, options: argparse.Namespace, conversations: list[list[list[int]]],
-          use_prefix_cache: bool) -> Run:
-    """All turns of all conversations through one cache, with or without a PrefixCache."""
+          use_prefix_cache: bool, store: Any = None, namespace: str = "") -> Run:
+    """All turns of all conversations through one cache, with or without a PrefixCache (and its store)."""
     cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)
-    pc = rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE) if use_prefix_cache else None
+    pc = (rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store, namespace=namespace)
+          if use_prefix_cache else None)
     run = Run()
     free = list(range(options.parallel))
     waiting = deque(Request(c, 0, turns[0], options.n_predict) for c, turns in enumerate(conversations))
@@ -197,7 +229,15 @@ def verify(model: MambaModel, runs: list[Run], conversations: list[list[list[int
 def main(options: argparse.Namespace, model: MambaModel) -> int:
     """Serve the scenario with and without the prefix cache, report, verify; the exit status."""
     conversations = make_conversations(options, model.hparams.n_vocab)
-    with_pc = serve(model, options, conversations, use_prefix_cache=True)
+    store, namespace = None, ""
+    if options.store:
+        try:
+            store = rc.stores.open_store(options.store)
+            namespace = model_identity(options, model)
+        except (rc.ArgumentError, ImportError, OSError) as exc:
+            print(f"demo: --store: {exc}", file=sys.stderr)
+            return 2
+    with_pc = serve(model, options, conversations, use_prefix_cache=True, store=store, namespace=namespace)
     without = serve(model, options, conversations, use_prefix_cache=False)
     stats = with_pc.stats
     n_requests = len(with_pc.requests)
@@ -209,6 +249,14 @@ def main(options: argparse.Namespace, model: MambaModel) -> int:
     print(f"prefix cache     block_size {BLOCK_SIZE}, max_bytes {MAX_BYTES / 2**20:g} MiB: {stats['snapshots']} snapshots "
           f"held, {stats['saves']} saves, {stats['evictions']} evicted")
     print(f"hit rate         {hits} of {n_requests} requests restored a prefix ({100.0 * hits / n_requests:.0f}%)")
+    if store is not None:
+        held = store.stats()
+        size = f", {held['entries']} entries ({held['bytes'] / 2**20:.1f} MiB) in it" if "entries" in held else ""
+        print(f"store            {store!r}{size}: {stats['store_hits']} restores from it "
+              f"({stats['store_tokens_restored']} tokens) in {stats['store_lookups']} lookups, "
+              f"{stats['store_puts']} snapshots put ({stats['store_written']} written), "
+              f"{stats['store_damaged']} damaged, {stats['store_errors']} errors")
+        print(f"namespace        {namespace}")
     saved = with_pc.prompt_tokens - with_pc.computed
     print(f"prefill          {with_pc.computed} of {with_pc.prompt_tokens} prompt tokens computed with the prefix "
           f"cache, {without.computed} without: {saved} saved ({100.0 * saved / with_pc.prompt_tokens:.1f}%)")

@@ -56,12 +56,20 @@ priority.  The path of an evicted (or refused) snapshot is remembered
 without its state (a *ghost*; at most ``max_ghosts``, least recent dropped
 first), so ``plan`` still finds the junctions with it when memory is tight.
 
-A second tier (the store, SPEC §8) plugs in at two points: ``_spill`` hands
-every evicted snapshot (tokens, pos, rows) to the tier, and ``_fetch``
-(called by ``restore``'s lookup) asks the tier for the longest of the
-candidate lengths (block grid and junctions) beyond what memory holds and
-loads it into memory.  See ``SnapshotTier``; ``_tier`` is None until a store
-is attached.
+The second tier (``store=``, SPEC §8): a store shared by every process
+(``rc.stores.DirectoryStore``, ``rc.stores.RedisStore``), wrapped in a
+``stores.StoreTier`` under keys made of ``namespace``, the cache's geometry
+and dtypes and the token prefix.  Write-through: every ``save`` of a state
+this process does not hold yet is written to the store at once (also when
+memory does not let it in), so another replica restores a shared prefix as
+soon as one process has computed it, and a restart loses nothing; the cost
+is one encode and one put per new snapshot.  A snapshot whose write the
+store did not confirm (it was down, or had the entry already) is offered
+again when it is evicted (``_spill``).  ``restore`` asks the store, in one
+lookup, for the longest candidate length beyond what memory holds — the
+block grid and the junctions this process knows, longest first — and
+promotes a hit into memory (``_fetch``).  A store that fails is a miss; a
+damaged or foreign entry is a miss counted in ``stats()``.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from .errors import ArgumentError, PositionError, RecurrentCacheError, SeqIdError
+from .stores import Geometry, StoreTier
 
 __all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
 
@@ -97,19 +106,22 @@ class NoFreeCellError(RecurrentCacheError, RuntimeError):
 
 
 class SnapshotTier(Protocol):
-    """A second tier behind the in-memory snapshots (e.g. a directory or Redis store).
+    """A second tier behind the in-memory snapshots (``stores.StoreTier`` over a store).
 
-    ``put`` receives every snapshot evicted from memory; ``longest`` returns
-    the greatest of ``lengths`` (each a prefix length of ``tokens``) it holds,
-    or 0; ``get`` returns the rows of ``tokens``' snapshot (lists of one row
-    per layer) or None when it is missing or damaged.
+    ``put`` writes the state after ``tokens`` (one row per layer; the rows are
+    only read during the call) and returns whether the tier confirms a new
+    write; ``fetch`` returns ``(n, r_rows, s_rows)`` for the first of
+    ``lengths`` (prefix lengths of ``tokens``, longest first) it holds, or
+    None; ``stats`` returns the tier's ``damaged`` and ``errors`` counts.
+    None of them raises for a failing store.
     """
 
-    def put(self, tokens: np.ndarray, pos: int, r: list[np.ndarray], s: list[np.ndarray]) -> None: ...
+    def put(self, tokens: np.ndarray, r: Sequence[np.ndarray], s: Sequence[np.ndarray]) -> bool: ...
 
-    def longest(self, tokens: np.ndarray, lengths: Sequence[int]) -> int: ...
+    def fetch(self, tokens: np.ndarray,
+              lengths: Sequence[int]) -> tuple[int, list[np.ndarray], list[np.ndarray]] | None: ...
 
-    def get(self, tokens: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]] | None: ...
+    def stats(self) -> dict[str, int]: ...
 
 
 class _Node:
@@ -164,7 +176,7 @@ class _Node:
 
 
 class _Snapshot:
-    __slots__ = ("slot", "length", "node", "tail", "kind", "hits", "priority", "pinned")
+    __slots__ = ("slot", "length", "node", "tail", "kind", "hits", "priority", "pinned", "stored")
 
     def __init__(self, slot: int, length: int, node: _Node, tail: bytes, kind: str) -> None:
         self.slot = slot        # row in the pools; -1: a ghost (the path is remembered, not the state)
@@ -175,6 +187,7 @@ class _Snapshot:
         self.hits = 0
         self.priority = 0.0
         self.pinned = False     # being restored: never evicted
+        self.stored = False     # the second tier confirmed it holds this state
 
 
 _KIND_WEIGHT = {"junction": JUNCTION_WEIGHT, "end": END_WEIGHT, "grid": GRID_WEIGHT}
@@ -187,11 +200,18 @@ class PrefixCache:
     rows of every layer's r and s state, held in pools allocated here once:
     ``max_bytes // snapshot_bytes`` snapshots.  ``max_bytes`` bounds the state
     pools; the token keys are held besides (4 bytes per distinct block token).
-    ``block_size`` is the grid ``plan`` cuts on; ``namespace`` names the
-    model, for a second tier shared between processes.
+    ``block_size`` is the grid ``plan`` cuts on.  ``store`` (a
+    ``rc.stores.DirectoryStore``, ``rc.stores.RedisStore`` or any object
+    with the store interface) is the second tier, shared between processes;
+    ``namespace`` is the model's identity in it, part of every key with the
+    cache's geometry and dtypes: set it (e.g. to the GGUF file's sha256) —
+    two models sharing a namespace and a geometry would exchange states that
+    mean nothing to each other.  Store hits are restored through memory, so
+    ``max_bytes`` must hold at least one snapshot for them.
     """
 
-    def __init__(self, cache: Any, max_bytes: int, block_size: int = 256, namespace: str = "") -> None:
+    def __init__(self, cache: Any, max_bytes: int, block_size: int = 256, store: Any = None,
+                 namespace: str = "") -> None:
         for name, value, low in (("max_bytes", max_bytes, 0), ("block_size", block_size, 1)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ArgumentError(f"PrefixCache: {name} must be an integer >= {low}, got {value!r}")
@@ -218,9 +238,14 @@ class PrefixCache:
         self._heap: list[tuple[float, int, _Snapshot]] = []  # (priority, order, snapshot), stale entries skipped
         self._order = itertools.count()
         self._inflation = 0.0                 # L: the priority of the last snapshot evicted
-        self._tier: SnapshotTier | None = None  # the second tier; set by the store integration
+        self.store = store
+        self._tier: SnapshotTier | None = None
+        if store is not None:
+            self._tier = StoreTier(store, namespace, Geometry.of(cache))
         self._stats = dict.fromkeys(("lookups", "hits", "tokens_matched", "tokens_recomputed", "saves",
-                                     "rejected", "evictions", "tier_spills", "tier_hits"), 0)
+                                     "rejected", "evictions"), 0)
+        self._store_stats = dict.fromkeys(("store_lookups", "store_hits", "store_tokens_restored", "store_puts",
+                                           "store_written", "store_spills"), 0)
 
     # -- public API --------------------------------------------------------------------
 
@@ -298,6 +323,8 @@ class PrefixCache:
         when the snapshot is held (new, or already held and refreshed), False
         when it is not let in: the budget is full of snapshots worth more
         (see the eviction policy) or holds none at all.  May evict others.
+        With a store, a state not held in memory yet is written to it too
+        (write-through), whether memory lets it in or not.
         """
         data, n_tokens = self._key(tokens)
         if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.cache.size:
@@ -322,19 +349,25 @@ class PrefixCache:
                 if known is None:
                     known = self._add(data, n_tokens, -1, kind)
                 self._ghost(known)
+                if self._tier is not None:
+                    self._write(known, data, *self._rows_of(int(seq)))
                 return False
         if known is None:
             known = self._add(data, n_tokens, -1, kind)
         slot = self._take_slot(known)
-        cell = self.cache.cell(int(seq))[2]
-        src = self.cache.cell(cell)[1]
-        for src_t, pool in zip(self._r + self._s, self._pool_r + self._pool_s):
-            if src >= 0:
-                pool[slot] = src_t[src]
-            else:  # the cell has no data yet: its state is zeros (SPEC §2)
-                pool[slot] = 0
+        for pool, row in zip(self._pool_r + self._pool_s, sum(self._rows_of(int(seq)), [])):
+            pool[slot] = row
         self._touch(known)
+        if self._tier is not None:
+            self._write(known, data, [pool[slot] for pool in self._pool_r], [pool[slot] for pool in self._pool_s])
         return True
+
+    def _rows_of(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Views of the rows holding ``seq``'s state (zeros when its cell has no data yet, SPEC §2)."""
+        src = self.cache.cell(self.cache.cell(seq)[2])[1]
+        if src < 0:
+            return [np.zeros_like(t[0]) for t in self._r], [np.zeros_like(t[0]) for t in self._s]
+        return [t[src] for t in self._r], [t[src] for t in self._s]
 
     def stats(self) -> dict[str, int]:
         """Counters for operators.
@@ -344,12 +377,22 @@ class PrefixCache:
         ``tokens_recomputed``: tokens the callers had left to compute;
         ``saves``, ``rejected`` (saves not let in), ``evictions``;
         ``snapshots`` and ``bytes`` held, ``ghosts`` (paths remembered without state),
-        ``capacity`` (snapshots) and ``max_bytes``; ``tier_spills`` /
-        ``tier_hits`` for a second tier.
+        ``capacity`` (snapshots) and ``max_bytes``.  With a store:
+        ``store_lookups`` (restores that asked it), ``store_hits`` (restores
+        from it), ``store_tokens_restored``, ``store_puts`` (states handed to
+        it: each new save, and ``store_spills`` of them evicted snapshots
+        whose write it had not confirmed), ``store_written`` (puts it confirmed
+        as new: not there already, not failed), ``store_damaged`` (damaged or
+        foreign entries: a miss) and ``store_errors`` (failed calls: a miss or
+        a skipped write) — these two include the store object's own counts.
         """
         held = len(self._held)
-        return {**self._stats, "snapshots": held, "ghosts": len(self._ghosts), "bytes": held * self.snapshot_bytes,
-                "capacity": self.capacity, "max_bytes": self.max_bytes}
+        out = {**self._stats, "snapshots": held, "ghosts": len(self._ghosts), "bytes": held * self.snapshot_bytes,
+               "capacity": self.capacity, "max_bytes": self.max_bytes}
+        if self._tier is not None:
+            tier = self._tier.stats()
+            out.update(self._store_stats, store_damaged=tier["damaged"], store_errors=tier["errors"])
+        return out
 
     def __len__(self) -> int:
         return len(self._held)
@@ -589,35 +632,45 @@ class PrefixCache:
             node = node.parent
         return np.frombuffer(b"".join(reversed(blocks)) + snapshot.tail, _TOKEN)
 
+    def _write(self, snapshot: _Snapshot, data: bytes, r_rows: list[np.ndarray], s_rows: list[np.ndarray]) -> None:
+        """Write-through: hand ``snapshot``'s state (rows read during the call only) to the store."""
+        assert self._tier is not None
+        confirmed = self._tier.put(np.frombuffer(data, _TOKEN), r_rows, s_rows)
+        snapshot.stored = snapshot.stored or confirmed   # "had it already" keeps an earlier confirmation
+        self._store_stats["store_puts"] += 1
+        self._store_stats["store_written"] += int(confirmed)
+
     def _spill(self, snapshot: _Snapshot) -> None:
-        """Hook 1: hand an evicted snapshot (tokens, pos, rows) to the second tier."""
-        if self._tier is None:
+        """An evicted snapshot whose write the store did not confirm is offered again."""
+        if self._tier is None or snapshot.stored:
             return
         slot = snapshot.slot
-        self._tier.put(self._tokens_of(snapshot), snapshot.length - 1,
-                       [pool[slot].copy() for pool in self._pool_r], [pool[slot].copy() for pool in self._pool_s])
-        self._stats["tier_spills"] += 1
+        self._write(snapshot, self._tokens_of(snapshot).tobytes(),
+                    [pool[slot] for pool in self._pool_r], [pool[slot] for pool in self._pool_s])
+        self._store_stats["store_spills"] += 1
 
     def _fetch(self, data: bytes, n_tokens: int, held: int) -> _Snapshot | None:
-        """Hook 2: on a memory miss, the longest candidate length the tier holds, loaded into memory."""
+        """On a memory miss, the longest candidate length the tier holds, promoted into memory.
+
+        The candidates are the block grid and the junctions this process
+        knows, beyond ``held`` (what memory has); one lookup, longest first.
+        """
         if self.capacity == 0:
             return None
         candidates = set(range(self.block_size, n_tokens, self.block_size))
         candidates.update(self._junctions(data, n_tokens))
-        candidates = sorted(n for n in candidates if held < n < n_tokens)
-        if not candidates:
+        lengths = sorted((n for n in candidates if held < n < n_tokens), reverse=True)
+        if not lengths:
             return None
-        tokens = np.frombuffer(data, _TOKEN)
-        n = self._tier.longest(tokens, candidates)
-        if n not in candidates:
+        assert self._tier is not None
+        self._store_stats["store_lookups"] += 1
+        found = self._tier.fetch(np.frombuffer(data, _TOKEN), lengths)
+        if found is None:
             return None
-        rows = self._tier.get(tokens[:n])
-        if rows is None:
-            return None
-        r_rows, s_rows = (list(part) for part in rows)
-        if not (len(r_rows) == len(self._r) and len(s_rows) == len(self._s) and all(
-                np.shape(row) == pool.shape[1:] and np.asarray(row).dtype == pool.dtype
-                for row, pool in zip(r_rows + s_rows, self._pool_r + self._pool_s))):
+        n, r_rows, s_rows = found
+        if not (n in lengths and len(r_rows) == len(self._r) and len(s_rows) == len(self._s) and all(
+                np.asarray(row).nbytes == pool[0].nbytes
+                for row, pool in zip(list(r_rows) + list(s_rows), self._pool_r + self._pool_s))):
             return None   # rows that do not fit this cache: a miss, never a wrong state
         if len(self._held) >= self.capacity and not self._evict():
             return None  # every snapshot held is being restored
@@ -630,10 +683,13 @@ class PrefixCache:
             del self._ghosts[snapshot]
         if snapshot.slot < 0:
             self._take_slot(snapshot)
-        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
-            pool[snapshot.slot] = row
+        for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
+            # by the bytes: bf16 rows may be ml_dtypes.bfloat16 on one side and uint16 on the other
+            pool[snapshot.slot].view(np.uint8)[...] = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
+        snapshot.stored = True
         self._touch(snapshot)
-        self._stats["tier_hits"] += 1
+        self._store_stats["store_hits"] += 1
+        self._store_stats["store_tokens_restored"] += n
         return snapshot
 
     # -- checks -----------------------------------------------------------------------------

@@ -47,6 +47,10 @@ connection failures: they are misses (or skipped writes), counted in
 ``sequence_rows(cache, seq)`` and ``restore_rows(cache, seq, n_tokens, r, s)``
 move a state between a cache's rows and a snapshot; ``open_store(target)``
 makes the store a command line names (``--store DIR_OR_URL``).
+
+``rc.PrefixCache(cache, max_bytes, store=store, namespace=...)`` puts a store
+behind the in-memory snapshots (``StoreTier``, ``tier.py``): every new save
+is written through, a memory miss looks in the store, a hit is promoted.
 """
 
 import os
@@ -57,6 +61,7 @@ from .directory import DirectoryStore
 from .redis_store import RedisStore
 from .snapshot import (Geometry, check_entry, decode_snapshot, encode_snapshot, restore_rows,
                        sequence_rows, snapshot_key)
+from .tier import StoreTier
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
@@ -72,4 +77,4 @@ def open_store(target: Union[str, "os.PathLike[str]"], **options: Any) -> Union[
 
 
 __all__ = ["Store", "DirectoryStore", "RedisStore", "open_store", "Geometry", "snapshot_key", "encode_snapshot",
-           "decode_snapshot", "check_entry", "sequence_rows", "restore_rows"]
+           "decode_snapshot", "check_entry", "sequence_rows", "restore_rows", "StoreTier"]

@@ -1,0 +1,121 @@
+"""``StoreTier``: a store as the second tier of a ``PrefixCache`` (SPEC.md §8).
+
+``rc.PrefixCache(cache, max_bytes, store=store, namespace=...)`` wraps
+``store`` (a ``DirectoryStore``, a ``RedisStore``, or any object with the
+store interface) in a ``StoreTier``, which speaks the prefix cache's
+``SnapshotTier`` protocol in the stores' terms: keys from the namespace, the
+cache's geometry and dtypes and the token prefix (``snapshot_key``), entries
+in the llama.cpp sequence-file format (``encode_snapshot`` /
+``decode_snapshot``).
+
+Nothing a store does raises into the serving loop: a store that fails, or an
+object that raises where a store would answer, is a miss or a skipped write,
+counted in ``errors`` and logged once on the ``recurrent_cache.stores``
+logger; a damaged or foreign entry is a miss counted in ``damaged``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError
+from .base import StoreCounters
+from .directory import DirectoryStore
+from .redis_store import RedisStore
+from .snapshot import Geometry, _row_dtype, decode_snapshot, encode_snapshot, snapshot_key
+
+__all__ = ["StoreTier"]
+
+log = logging.getLogger("recurrent_cache.stores")
+
+_STORE_METHODS = ("get_first", "put", "stats")
+
+
+class StoreTier:
+    """The ``SnapshotTier`` of a ``PrefixCache`` over ``store``, for states of ``geometry`` in ``namespace``."""
+
+    def __init__(self, store: Any, namespace: str, geometry: Geometry) -> None:
+        missing = [name for name in _STORE_METHODS if not callable(getattr(store, name, None))]
+        if missing:
+            raise ArgumentError(f"store must have the store interface ({', '.join(_STORE_METHODS)}); "
+                                f"{store!r} lacks {', '.join(missing)}")
+        self.store = store
+        self.namespace = namespace
+        self.geometry = geometry
+        # DirectoryStore and RedisStore check an entry's CRC-32 before handing it out; for any
+        # other store the decode checks it (about 18 ms per 64 MiB)
+        self._verify_crc = not isinstance(store, (DirectoryStore, RedisStore))
+        self._row_dtypes = (_row_dtype(geometry.dtype_r), _row_dtype(geometry.dtype_s))
+        self._counters = StoreCounters()   # damaged (rejected here) and errors (raised by the store)
+        self._error_logged = False
+
+    def __repr__(self) -> str:
+        return f"StoreTier({self.store!r}, namespace={self.namespace!r})"
+
+    def put(self, tokens: np.ndarray, r_rows: Sequence[np.ndarray], s_rows: Sequence[np.ndarray]) -> bool:
+        """Write the state after ``tokens``; True when the store confirms a new write.
+
+        False when the store had the entry already, skipped the write or
+        failed: the prefix cache then offers the snapshot again when it
+        evicts it.
+        """
+        key = snapshot_key(self.namespace, self.geometry, tokens)
+        dtype_r, dtype_s = self._row_dtypes
+        # the rows by their bytes: the codec's dtype for bf16 may differ in name, never in bytes
+        entry = encode_snapshot(key, tokens, [row.view(dtype_r) for row in r_rows],
+                                [row.view(dtype_s) for row in s_rows], self.geometry)
+        try:
+            return bool(self.store.put(key, entry))
+        except Exception as exc:   # a store never raises into the serving loop
+            self._failed("put", exc)
+            return False
+
+    def fetch(self, tokens: np.ndarray, lengths: Sequence[int]) -> tuple[int, list[np.ndarray],
+                                                                         list[np.ndarray]] | None:
+        """The longest of ``lengths`` (longest first) whose state the store holds intact:
+        ``(n, r_rows, s_rows)``, the rows as raw views of the entry; None for a miss.
+
+        One ``get_first`` call: one lookup round trip for every candidate.
+        """
+        keys = [snapshot_key(self.namespace, self.geometry, tokens[:n]) for n in lengths]
+        try:
+            found = self.store.get_first(keys)
+            if found is None:
+                return None
+            index, entry = found
+            n = lengths[index]
+            rows = decode_snapshot(entry, keys[index], self.geometry, tokens[:n], verify_crc=self._verify_crc)
+        except Exception as exc:   # a store that raises, or answers something that is not (i, entry)
+            self._failed("get_first", exc)
+            return None
+        if rows is None:
+            self._counters.add(damaged=1)
+            log.info("%r: a damaged or foreign entry for a prefix of %d tokens (a miss)", self, n)
+            return None
+        return n, rows[0], rows[1]
+
+    def stats(self) -> dict[str, int]:
+        """``damaged`` and ``errors``: this tier's (entries it rejected, calls that raised) plus the
+        store's own counters (the store object's, shared by every user of it in this process)."""
+        mine = self._counters.snapshot()
+        try:
+            theirs = self.store.stats()
+        except Exception as exc:
+            self._failed("stats", exc)
+            theirs = {}
+        return {name: mine[name] + _count(theirs.get(name)) for name in ("damaged", "errors")}
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self._counters.add(errors=1)
+        if not self._error_logged:
+            log.warning("%r: %s raised %s: %s; treated as a miss / skipped write (counted in "
+                        "stats()['store_errors'], logged once)", self, what, type(exc).__name__, exc)
+            self._error_logged = True
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
