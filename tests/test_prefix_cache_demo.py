@@ -82,7 +82,7 @@ def test_second_run_restores_the_first_runs_prefixes_from_a_directory(capsys, tm
     (hits_1, computed_1), (hits_2, computed_2) = store_line(first), store_line(second)
     assert hits_1 == 0 and hits_2 >= 4          # a new process: the first turns come from the store
     assert computed_2 < computed_1
-    assert re.search(r"namespace\s+mamba1 weights-sha256 [0-9a-f]{64} compute f64", second)
+    assert re.search(r"namespace\s+mamba1 weights-sha256 [0-9a-f]{64} compute f(?:32|64)", second)
 
 
 def test_second_run_restores_the_first_runs_prefixes_from_redis(capsys, redis_server):
@@ -92,9 +92,9 @@ def test_second_run_restores_the_first_runs_prefixes_from_redis(capsys, redis_se
 
 
 def test_another_model_finds_nothing_in_the_store(capsys, tmp_path):
-    """f32 arithmetic gives other states than f64: another namespace, no restores from the store."""
-    first, second = run_twice(capsys, str(tmp_path / "states"), ("--compute", "f32"))
-    assert store_line(second)[0] == 0 and "compute f32" in second
+    """f64 arithmetic gives other states than the default f32: another namespace, no restores."""
+    first, second = run_twice(capsys, str(tmp_path / "states"), ("--compute", "f64"))
+    assert store_line(second)[0] == 0 and "compute f64" in second
 
 
 def test_a_store_it_cannot_use_is_one_line(capsys, tmp_path):

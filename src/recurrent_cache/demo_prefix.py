@@ -42,6 +42,8 @@ import numpy as np
 
 import recurrent_cache as rc
 
+from ._cli import USER_ERROR
+from .demo import model_name
 from .models import MambaModel, ReferenceRun
 
 TURNS = 3
@@ -236,17 +238,18 @@ def main(options: argparse.Namespace, model: MambaModel) -> int:
             namespace = model_identity(options, model)
         except (rc.ArgumentError, ImportError, OSError) as exc:
             print(f"demo: --store: {exc}", file=sys.stderr)
-            return 2
+            return USER_ERROR
     with_pc = serve(model, options, conversations, use_prefix_cache=True, store=store, namespace=namespace)
     without = serve(model, options, conversations, use_prefix_cache=False)
     stats = with_pc.stats
     n_requests = len(with_pc.requests)
     hits = sum(r.restored > 0 for r in with_pc.requests)
-    print(f"model            {model.hparams.describe()} ({options.model or f'random weights, seed {options.seed}'})")
+    print(f"model            {model.hparams.describe()} ({model_name(options)})")
     print(f"cache            {options.parallel} cells, {options.dtype} states, n_ubatch {options.ubatch}")
     print(f"clients          {options.clients} conversations of {TURNS} turns ({options.parallel} requests at a time), "
           f"{N_SYSTEM_PROMPTS} shared system prompts, {options.n_predict} tokens generated per turn")
-    print(f"prefix cache     block_size {BLOCK_SIZE}, max_bytes {MAX_BYTES / 2**20:g} MiB: {stats['snapshots']} snapshots "
+    print(f"prefix cache     block_size {BLOCK_SIZE}, max_bytes {MAX_BYTES / 2**20:g} MiB: "
+          f"{stats['snapshots']} snapshots "
           f"held, {stats['saves']} saves, {stats['evictions']} evicted")
     print(f"hit rate         {hits} of {n_requests} requests restored a prefix ({100.0 * hits / n_requests:.0f}%)")
     if store is not None:

@@ -78,7 +78,8 @@ import heapq
 import itertools
 from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
 
 __all__ = ["Store", "StoreCounters"]
 

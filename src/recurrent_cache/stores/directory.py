@@ -41,7 +41,8 @@ import re
 import secrets
 import struct
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import ArgumentError
 from .base import StoreCounters

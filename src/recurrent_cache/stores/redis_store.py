@@ -4,7 +4,8 @@ Each entry (a 'ggsq' file and its 32-byte trailer, snapshot.py) is one string
 value under ``prefix + key``.  ``get_many`` is one ``MGET``; ``get_first`` is
 one server-side script that finds the first key of the list that exists and
 one ``GET`` of that key: a lookup of every candidate prefix length is two
-round trips that carry one value (a miss: one round trip).  ``SET`` replaces a value atomically: a reader sees the old entry
+round trips that carry one value (a miss: one round trip).  ``SET`` replaces a value atomically: a
+reader sees the old entry
 or the new one, and a writer killed in the middle of sending a value leaves
 nothing (the server drops an incomplete command).
 
@@ -35,7 +36,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import ArgumentError
 from .base import StoreCounters
@@ -158,14 +160,16 @@ class RedisStore:
         start = 0
         while start < len(keys):
             rest = keys[start:]
-            found = self._call("EVALSHA", lambda: self._first_present(keys=[self.prefix + key for key in rest]))
+            names = [self.prefix + key for key in rest]
+            found = self._call("EVALSHA", lambda names=names: self._first_present(keys=names))
             if not found:
                 # a failed call is a miss for every key; so is an answer of 0
                 self._counters.add(misses=len(rest))
                 return None
             index = int(found) - 1
             self._counters.add(misses=index)
-            value = self._call("GET", lambda: self._client.get(self.prefix + rest[index]))
+            name = names[index]
+            value = self._call("GET", lambda name=name: self._client.get(name))
             if value is not None and check_entry(rest[index], value):
                 self._counters.add(hits=1, bytes_read=len(value))
                 return start + index, value

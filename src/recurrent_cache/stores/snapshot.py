@@ -28,7 +28,8 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
