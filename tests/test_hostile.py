@@ -274,3 +274,13 @@ def test_api_fuzzer_finds_no_crash_no_disagreement_no_change_on_rejection(seed):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     assert "no crash, no disagreement" in result.stdout
+
+
+@pytest.mark.parametrize("fuzzer, args", [("fuzz_state_read.py", ["--engine", "random", "--runs", "400"]),
+                                          ("fuzz_files.py", ["--runs", "200", "--seed", "1"])])
+def test_the_file_fuzzers_run_clean(fuzzer, args):
+    """Short runs of the blob and file fuzzers, so they cannot rot (long runs: their docstrings)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "fuzz" / fuzzer
+    result = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    assert "no failure" in result.stdout or "failures 0" in result.stdout, result.stdout[-2000:]

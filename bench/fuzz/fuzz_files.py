@@ -32,7 +32,6 @@ ends with the count of inputs tried per surface.
 from __future__ import annotations
 
 import argparse
-import functools
 import base64
 import collections
 import faulthandler
@@ -41,12 +40,10 @@ import random
 import re
 import struct
 import sys
-import types
 import tempfile
 import threading
 from pathlib import Path
 
-import numpy as np
 
 try:
     import atheris
@@ -54,7 +51,8 @@ except ImportError:   # the random engine needs nothing else
     atheris = None
 
 import recurrent_cache
-from recurrent_cache import Batch, RecurrentCacheError, blob_report, load_seq_file
+from caches import ENGINES, populate, snapshot  # bench/fuzz/caches.py, beside this script
+from recurrent_cache import RecurrentCacheError, blob_report, load_seq_file
 from recurrent_cache.state_format import CacheShape, parse_blob, parse_seq_file_header, read_rest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,35 +70,13 @@ MAX_BUILT_SIZE = 4096   # inspect's smallest cache is built and read into up to 
 
 
 
-def on_engine(engine: str) -> types.SimpleNamespace:
-    """The package with its caches on ``engine``."""
-    return types.SimpleNamespace(RecurrentCache=functools.partial(recurrent_cache.RecurrentCache, engine=engine))
-
-def populate(rc, config):
-    """A cache with forks, a removal and distinct rows; the same for both implementations."""
-    n_layer, n_embd_r, n_embd_s, size, dtype_r, dtype_s = config
-    cache = rc.RecurrentCache(n_layer, n_embd_r, n_embd_s, n_seq_max=size, dtype_r=dtype_r, dtype_s=dtype_s)
-    for seq in range(size):
-        for _ in cache.init_batch(Batch(token=[1, 2], pos=[0, 1], seq_id=[seq, seq])):
-            pass
-    cache.seq_rm(1 % size, -1, -1)
-    cache.seq_cp(size - 1, 0, -1, -1)
-    for k, tensor in enumerate(list(cache.r) + list(cache.s)):
-        tensor[...] = ((np.arange(tensor.size).reshape(tensor.shape) + 5 * k) % 23 - 11) / 4
-    return cache
-
-
-def snapshot(cache):
-    return (cache.head, cache.used, cache.n, [cache.cell(i) for i in range(cache.size)],
-            [tensor.view("u1").tobytes() for tensor in list(cache.r) + list(cache.s)])
-
 
 class Target:
     """One configuration: a compiled and a reference cache in the same state."""
 
     def __init__(self, config):
         self.config = config
-        self.caches = [populate(on_engine(engine), config) for engine in ("compiled", "reference")]
+        self.caches = [populate(engine, config) for engine in ENGINES]
         self.baseline = self.caches[0].state_write()
         for cache in self.caches:   # rows of empty cells are zeroed by a whole-cache read: start from one
             cache.state_read(self.baseline)
@@ -212,7 +188,7 @@ def test_one_input(data: bytes, pipe: bool = False) -> None:
         if not isinstance(core, str):
             accepted = True
             tokens, start = parse_seq_file_header(content)
-            memory = populate(recurrent_cache, target.config)
+            memory = populate("compiled", target.config)
             memory.state_read(target.baseline)   # the state the target caches started from
             memory.state_read(content[start:], seq_id)
             assert snapshot(memory) == core, "load_seq_file and state_read of the same blob differ"

@@ -26,24 +26,21 @@ runs", the random engine with the count of inputs tried.
 from __future__ import annotations
 
 import argparse
-import functools
 import base64
 import gzip
 import json
 import random
 import sys
-import types
 from pathlib import Path
 
-import numpy as np
 
 try:
     import atheris
 except ImportError:   # the random engine needs nothing else
     atheris = None
 
-import recurrent_cache
-from recurrent_cache import Batch, RecurrentCacheError
+from caches import ENGINES, populate, snapshot  # bench/fuzz/caches.py, beside this script
+from recurrent_cache import RecurrentCacheError
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "tests" / "data"   # the conformance data recorded from llama.cpp
@@ -58,36 +55,13 @@ CONFIGS = [
 
 
 
-def on_engine(engine: str) -> types.SimpleNamespace:
-    """The package with its caches on ``engine``."""
-    return types.SimpleNamespace(RecurrentCache=functools.partial(recurrent_cache.RecurrentCache, engine=engine))
-
-def populate(rc, config):
-    """A cache with forks, removals and distinct rows; the same for both implementations."""
-    n_layer, n_embd_r, n_embd_s, size, dtype_r, dtype_s = config
-    cache = rc.RecurrentCache(n_layer, n_embd_r, n_embd_s, n_seq_max=size, dtype_r=dtype_r, dtype_s=dtype_s)
-    for seq in range(size):
-        for _ in cache.init_batch(Batch(token=[1, 2], pos=[0, 1], seq_id=[seq, seq])):
-            pass
-    cache.seq_rm(1 % size, -1, -1)
-    cache.seq_cp(size - 1, 0, -1, -1)
-    for k, tensor in enumerate(list(cache.r) + list(cache.s)):
-        # distinct rows, exact in every dtype
-        tensor[...] = ((np.arange(tensor.size).reshape(tensor.shape) + 5 * k) % 23 - 11) / 4
-    return cache
-
-
-def snapshot(cache):
-    return (cache.head, cache.used, cache.n, [cache.cell(i) for i in range(cache.size)],
-            [tensor.view("u1").tobytes() for tensor in list(cache.r) + list(cache.s)])
-
 
 class Target:
     """One configuration: a compiled and a reference cache in the same state."""
 
     def __init__(self, config):
         self.config = config
-        self.caches = [populate(on_engine(engine), config) for engine in ("compiled", "reference")]
+        self.caches = [populate(engine, config) for engine in ENGINES]
         self.baseline = self.caches[0].state_write()
         assert self.baseline == self.caches[1].state_write()
 
