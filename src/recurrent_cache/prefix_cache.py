@@ -426,9 +426,10 @@ class PrefixCache:
         node = self._root
         nodes = [node]
         for q in range(n_tokens // self.block_size):
-            node = node.children.get(data[q * step:(q + 1) * step])
-            if node is None:
+            child = node.children.get(data[q * step:(q + 1) * step])
+            if child is None:
                 break
+            node = child
             nodes.append(node)
         return nodes
 
@@ -524,6 +525,7 @@ class PrefixCache:
     def _add(self, data: bytes, n_tokens: int, slot: int, kind: str) -> _Snapshot:
         """A new snapshot (or ghost, ``slot = -1``) of ``data`` in the trie."""
         node, tail = self._path(data, n_tokens, create=True)
+        assert node is not None   # create=True makes the path
         snapshot = _Snapshot(slot, n_tokens, node, tail, kind)
         node.tails[tail] = snapshot
         r = len(tail) // 4
@@ -533,9 +535,10 @@ class PrefixCache:
         node.tail_counts[r] += 1
         if tail:
             node.add_continuation(tail)
-        while node is not None:
-            node.count += 1
-            node = node.parent
+        up: _Node | None = node
+        while up is not None:
+            up.count += 1
+            up = up.parent
         return snapshot
 
     def _remove(self, snapshot: _Snapshot) -> None:
@@ -548,13 +551,14 @@ class PrefixCache:
             node.tail_lengths.remove(r)
         if tail:
             node.remove_continuation(tail)
-        while node is not None:
-            node.count -= 1
-            parent = node.parent
-            if node.count == 0 and parent is not None:
-                del parent.children[node.block]
-                parent.remove_continuation(node.block)
-            node = parent
+        up: _Node | None = node
+        while up is not None:
+            up.count -= 1
+            parent = up.parent
+            if up.count == 0 and parent is not None:
+                del parent.children[up.block]
+                parent.remove_continuation(up.block)
+            up = parent
         self._release_slot(snapshot)
 
     def _take_slot(self, snapshot: _Snapshot) -> int:

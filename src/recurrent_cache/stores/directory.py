@@ -66,7 +66,7 @@ class DirectoryStore:
     the write, and never raises into the serving loop.
     """
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes < 1):
             raise ArgumentError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r}")
@@ -169,13 +169,15 @@ class DirectoryStore:
             return None
         except OSError as exc:
             if exc.errno == errno.EINVAL:    # not a link: something else wrote there
-                return self._damaged(key, link, None)
+                self._damaged(key, link, None)
+                return None
             self._error(f"cannot read {link}", exc)
             self._counters.add(misses=1)
             return None
         match = _DATA.match(target)
         if match is None or match.group(1) != digest:
-            return self._damaged(key, link, None)
+            self._damaged(key, link, None)
+            return None
         data_path = os.path.join(self.path, target)
         try:
             with open(data_path, "rb", buffering=0) as file:
@@ -199,10 +201,12 @@ class DirectoryStore:
             self._counters.add(misses=1)
             return None
         if done != size:
-            return self._damaged(key, link, data_path)
+            self._damaged(key, link, data_path)
+            return None
         view[size:] = make_trailer(int(match.group(2), 16), size, bytes.fromhex(digest))
         if not check_entry(key, entry):
-            return self._damaged(key, link, data_path)
+            self._damaged(key, link, data_path)
+            return None
         self._counters.add(hits=1, bytes_read=len(entry))
         return entry
 

@@ -33,11 +33,12 @@ Needs the ``redis`` client package: ``pip install 'recurrent_cache[redis]'``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
-from collections.abc import Sequence
 
 from ..errors import ArgumentError
 from .base import StoreCounters
@@ -58,7 +59,7 @@ return 0
 """
 
 
-def _import_redis():
+def _import_redis() -> Any:
     try:
         import redis
         import redis.backoff
@@ -161,7 +162,7 @@ class RedisStore:
         while start < len(keys):
             rest = keys[start:]
             names = [self.prefix + key for key in rest]
-            found = self._call("EVALSHA", lambda names=names: self._first_present(keys=names))
+            found = self._call("EVALSHA", functools.partial(self._first_present, keys=names))
             if not found:
                 # a failed call is a miss for every key; so is an answer of 0
                 self._counters.add(misses=len(rest))
@@ -169,7 +170,7 @@ class RedisStore:
             index = int(found) - 1
             self._counters.add(misses=index)
             name = names[index]
-            value = self._call("GET", lambda name=name: self._client.get(name))
+            value = self._call("GET", functools.partial(self._client.get, name))
             if value is not None and check_entry(rest[index], value):
                 self._counters.add(hits=1, bytes_read=len(value))
                 return start + index, value
@@ -210,7 +211,7 @@ class RedisStore:
 
     # -- failures ---------------------------------------------------------------------
 
-    def _call(self, what: str, command):
+    def _call(self, what: str, command: Callable[[], Any]) -> Any:
         """Run ``command``; None (counted, logged once) if the server is down or refuses it."""
         if time.monotonic() < self._down_until:
             return None

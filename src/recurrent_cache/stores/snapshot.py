@@ -57,7 +57,8 @@ def _row_dtype(name: str) -> np.dtype:
     if name == "bf16":
         try:
             import ml_dtypes
-            return np.dtype(ml_dtypes.bfloat16)
+            bf16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+            return bf16
         except ImportError:   # the cache then holds raw uint16 bits, and so do we
             return np.dtype(np.uint16)
     return np.dtype({"f32": "<f4", "f16": "<f2"}[name])
@@ -199,6 +200,7 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
     ggsq_length = _FILE_HEADER.size + 4 * n_tokens + geometry.blob_size()
     entry = bytearray(ggsq_length + TRAILER_SIZE)
     view = memoryview(entry)
+    entry_bytes = np.frombuffer(entry, dtype=np.uint8)   # the same memory, for numpy's row copies
     _FILE_HEADER.pack_into(entry, 0, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, n_tokens)
     offset = _FILE_HEADER.size
     view[offset:offset + 4 * n_tokens] = token_array.tobytes()
@@ -211,7 +213,7 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
         for row in rows:
             _TENSOR_HEADER.pack_into(entry, offset, type_id, row_bytes)
             offset += _TENSOR_HEADER.size
-            view[offset:offset + row_bytes] = row.view(np.uint8).reshape(-1)
+            entry_bytes[offset:offset + row_bytes] = row.view(np.uint8).reshape(-1)
             offset += row_bytes
     view[offset:] = make_trailer(zlib.crc32(view[:offset]), offset, key_digest(key))
     return entry
@@ -228,7 +230,7 @@ def entry_ggsq_length(key: str, entry: Any) -> int | None:
     magic, _, length, digest = _TRAILER.unpack_from(view, len(view) - TRAILER_SIZE)
     if magic != TRAILER_MAGIC or length != len(view) - TRAILER_SIZE or digest != key_digest(key):
         return None
-    return length
+    return int(length)
 
 
 def check_entry(key: str, entry: Any) -> bool:
@@ -238,7 +240,7 @@ def check_entry(key: str, entry: Any) -> bool:
         return False
     view = memoryview(entry).cast("B")
     (crc,) = struct.unpack_from("<I", view, length + 4)
-    return zlib.crc32(view[:length]) == crc
+    return bool(zlib.crc32(view[:length]) == crc)
 
 
 def decode_snapshot(entry: Any, key: str, geometry: Geometry, tokens: Any, *,
@@ -302,7 +304,9 @@ def sequence_rows(cache: Any, seq: int) -> tuple[list[np.ndarray], list[np.ndarr
     if tail < 0:
         raise ArgumentError(f"sequence {seq} holds no cell: there is no state to snapshot")
     src = cache.cell(tail)[1]
-    take = (lambda rows: rows[src].copy()) if src >= 0 else (lambda rows: np.zeros_like(rows[0]))
+    def take(rows: np.ndarray) -> np.ndarray:
+        return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
+
     return ([take(cache.r[il]) for il in range(cache.n_layer)],
             [take(cache.s[il]) for il in range(cache.n_layer)])
 
@@ -318,4 +322,4 @@ def restore_rows(cache: Any, seq: int, n_tokens: int, r_rows: Sequence[np.ndarra
     for il in range(cache.n_layer):
         cache.r[il][row].view(np.uint8)[...] = np.asarray(r_rows[il]).view(np.uint8)
         cache.s[il][row].view(np.uint8)[...] = np.asarray(s_rows[il]).view(np.uint8)
-    return row
+    return int(row)
