@@ -1,7 +1,7 @@
-"""Replay every script of ../shared/vectors/golden.jsonl through both implementations.
+"""Replay every script of tests/data/golden.jsonl.gz through both engines.
 
 Each op's result, the cell table, head, used and a hash of every state row
-must equal the record (format: ../shared/vectors/README.md §1).  This package
+must equal the record (format: tests/data/README.md §1).  This package
 raises at the lenient ops that would change the cache, so scripts marked
 ``raise_variant`` continue on their record in golden_lenient_raise.jsonl.
 """

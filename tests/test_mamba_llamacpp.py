@@ -1,6 +1,6 @@
 """The numpy Mamba model on the cache reproduces llama.cpp's own runs of tiny-mamba.gguf.
 
-Replays ../shared/vectors/llamacpp_model_runs.jsonl as that folder's README §4
+Replays tests/data/llamacpp_model_runs.jsonl.gz as tests/data/README.md §4
 describes: every decode step goes through ``init_batch(..., logits_all=True)``
 and ``MambaModel.forward``; each recorded logit must match to 1e-5, the cell
 table must equal llama.cpp's after every step, and the state rows must hold
