@@ -242,6 +242,69 @@ def test_a_path_that_is_not_a_path_is_refused(bad):
         DirectoryStore(bad)
 
 
+# -- RedisStore options --------------------------------------------------------------------
+
+REFUSED_OPTIONS = [
+    dict(url=b"redis://localhost"), dict(url=None),
+    dict(prefix=b"bytes:"), dict(prefix=None), dict(prefix=7), dict(prefix="lone\udcff surrogate:"),
+    dict(timeout=0), dict(timeout=0.05), dict(timeout=-1), dict(timeout=float("inf")), dict(timeout=float("nan")),
+    dict(timeout=1e7), dict(timeout="1"), dict(timeout=True), dict(timeout=None),
+    dict(ttl=0), dict(ttl=0.0004), dict(ttl=-1), dict(ttl=float("inf")), dict(ttl=float("nan")), dict(ttl=1e10),
+    dict(ttl=1e300), dict(ttl="1"), dict(ttl=True),
+    dict(retry_after=-1), dict(retry_after=float("inf")), dict(retry_after=float("nan")), dict(retry_after=1e6),
+    dict(retry_after="0"), dict(retry_after=False),
+]
+
+
+@pytest.mark.parametrize("option", REFUSED_OPTIONS, ids=repr)
+def test_redis_options_it_cannot_use_are_refused_at_construction_naming_the_value(option):
+    (name, value), = option.items()
+    arguments = {"url": "redis://localhost", **option}
+    with pytest.raises(rc.ArgumentError) as refused:
+        rc.stores.RedisStore(arguments.pop("url"), **arguments)
+    assert name in str(refused.value) and repr(value) in str(refused.value)
+
+
+ACCEPTED_EDGES = [dict(timeout=0.1), dict(timeout=86400), dict(timeout=np.float64(2.5)), dict(retry_after=0),
+                  dict(retry_after=86400), dict(ttl=None), dict(ttl=1e9), dict(ttl=np.int64(60)), dict(prefix=""),
+                  dict(prefix="ünï cödé → 键:"), dict(prefix="p" * 10000)]
+
+
+@pytest.mark.parametrize("option", ACCEPTED_EDGES, ids=repr)
+def test_every_redis_option_value_accepted_works_against_a_server(redis_server, option):
+    store = rc.stores.RedisStore(redis_server.url, **option)
+    geometry, entries = small_entries(3)
+    for key, _, entry in entries:
+        assert store.put(key, entry) is True
+    index, found = store.get_first([key for key, _, _ in entries[::-1]])
+    assert (index, bytes(found)) == (0, bytes(entries[-1][2]))
+    assert [bytes(v) for v in store.get_many([key for key, _, _ in entries])] == [e for _, _, e in entries]
+    stats = store.stats()
+    assert stats["up"] and stats["errors"] == 0 and stats["puts"] == 3
+    name = (store.prefix + entries[0][0]).encode()
+    assert redis_server.client().get(name) == entries[0][2]
+    if option.get("ttl"):
+        assert abs(redis_server.client().pttl(name) - 1000 * option["ttl"]) < 60_000
+
+
+def test_the_shortest_ttl_accepted_expires_its_entry(redis_server):
+    store = rc.stores.RedisStore(redis_server.url, ttl=0.001)
+    key, entry, _ = numbered_entry(1, 4)
+    assert store.put(key, entry) is True
+    time.sleep(0.1)
+    assert store.get_first([key]) is None and store.stats()["errors"] == 0
+
+
+def test_redis_put_does_not_rewrite_an_entry_that_is_there(redis_server):
+    store = rc.stores.RedisStore(redis_server.url)
+    key, (first, second) = different_entries(2)
+    assert store.put(key, first) is True
+    assert store.put(key, second) is False          # SET NX: the entry there stays
+    assert bytes(store.get_first([key])[1]) == first
+    stats = store.stats()
+    assert (stats["puts"], stats["put_skipped"], stats["bytes_written"]) == (1, 1, len(first))
+
+
 def _worker(argv: list[str]) -> int:
     role, spec, key, entries_dir, rounds, start = argv
     assert role == "race"
