@@ -31,8 +31,11 @@ from recurrent_cache.stores import DirectoryStore, Geometry, encode_snapshot, op
 from recurrent_cache.stores.snapshot import key_digest
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-from test_stores_shared import StoreKind, numbered_entry, redis_server, small_entries  # noqa: E402,F401
+sys.path.insert(0, str(HERE.parent))   # for the worker process, which is not run by pytest
+import test_stores_shared  # noqa: E402
+from test_stores_shared import StoreKind, numbered_entry, small_entries  # noqa: E402
+
+redis_server = test_stores_shared.redis_server   # the fixture, shared
 
 
 def data_file(store: DirectoryStore, key: str) -> Path:
