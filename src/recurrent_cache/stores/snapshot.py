@@ -112,7 +112,8 @@ class Geometry:
         """Length of a one-cell sequence blob (SPEC §5) of this geometry."""
         return _BLOB_HEADER.size + 2 * self.n_layer * _TENSOR_HEADER.size + self.state_bytes
 
-    def _describe(self) -> bytes:
+    def key_fields(self) -> bytes:
+        """The geometry as it is hashed into a snapshot key."""
         return (f"n_layer={self.n_layer};n_embd_r={self.n_embd_r};n_embd_s={self.n_embd_s};"
                 f"dtype_r={self.dtype_r};dtype_s={self.dtype_s}").encode()
 
@@ -164,7 +165,7 @@ def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequen
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= n_tokens:
             raise ArgumentError(f"prefix length {n!r} is outside [0, {n_tokens}]")
     running = hashlib.sha256()
-    for part in (namespace.encode("utf-8", "surrogatepass"), geometry._describe()):
+    for part in (namespace.encode("utf-8", "surrogatepass"), geometry.key_fields()):
         running.update(struct.pack("<Q", len(part)))
         running.update(part)
     keys: dict[int, str] = {}
