@@ -330,7 +330,7 @@ class DirectoryStore:
                 linked.add(os.readlink(os.path.join(self.path, name)))
         kept = []
         for mtime, size, name in data:
-            if name not in linked and now - mtime > STALE_SECONDS:
+            if name not in linked and now - mtime > STALE_SECONDS and self._still_stale(name, now):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.path, name))
                 total -= size
@@ -360,6 +360,20 @@ class DirectoryStore:
         self._last_total = total
         self._written_since_scan = 0
         return total, count
+
+    def _still_stale(self, name: str, now: float) -> bool:
+        """Whether the orphan ``name`` is still an old file no link points to, just before it is removed.
+
+        Since the scan listed it, a writer may have written it again (a fresh file under the
+        same name) and linked to it: such a file is young now, or linked, and is kept.
+        """
+        try:
+            young = now - os.lstat(os.path.join(self.path, name)).st_mtime <= STALE_SECONDS
+            return not young and os.readlink(os.path.join(self.path, name[:32] + ".ggsq")) != name
+        except FileNotFoundError:
+            return True    # gone already, or no link under its digest
+        except OSError:
+            return True    # its digest's name is not a link: nothing of the store links to it
 
     def _error(self, what: str, exc: OSError) -> None:
         self._counters.add(errors=1)
