@@ -67,9 +67,20 @@ is one encode and one put per new snapshot.  A snapshot whose write the
 store did not confirm (it was down, or had the entry already) is offered
 again when it is evicted (``_spill``).  ``restore`` asks the store, in one
 lookup, for the longest candidate length beyond what memory holds — the
-block grid and the junctions this process knows, longest first — and
-promotes a hit into memory (``_fetch``).  A store that fails is a miss; a
-damaged or foreign entry is a miss counted in ``stats()``.
+block grid and the junctions this process knows, longest first, keyed by
+one hash of the prompt (``_fetch``) — places the hit and then promotes it
+into memory (``_promote``).  A store that fails is a miss; a damaged or
+foreign entry is a miss counted in ``stats()``.
+
+Cost.  ``match``, ``plan``, ``restore`` and ``save`` cost time and memory in
+proportion to the prompt (and the snapshots held), never to ``block_size``:
+the junction comparison spans at most the prompt, and nothing is padded to
+a block.  ``bench/prefix_cost.py`` has the figures.
+
+Failures.  ``save`` reads the cache before it changes anything, and
+``restore`` changes the prefix cache only once the sequence holds its state:
+a call that raises (``UsageError``: another thread is inside the cache)
+leaves the snapshots, their order and the stats as they were.
 """
 
 from __future__ import annotations

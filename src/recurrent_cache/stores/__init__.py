@@ -9,7 +9,7 @@ or another replica, restores a prefix instead of recomputing it.
 Entries and keys (``snapshot.py``)::
 
     geometry = Geometry.of(cache)                       # layers, row widths, dtypes
-    key = snapshot_key(namespace, geometry, tokens)      # "rc1:" + sha256
+    key = snapshot_key(namespace, geometry, tokens)      # "rc2:" + sha256 (prefix_keys: every prefix, one hash)
     entry = encode_snapshot(key, tokens, r_rows, s_rows, geometry)   # ggsq file + 32-byte trailer
     rows = decode_snapshot(entry, key, geometry, tokens)            # (r_rows, s_rows) or None
 
@@ -30,8 +30,11 @@ The interface the prefix cache calls (every store implements it):
 ``store.get_many(keys) -> list[entry | None]``
     Every key's entry, in one round trip (Redis ``MGET``).
 ``store.put(key, entry) -> bool``
-    Store an entry made by ``encode_snapshot`` under the same key (atomic
-    replace). False when it was there already or the store failed.
+    Store an entry made by ``encode_snapshot`` under the same key, whole or
+    not at all.  True: the key reads back a complete entry until it is
+    evicted, whatever other writers of the key do.  False when it was there
+    already (a directory: this very entry; Redis: any entry of the key) or
+    the store failed.
 ``store.stats() -> dict``
     ``lookups`` (calls), ``hits`` / ``misses`` / ``damaged`` (keys), ``errors``,
     ``puts``, ``put_skipped``, ``bytes_read``, ``bytes_written``, and what the
