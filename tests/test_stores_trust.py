@@ -74,6 +74,15 @@ def test_a_fifo_named_like_an_entry_file_is_a_miss_not_a_read_that_blocks(tmp_pa
     assert bytes(store.get_first([other])[1]) == other_entry
 
 
+def test_a_fifo_where_an_entry_link_should_be_is_a_miss_and_left_alone(tmp_path):
+    store = DirectoryStore(tmp_path)
+    key, entry, _ = numbered_entry(1, 4)
+    link = Path(store.path) / f"{key_digest(key).hex()}.ggsq"
+    os.mkfifo(link)
+    finished, found = read_in_thread(store, key)
+    assert finished and found is None and store.stats()["damaged"] == 1 and link.is_fifo()
+
+
 @pytest.mark.parametrize("grown", ["sparse tail", "link to a large file elsewhere"])
 def test_a_file_far_larger_than_its_entry_is_a_miss_not_read_whole(tmp_path, grown):
     store = DirectoryStore(tmp_path / "store")
@@ -129,6 +138,8 @@ def test_the_sweep_leaves_files_it_did_not_write(tmp_path):
         f".{digest}.{'AB' * 8}.tmp": "file",                  # upper-case hex: not the store's
         f".{digest}.{'ab' * 8}.lnk": "file",                  # the store's .lnk are symbolic links
         f".{digest}.{'cd' * 8}.tmp": "directory",
+        f".{digest}.{'ef' * 8}.tmp": "fifo",                  # the store's .tmp are regular files
+        f"{'12' * 16}.0badf00d.ggsq": "fifo",                 # an orphan's name, not a file the store wrote
         f"{digest}.0badf00d.ggsq.orig": "file",
         f"{'ef' * 16}.ggsq": "file",                          # a link name holding a regular file
         "notes.txt": "file",
@@ -140,6 +151,8 @@ def test_the_sweep_leaves_files_it_did_not_write(tmp_path):
             path.write_bytes(b"someone else's data")
         elif what == "symlink":
             os.symlink("notes.txt", path)
+        elif what == "fifo":
+            os.mkfifo(path)
         else:
             path.mkdir()
     (tmp_path / own[0]).write_bytes(b"a dead writer's")
