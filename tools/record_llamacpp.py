@@ -176,18 +176,44 @@ def write_jamba_gguf(path: Path, shape: JambaShape) -> None:
 
 @dataclass(frozen=True)
 class Scenario:
-    """A model, the context settings, and what is decoded."""
+    """A model, the context settings, and what is decoded.
+
+    Sequences 0..len(prompts)-1 decode their prompts in one batch, then
+    ``steps``; then ``llama_memory_seq_cp`` forks ``fork[0]`` into
+    ``fork[1]`` (the two share one recurrent cell: whole-context blobs list a
+    cell with two seq ids); the last sequence id stays empty.  No fork with
+    one KV stream per sequence: llama.cpp copies a KV stream's rows to
+    another only at the next decode, so a state written right after such a
+    ``seq_cp`` holds the destination stream's old rows, not the fork's.
+    """
 
     name: str
     model: str                        # "mamba" (the package's GGUF) or "jamba" (written here)
     arch: str
     flash_attn: bool = False          # off: the KV cache stores V transposed (v_trans 1)
     kv_unified: bool = False          # off: one KV stream per sequence (n_stream = n_seq_max)
-    n_seq_max: int = 4                # sequences 0..2 are decoded, 3 stays empty
-    n_ctx: int = 256
     prompts: tuple[tuple[int, ...], ...] = ()
-    steps: tuple[tuple[int, ...], ...] = ()          # per step, one token per sequence
-    continuation: tuple[tuple[int, ...], ...] = ()   # per sequence, the tokens continued after the blobs
+    steps: tuple[tuple[int, ...], ...] = ()          # per step, one token per decoded sequence
+    continuation: tuple[tuple[int, ...], ...] = ()   # per sequence (the fork's too), continued after the blobs
+    fork: tuple[int, int] | None = (0, 3)
+
+    @property
+    def n_seq_max(self) -> int:
+        return len(self.prompts) + (2 if self.fork else 1)   # the fork and one empty sequence
+
+    @property
+    def n_ctx(self) -> int:
+        return 256 * self.n_seq_max    # llama.cpp pads each sequence's KV stream to 256 cells
+
+    @property
+    def sequences(self) -> list[int]:
+        """The sequence ids that hold a state after the fork."""
+        decoded = list(range(len(self.prompts)))
+        return [*decoded, self.fork[1]] if self.fork else decoded
+
+    @property
+    def empty_seq(self) -> int:
+        return self.n_seq_max - 1
 
 
 def _text_tokens(text: str) -> tuple[int, ...]:
@@ -196,16 +222,16 @@ def _text_tokens(text: str) -> tuple[int, ...]:
 
 MAMBA_PROMPTS = (_text_tokens("def"), _text_tokens("class"), _text_tokens("import "))
 MAMBA_STEPS = (_text_tokens("(e "), _text_tokens("):o"))
-MAMBA_CONTINUATION = (_text_tokens("f("), _text_tokens("\n "), _text_tokens("ys"))
+MAMBA_CONTINUATION = (_text_tokens("f("), _text_tokens("\n "), _text_tokens("ys"), _text_tokens("in"))
 HYBRID_PROMPTS = ((5, 17, 42), (1, 2, 3, 60, 33), (63, 0, 9, 9, 12, 50, 7))
 HYBRID_STEPS = ((11, 22, 33), (44, 55, 6))
-HYBRID_CONTINUATION = ((8, 16), (24, 32), (40, 48))
+HYBRID_CONTINUATION = ((8, 16), (24, 32), (40, 48), (56, 1))
 
 SCENARIOS = (
     Scenario("mamba", "mamba", "mamba", prompts=MAMBA_PROMPTS, steps=MAMBA_STEPS,
              continuation=MAMBA_CONTINUATION),
     Scenario("jamba", "jamba", "jamba", flash_attn=False, kv_unified=False, prompts=HYBRID_PROMPTS,
-             steps=HYBRID_STEPS, continuation=HYBRID_CONTINUATION),
+             steps=HYBRID_STEPS, continuation=HYBRID_CONTINUATION[:3], fork=None),
     Scenario("jamba_fa_unified", "jamba", "jamba", flash_attn=True, kv_unified=True, prompts=HYBRID_PROMPTS,
              steps=HYBRID_STEPS, continuation=HYBRID_CONTINUATION),
 )
@@ -225,16 +251,19 @@ def _llama() -> Any:
 
 
 _LOG_CALLBACK: Any = None
+LOGGED_ERRORS: list[str] = []   # llama.cpp's error lines since quiet_logs(); --check reports them per file
 
 
 def quiet_logs() -> None:
-    """Drop llama.cpp's info and debug lines; warnings and errors still go to stderr."""
+    """Drop llama.cpp's info and debug lines; warnings go to stderr, errors to stderr and LOGGED_ERRORS."""
     global _LOG_CALLBACK
     lc = _llama()
 
     def log(level: int, text: bytes, _user: Any) -> None:
         if level in (3, 4):   # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
             sys.stderr.write(text.decode(errors="replace"))
+        if level == 4:
+            LOGGED_ERRORS.append(text.decode(errors="replace").strip())
 
     _LOG_CALLBACK = lc.llama_log_callback(log)   # kept alive: llama.cpp calls it later
     lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
@@ -308,6 +337,10 @@ class Context:
                 row = lc.llama_get_logits_ith(self.handle, i)
                 logits.append([float(row[j]) for j in range(self.model.n_vocab)])
         return logits
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        lc = _llama()
+        lc.llama_memory_seq_cp(lc.llama_get_memory(self.handle), src, dst, -1, -1)
 
     # the state API: every call returns what llama.cpp returned, with the bytes where there are some
     def seq_get(self, seq: int, flags: int = 0) -> bytes:
@@ -524,15 +557,17 @@ def _continue_one(ctx: Context, seq: int, start_pos: int, tokens: tuple[int, ...
 
 def _continue_all(ctx: Context, scenario: Scenario, next_pos: list[int]) -> list[list[list[float]]]:
     """Continue every sequence in one batch per step; per sequence, the logits of each step."""
-    per_seq: list[list[list[float]]] = [[] for _ in scenario.prompts]
+    seqs = scenario.sequences
+    per_seq: list[list[list[float]]] = [[] for _ in seqs]
     for k in range(len(scenario.continuation[0])):
-        entries = [(scenario.continuation[s][k], next_pos[s] + k, s, True) for s in range(len(scenario.prompts))]
-        for s, logits in enumerate(ctx.decode(entries)):
-            per_seq[s].append(logits)
+        entries = [(scenario.continuation[i][k], next_pos[i] + k, seq, True) for i, seq in enumerate(seqs)]
+        for i, logits in enumerate(ctx.decode(entries)):
+            per_seq[i].append(logits)
     return per_seq
 
 
 def _artifact(out: Path, scenario: Scenario, name: str, kind: str, data: bytes, **extra: Any) -> dict[str, Any]:
+    """Write ``data`` as ``out/<scenario>/name`` and describe it, its layout checked by ``parse_layout``."""
     (out / scenario.name / name).write_bytes(data)
     layout = parse_layout(kind, data, memory_shape(scenario))
     return {"file": f"{scenario.name}/{name}", "kind": kind, "n_bytes": len(data), "sha256": _sha256(data),
@@ -544,7 +579,8 @@ def record_scenario(scenario: Scenario, out: Path) -> dict[str, Any]:
     path = model_path(scenario, out)
     model = Model(path)
     (out / scenario.name).mkdir(parents=True, exist_ok=True)
-    n_seqs = len(scenario.prompts)
+    decoded = range(len(scenario.prompts))
+    seqs = scenario.sequences
     try:
         record: dict[str, Any] = {
             "scenario": scenario.name, "model": scenario.model, "model_file": _repo_relative(path),
@@ -554,28 +590,33 @@ def record_scenario(scenario: Scenario, out: Path) -> dict[str, Any]:
                         "type_k": "f16", "type_v": "f16"},
             "shape": _shape_record(scenario),
         }
-        tokens: list[list[int]] = [list(prompt) for prompt in scenario.prompts]
-        decodes = []
+        tokens: dict[int, list[int]] = {s: list(scenario.prompts[s]) for s in decoded}
+        ops: list[dict[str, Any]] = []
         with Context(model, scenario) as ctx:
             entries = [(token, pos, s, pos == len(prompt) - 1)
                        for s, prompt in enumerate(scenario.prompts) for pos, token in enumerate(prompt)]
-            decodes.append({"tokens": [list(e) for e in entries], "logits": ctx.decode(entries)})
+            ops.append({"op": "decode", "tokens": [list(e) for e in entries], "logits": ctx.decode(entries)})
             for step in scenario.steps:
-                entries = [(step[s], len(tokens[s]), s, True) for s in range(n_seqs)]
-                decodes.append({"tokens": [list(e) for e in entries], "logits": ctx.decode(entries)})
-                for s in range(n_seqs):
+                entries = [(step[s], len(tokens[s]), s, True) for s in decoded]
+                ops.append({"op": "decode", "tokens": [list(e) for e in entries], "logits": ctx.decode(entries)})
+                for s in decoded:
                     tokens[s].append(step[s])
-            next_pos = [len(t) for t in tokens]
+            if scenario.fork:
+                src, dst = scenario.fork
+                ctx.seq_cp(src, dst)
+                ops.append({"op": "seq_cp", "src": src, "dst": dst, "p0": -1, "p1": -1})
+                tokens[dst] = list(tokens[src])
+            next_pos = [len(tokens[s]) for s in seqs]
 
             seq_blobs = [_artifact(out, scenario, f"seq{s}.blob", "seq_blob", ctx.seq_get(s), seq_id=s, flags=0)
-                         for s in range(scenario.n_seq_max)]
+                         for s in [*seqs, scenario.empty_seq]]
             if memory_shape(scenario).has_kv:
                 seq_blobs += [_artifact(out, scenario, f"seq{s}.partial.blob", "seq_blob_partial",
                                         ctx.seq_get(s, PARTIAL_ONLY), seq_id=s, flags=PARTIAL_ONLY)
-                              for s in range(n_seqs)]
+                              for s in seqs]
             context_blob = _artifact(out, scenario, "context.blob", "context_blob", ctx.get())
             seq_files = []
-            for s in range(n_seqs):
+            for s in seqs:
                 file = out / scenario.name / f"seq{s}.ggsq"
                 size = ctx.seq_save_file(file, s, tokens[s])
                 if size != file.stat().st_size:
@@ -587,13 +628,13 @@ def record_scenario(scenario: Scenario, out: Path) -> dict[str, Any]:
                 raise RuntimeError("llama_state_save_file failed")
             session = _artifact(out, scenario, session_path.name, "session_file", session_path.read_bytes(),
                                 tokens=tokens[0])
-            reference = [_continue_one(ctx, s, next_pos[s], scenario.continuation[s]) for s in range(n_seqs)]
+            reference = [_continue_one(ctx, s, next_pos[i], scenario.continuation[i]) for i, s in enumerate(seqs)]
 
-        record.update(sequences=[{"seq_id": s, "tokens": tokens[s], "next_pos": next_pos[s],
-                                  "continuation": list(scenario.continuation[s]), "continuation_logits": reference[s]}
-                                 for s in range(n_seqs)],
-                      decodes=decodes, seq_blobs=seq_blobs, context_blob=context_blob, seq_files=seq_files,
-                      session_file=session)
+        record.update(sequences=[{"seq_id": s, "tokens": tokens[s], "next_pos": next_pos[i],
+                                  "continuation": list(scenario.continuation[i]),
+                                  "continuation_logits": reference[i]} for i, s in enumerate(seqs)],
+                      empty_seq_id=scenario.empty_seq, ops=ops, seq_blobs=seq_blobs, context_blob=context_blob,
+                      seq_files=seq_files, session_file=session)
         record["checks"] = _restore_checks(model, scenario, out, record)
     finally:
         model.close()
@@ -608,14 +649,16 @@ def _restore_checks(model: Model, scenario: Scenario, out: Path, record: dict[st
         if not result["accepted"]:
             raise RuntimeError(f"{scenario.name}: llama.cpp refused its own {what}: {result}")
     # a sequence restored into another sequence id (the blob's header names the source; llama.cpp ignores it)
-    moved_to = scenario.n_seq_max - 1
-    for s, seq in enumerate(record["sequences"]):
+    for seq in record["sequences"]:
         with Context(model, scenario) as ctx:
-            blob = (out / scenario.name / f"seq{s}.blob").read_bytes()
-            accepted = ctx.seq_set(blob, moved_to) == len(blob)
-            logits = _continue_one(ctx, moved_to, seq["next_pos"], scenario.continuation[s]) if accepted else None
-        checks.append({"what": f"seq{s}.blob into seq {moved_to}", "accepted": accepted,
+            blob = (out / scenario.name / f"seq{seq['seq_id']}.blob").read_bytes()
+            accepted = ctx.seq_set(blob, scenario.empty_seq) == len(blob)
+            logits = (_continue_one(ctx, scenario.empty_seq, seq["next_pos"], tuple(seq["continuation"]))
+                      if accepted else None)
+        checks.append({"what": f"seq{seq['seq_id']}.blob into seq {scenario.empty_seq}", "accepted": accepted,
                        "max_abs_diff": _max_diff(logits, seq["continuation_logits"]) if logits else None})
+        if not accepted:
+            raise RuntimeError(f"{scenario.name}: llama.cpp refused its own {checks[-1]['what']}")
     return checks
 
 
@@ -681,31 +724,34 @@ def check_directory_scenario(model: Model, scenario: Scenario, directory: Path,
     next_pos = [seq["next_pos"] for seq in sequences]
     reference = [seq["continuation_logits"] for seq in sequences]
     results: dict[str, dict[str, Any]] = {}
+    LOGGED_ERRORS.clear()
 
     def finish(name: str, accepted: bool, detail: dict[str, Any], logits: Any, ref: Any) -> None:
-        result = {"accepted": accepted, **detail}
+        result = {"accepted": accepted, **detail, "llama_errors": LOGGED_ERRORS[:]}
+        LOGGED_ERRORS.clear()
         if accepted:
             result["logits"] = logits
             result["max_abs_diff"] = _max_diff(logits, ref)
             result["max_abs_reference"] = float(np.max(np.abs(np.asarray(ref))))
         results[name] = result
 
-    for s in range(len(sequences)):
+    for i, seq in enumerate(sequences):
+        s, continuation = seq["seq_id"], tuple(seq["continuation"])
         blob_path = directory / f"seq{s}.blob"
         if blob_path.exists():
             blob = blob_path.read_bytes()
             with Context(model, scenario) as ctx:
                 read = ctx.seq_set(blob, s)
                 accepted = read == len(blob)
-                logits = _continue_one(ctx, s, next_pos[s], scenario.continuation[s]) if accepted else None
-            finish(blob_path.name, accepted, {"bytes_read": read, "n_bytes": len(blob)}, logits, reference[s])
+                logits = _continue_one(ctx, s, next_pos[i], continuation) if accepted else None
+            finish(blob_path.name, accepted, {"bytes_read": read, "n_bytes": len(blob)}, logits, reference[i])
         file_path = directory / f"seq{s}.ggsq"
         if file_path.exists():
             with Context(model, scenario) as ctx:
                 read, file_tokens = ctx.seq_load_file(file_path, s)
                 accepted = read == file_path.stat().st_size
-                logits = _continue_one(ctx, s, next_pos[s], scenario.continuation[s]) if accepted else None
-            finish(file_path.name, accepted, {"bytes_read": read, "tokens": file_tokens}, logits, reference[s])
+                logits = _continue_one(ctx, s, next_pos[i], continuation) if accepted else None
+            finish(file_path.name, accepted, {"bytes_read": read, "tokens": file_tokens}, logits, reference[i])
     for name, loader in (("context.blob", "blob"), ("session.ggsn", "file")):
         path = directory / name
         if not path.exists():

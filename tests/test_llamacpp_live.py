@@ -1,0 +1,91 @@
+"""Current llama.cpp, live: it reloads the recordings in ``tests/data/llamacpp_current`` and a new
+recording reproduces them.
+
+Marked ``llamacpp_live`` and skipped unless ``llama_cpp`` (``pip install llama-cpp-python``, which
+compiles llama.cpp) and ``gguf`` import; ``pytest -m llamacpp_live`` runs only these.  Through
+``tools/record_llamacpp.py``, the script that made the recordings: llama.cpp loads every blob and
+file it wrote there into a fresh context and continues each sequence to the recorded logits, and
+recording again with the same llama.cpp gives the same layouts and logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.llamacpp_live
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+pytest.importorskip("gguf", reason="the recorder writes the hybrid GGUF with gguf")
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "llamacpp_current"
+
+
+def _recorder():
+    spec = importlib.util.spec_from_file_location("record_llamacpp", ROOT / "tools" / "record_llamacpp.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    module.quiet_logs()
+    return module
+
+
+recorder = _recorder()
+RECORDS = recorder.load_records(DATA)
+RECORDED_VERSION = next(iter(RECORDS.values()))["llama_cpp"]
+
+
+def _same_state_versions() -> None:
+    if (llama_cpp.LLAMA_SESSION_VERSION, llama_cpp.LLAMA_STATE_SEQ_VERSION) != (
+            RECORDED_VERSION["session_version"], RECORDED_VERSION["state_seq_version"]):
+        pytest.skip(f"this llama.cpp writes session/sequence versions {llama_cpp.LLAMA_SESSION_VERSION}/"
+                    f"{llama_cpp.LLAMA_STATE_SEQ_VERSION}, the recording has {RECORDED_VERSION}")
+
+
+def test_llamacpp_reloads_every_recorded_blob_and_file_and_continues_to_the_recorded_logits():
+    _same_state_versions()
+    report, ok = recorder.check(DATA, DATA, tolerance=2e-4)
+    for name, record in RECORDS.items():
+        results = report["scenarios"][name]
+        seqs = [seq["seq_id"] for seq in record["sequences"]]
+        expected = {f"seq{s}.blob" for s in seqs} | {f"seq{s}.ggsq" for s in seqs} | {"context.blob", "session.ggsn"}
+        assert set(results) == expected, (name, sorted(results))
+        for file, result in results.items():
+            assert result["accepted"], (name, file, result)
+            assert result["within_tolerance"], (name, file, result["max_abs_diff"])
+    assert ok
+
+
+def test_a_new_recording_reproduces_the_committed_one(tmp_path):
+    if llama_cpp.__version__ != RECORDED_VERSION["llama_cpp_python"]:
+        pytest.skip(f"llama-cpp-python {llama_cpp.__version__}, the recording is from "
+                    f"{RECORDED_VERSION['llama_cpp_python']}")
+    fresh = {item["scenario"]: item for item in recorder.record(tmp_path)}
+    assert set(fresh) == set(RECORDS)
+    for name, old in RECORDS.items():
+        new = fresh[name]
+        assert new["model_sha256"] == old["model_sha256"], name   # the hybrid GGUF is written from a fixed seed
+        assert len(new["ops"]) == len(old["ops"]) and len(_artifacts(new)) == len(_artifacts(old))
+        for old_op, new_op in zip(old["ops"], new["ops"]):
+            assert {**new_op, "logits": None} == {**old_op, "logits": None}
+            if old_op["op"] == "decode":
+                assert np.abs(np.subtract(new_op["logits"], old_op["logits"])).max() <= 1e-5, name
+        for old_seq, new_seq in zip(old["sequences"], new["sequences"]):
+            assert {**new_seq, "continuation_logits": None} == {**old_seq, "continuation_logits": None}
+            assert np.abs(np.subtract(new_seq["continuation_logits"], old_seq["continuation_logits"])).max() <= 1e-5
+        for old_item, new_item in zip(_artifacts(old), _artifacts(new)):
+            assert new_item["file"] == old_item["file"] and new_item["n_bytes"] == old_item["n_bytes"]
+            # every section at the same offset with the same header values (a layout holds no row bytes)
+            assert new_item["layout"] == old_item["layout"], new_item["file"]
+        for check in new["checks"]:
+            assert check["accepted"] and check["max_abs_diff"] <= 1e-5, (name, check)
+
+
+def _artifacts(record: dict) -> list[dict]:
+    """A record's blobs and files in a fixed order."""
+    return [*record["seq_blobs"], record["context_blob"], *record["seq_files"], record["session_file"]]
