@@ -118,10 +118,12 @@ def write_jamba_gguf(path: Path, shape: JambaShape) -> None:
     def normal(*numpy_shape: int, scale: float = 0.3) -> np.ndarray:
         return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
 
-    ones = lambda n: np.ones(n, dtype=np.float32)
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
     e, di, ds, dr, dc = shape.n_embd, shape.d_inner, shape.d_state, shape.dt_rank, shape.d_conv
     head = e // shape.n_head
-    writer = gguf.GGUFWriter(str(path), "jamba")
+    writer: Any = gguf.GGUFWriter(str(path), "jamba")
     writer.add_name("recurrent-cache-tiny-jamba")
     writer.add_uint32("jamba.context_length", 4096)
     writer.add_uint32("jamba.embedding_length", e)
@@ -343,7 +345,7 @@ class Context:
         lc.llama_memory_seq_cp(lc.llama_get_memory(self.handle), src, dst, -1, -1)
 
     # the state API: every call returns what llama.cpp returned, with the bytes where there are some
-    def seq_get(self, seq: int, flags: int = 0) -> bytes:
+    def state_seq_get_data(self, seq: int, flags: int = 0) -> bytes:
         lc = _llama()
         size = lc.llama_state_seq_get_size_ext(self.handle, seq, flags)
         buffer = (ctypes.c_uint8 * size)()
@@ -352,12 +354,12 @@ class Context:
             raise RuntimeError(f"llama_state_seq_get_data_ext wrote {written} of {size} bytes")
         return bytes(buffer)
 
-    def seq_set(self, blob: bytes, dest_seq: int, flags: int = 0) -> int:
+    def state_seq_set_data(self, blob: bytes, dest_seq: int, flags: int = 0) -> int:
         lc = _llama()
         buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         return int(lc.llama_state_seq_set_data_ext(self.handle, buffer, len(blob), dest_seq, flags))
 
-    def get(self) -> bytes:
+    def state_get_data(self) -> bytes:
         lc = _llama()
         size = lc.llama_state_get_size(self.handle)
         buffer = (ctypes.c_uint8 * size)()
@@ -366,17 +368,17 @@ class Context:
             raise RuntimeError(f"llama_state_get_data wrote {written} of {size} bytes")
         return bytes(buffer)
 
-    def set(self, blob: bytes) -> int:
+    def state_set_data(self, blob: bytes) -> int:
         lc = _llama()
         buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         return int(lc.llama_state_set_data(self.handle, buffer, len(blob)))
 
-    def seq_save_file(self, path: Path, seq: int, tokens: list[int]) -> int:
+    def state_seq_save_file(self, path: Path, seq: int, tokens: list[int]) -> int:
         lc = _llama()
         array = (lc.llama_token * len(tokens))(*tokens)
         return int(lc.llama_state_seq_save_file(self.handle, str(path).encode(), seq, array, len(tokens)))
 
-    def seq_load_file(self, path: Path, dest_seq: int, capacity: int = 4096) -> tuple[int, list[int]]:
+    def state_seq_load_file(self, path: Path, dest_seq: int, capacity: int = 4096) -> tuple[int, list[int]]:
         lc = _llama()
         array = (lc.llama_token * capacity)()
         count = ctypes.c_size_t(0)
@@ -384,12 +386,12 @@ class Context:
                                             ctypes.byref(count))
         return int(read), list(array[:count.value])
 
-    def save_file(self, path: Path, tokens: list[int]) -> bool:
+    def state_save_file(self, path: Path, tokens: list[int]) -> bool:
         lc = _llama()
         array = (lc.llama_token * len(tokens))(*tokens)
         return bool(lc.llama_state_save_file(self.handle, str(path).encode(), array, len(tokens)))
 
-    def load_file(self, path: Path, capacity: int = 4096) -> tuple[bool, list[int]]:
+    def state_load_file(self, path: Path, capacity: int = 4096) -> tuple[bool, list[int]]:
         lc = _llama()
         array = (lc.llama_token * capacity)()
         count = ctypes.c_size_t(0)
@@ -608,23 +610,23 @@ def record_scenario(scenario: Scenario, out: Path) -> dict[str, Any]:
                 tokens[dst] = list(tokens[src])
             next_pos = [len(tokens[s]) for s in seqs]
 
-            seq_blobs = [_artifact(out, scenario, f"seq{s}.blob", "seq_blob", ctx.seq_get(s), seq_id=s, flags=0)
-                         for s in [*seqs, scenario.empty_seq]]
+            seq_blobs = [_artifact(out, scenario, f"seq{s}.blob", "seq_blob", ctx.state_seq_get_data(s),
+                                   seq_id=s, flags=0) for s in [*seqs, scenario.empty_seq]]
             if memory_shape(scenario).has_kv:
                 seq_blobs += [_artifact(out, scenario, f"seq{s}.partial.blob", "seq_blob_partial",
-                                        ctx.seq_get(s, PARTIAL_ONLY), seq_id=s, flags=PARTIAL_ONLY)
+                                        ctx.state_seq_get_data(s, PARTIAL_ONLY), seq_id=s, flags=PARTIAL_ONLY)
                               for s in seqs]
-            context_blob = _artifact(out, scenario, "context.blob", "context_blob", ctx.get())
+            context_blob = _artifact(out, scenario, "context.blob", "context_blob", ctx.state_get_data())
             seq_files = []
             for s in seqs:
                 file = out / scenario.name / f"seq{s}.ggsq"
-                size = ctx.seq_save_file(file, s, tokens[s])
+                size = ctx.state_seq_save_file(file, s, tokens[s])
                 if size != file.stat().st_size:
                     raise RuntimeError(f"llama_state_seq_save_file returned {size}, wrote {file.stat().st_size}")
                 seq_files.append(_artifact(out, scenario, file.name, "seq_file", file.read_bytes(), seq_id=s,
                                            tokens=tokens[s]))
             session_path = out / scenario.name / "session.ggsn"
-            if not ctx.save_file(session_path, tokens[0]):
+            if not ctx.state_save_file(session_path, tokens[0]):
                 raise RuntimeError("llama_state_save_file failed")
             session = _artifact(out, scenario, session_path.name, "session_file", session_path.read_bytes(),
                                 tokens=tokens[0])
@@ -652,7 +654,7 @@ def _restore_checks(model: Model, scenario: Scenario, out: Path, record: dict[st
     for seq in record["sequences"]:
         with Context(model, scenario) as ctx:
             blob = (out / scenario.name / f"seq{seq['seq_id']}.blob").read_bytes()
-            accepted = ctx.seq_set(blob, scenario.empty_seq) == len(blob)
+            accepted = ctx.state_seq_set_data(blob, scenario.empty_seq) == len(blob)
             logits = (_continue_one(ctx, scenario.empty_seq, seq["next_pos"], tuple(seq["continuation"]))
                       if accepted else None)
         checks.append({"what": f"seq{seq['seq_id']}.blob into seq {scenario.empty_seq}", "accepted": accepted,
@@ -741,14 +743,14 @@ def check_directory_scenario(model: Model, scenario: Scenario, directory: Path,
         if blob_path.exists():
             blob = blob_path.read_bytes()
             with Context(model, scenario) as ctx:
-                read = ctx.seq_set(blob, s)
+                read = ctx.state_seq_set_data(blob, s)
                 accepted = read == len(blob)
                 logits = _continue_one(ctx, s, next_pos[i], continuation) if accepted else None
             finish(blob_path.name, accepted, {"bytes_read": read, "n_bytes": len(blob)}, logits, reference[i])
         file_path = directory / f"seq{s}.ggsq"
         if file_path.exists():
             with Context(model, scenario) as ctx:
-                read, file_tokens = ctx.seq_load_file(file_path, s)
+                read, file_tokens = ctx.state_seq_load_file(file_path, s)
                 accepted = read == file_path.stat().st_size
                 logits = _continue_one(ctx, s, next_pos[i], continuation) if accepted else None
             finish(file_path.name, accepted, {"bytes_read": read, "tokens": file_tokens}, logits, reference[i])
@@ -760,13 +762,13 @@ def check_directory_scenario(model: Model, scenario: Scenario, directory: Path,
             detail: dict[str, Any]
             if loader == "blob":
                 data = path.read_bytes()
-                read = ctx.set(data)
+                read = ctx.state_set_data(data)
                 accepted, detail = read == len(data), {"bytes_read": read, "n_bytes": len(data)}
             else:
-                accepted, file_tokens = ctx.load_file(path)
+                accepted, file_tokens = ctx.state_load_file(path)
                 detail = {"tokens": file_tokens}
-            logits = _continue_all(ctx, scenario, next_pos) if accepted else None
-        finish(name, accepted, detail, logits, reference)
+            every_logits = _continue_all(ctx, scenario, next_pos) if accepted else None
+        finish(name, accepted, detail, every_logits, reference)
     return results
 
 
