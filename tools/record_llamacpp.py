@@ -64,7 +64,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "tests" / "data" / "llamacpp_current"
 MAMBA_GGUF = REPO / "src" / "recurrent_cache" / "models" / "data" / "byte_mamba.gguf"
-HYBRID_GGUF_NAME = "tiny_jamba.gguf"
 RECORDS_NAME = "records.jsonl.gz"
 
 SEQ_BLOB_MAGIC = 0xAF143CD8          # llama_state_seq_get_data's header (llama-context.cpp io_magic)
@@ -107,6 +106,134 @@ class JambaShape:
     @property
     def attention_layers(self) -> list[int]:
         return [il for il, n_kv in enumerate(self.head_count_kv) if n_kv > 0]
+
+    gguf_name = "tiny_jamba.gguf"
+
+    def record(self) -> dict[str, Any]:
+        """The shape as a recording states it."""
+        head = self.n_embd // self.n_head
+        return {"n_layer": self.n_layer, "recurrent_layers": self.recurrent_layers,
+                "attention_layers": self.attention_layers, "head_count_kv": list(self.head_count_kv),
+                "recurrent_kind": "mamba1", "n_embd_r": (self.d_conv - 1) * self.d_inner,
+                "n_embd_s": self.d_state * self.d_inner, "dtype_r": "f32", "dtype_s": "f32", "d_conv": self.d_conv,
+                "d_inner": self.d_inner, "d_state": self.d_state, "dt_rank": self.dt_rank, "n_embd": self.n_embd,
+                "n_head": self.n_head, "n_ff": self.n_ff, "n_vocab": self.n_vocab, "rms_eps": self.rms_eps,
+                "seed": self.seed, "n_embd_k_gqa": [n_kv * head for n_kv in self.head_count_kv],
+                "n_embd_v_gqa": [n_kv * head for n_kv in self.head_count_kv], "kv_cell_ext": False}
+
+    def write_gguf(self, path: Path) -> None:
+        write_jamba_gguf(path, self)
+
+
+@dataclass(frozen=True)
+class NemotronHShape:
+    """A tiny Nemotron-H: Mamba-2 layers (head_count_kv 0 and feed_forward_length 0), attention
+    layers (head_count_kv > 0), and FFN-only layers (feed_forward_length > 0), which hold neither
+    recurrent nor KV state."""
+
+    n_vocab: int = 64
+    n_embd: int = 16
+    n_head: int = 2
+    head_count_kv: tuple[int, ...] = (0, 1, 0, 0)    # per layer
+    feed_forward: tuple[int, ...] = (0, 0, 32, 0)    # per layer: > 0 = an FFN-only layer
+    d_conv: int = 4
+    d_inner: int = 32
+    d_state: int = 8
+    n_ssm_head: int = 4          # ssm.time_step_rank: Mamba-2 heads of d_inner / n_ssm_head
+    n_group: int = 2
+    norm_eps: float = 1e-5
+    seed: int = 19
+    gguf_name = "tiny_nemotron_h.gguf"
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.head_count_kv)
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [il for il in range(self.n_layer) if self.head_count_kv[il] == 0 and self.feed_forward[il] == 0]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [il for il in range(self.n_layer) if self.head_count_kv[il] > 0 and self.feed_forward[il] == 0]
+
+    @property
+    def conv_channels(self) -> int:
+        return self.d_inner + 2 * self.n_group * self.d_state
+
+    def record(self) -> dict[str, Any]:
+        head = self.n_embd // self.n_head
+        return {"n_layer": self.n_layer, "recurrent_layers": self.recurrent_layers,
+                "attention_layers": self.attention_layers, "head_count_kv": list(self.head_count_kv),
+                "feed_forward_length": list(self.feed_forward), "recurrent_kind": "mamba2",
+                "n_embd_r": (self.d_conv - 1) * self.conv_channels, "n_embd_s": self.d_state * self.d_inner,
+                "dtype_r": "f32", "dtype_s": "f32", "d_conv": self.d_conv, "d_inner": self.d_inner,
+                "d_state": self.d_state, "n_ssm_head": self.n_ssm_head, "n_group": self.n_group,
+                "n_embd": self.n_embd, "n_head": self.n_head, "n_vocab": self.n_vocab, "norm_eps": self.norm_eps,
+                "seed": self.seed, "n_embd_k_gqa": [n_kv * head for n_kv in self.head_count_kv],
+                "n_embd_v_gqa": [n_kv * head for n_kv in self.head_count_kv], "kv_cell_ext": False}
+
+    def write_gguf(self, path: Path) -> None:
+        """Seeded random f32 weights, every tensor llama.cpp's nemotron_h loader requires."""
+        import gguf
+
+        rng = np.random.default_rng(self.seed)
+
+        def normal(*numpy_shape: int, scale: float = 0.3) -> np.ndarray:
+            return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
+
+        e, di, ds, nh, dc = self.n_embd, self.d_inner, self.d_state, self.n_ssm_head, self.d_conv
+        head = e // self.n_head
+        writer: Any = gguf.GGUFWriter(str(path), "nemotron_h")
+        writer.add_name("recurrent-cache-tiny-nemotron-h")
+        writer.add_uint32("nemotron_h.context_length", 4096)
+        writer.add_uint32("nemotron_h.embedding_length", e)
+        writer.add_uint32("nemotron_h.block_count", self.n_layer)
+        writer.add_array("nemotron_h.feed_forward_length", list(self.feed_forward))
+        writer.add_uint32("nemotron_h.attention.head_count", self.n_head)
+        writer.add_array("nemotron_h.attention.head_count_kv", list(self.head_count_kv))
+        writer.add_float32("nemotron_h.attention.layer_norm_epsilon", self.norm_eps)
+        writer.add_float32("nemotron_h.attention.layer_norm_rms_epsilon", self.norm_eps)
+        writer.add_uint32("nemotron_h.ssm.conv_kernel", dc)
+        writer.add_uint32("nemotron_h.ssm.inner_size", di)
+        writer.add_uint32("nemotron_h.ssm.state_size", ds)
+        writer.add_uint32("nemotron_h.ssm.time_step_rank", nh)
+        writer.add_uint32("nemotron_h.ssm.group_count", self.n_group)
+        writer.add_uint32("nemotron_h.vocab_size", self.n_vocab)
+        writer.add_uint32("general.file_type", 0)
+        writer.add_string("tokenizer.ggml.model", "no_vocab")
+        writer.add_tensor("token_embd.weight", normal(self.n_vocab, e, scale=1.0))
+        writer.add_tensor("output_norm.weight", np.ones(e, dtype=np.float32))
+        writer.add_tensor("output.weight", normal(self.n_vocab, e))
+        for il in range(self.n_layer):
+            blk = f"blk.{il}."
+            writer.add_tensor(blk + "attn_norm.weight", np.ones(e, dtype=np.float32))
+            if il in self.recurrent_layers:
+                writer.add_tensor(blk + "ssm_in.weight", normal(2 * di + 2 * self.n_group * ds + nh, e))
+                writer.add_tensor(blk + "ssm_conv1d.weight", normal(self.conv_channels, dc))
+                writer.add_tensor(blk + "ssm_conv1d.bias", normal(self.conv_channels, scale=0.1))
+                writer.add_tensor(blk + "ssm_dt.bias", normal(nh, scale=0.1) - 2.0)
+                writer.add_tensor(blk + "ssm_a", -np.exp(normal(nh, 1, scale=0.5)))
+                writer.add_tensor(blk + "ssm_d", np.ones((nh, 1), dtype=np.float32))
+                writer.add_tensor(blk + "ssm_norm.weight", np.ones((self.n_group, di // self.n_group),
+                                                                   dtype=np.float32))
+                writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
+            elif il in self.attention_layers:
+                n_kv = self.head_count_kv[il]
+                writer.add_tensor(blk + "attn_q.weight", normal(e, e))
+                writer.add_tensor(blk + "attn_k.weight", normal(n_kv * head, e))
+                writer.add_tensor(blk + "attn_v.weight", normal(n_kv * head, e))
+                writer.add_tensor(blk + "attn_output.weight", normal(e, e))
+            else:
+                writer.add_tensor(blk + "ffn_up.weight", normal(self.feed_forward[il], e))
+                writer.add_tensor(blk + "ffn_down.weight", normal(e, self.feed_forward[il]))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+
+HYBRIDS: dict[str, Any] = {"jamba": JambaShape(), "nemotron_h": NemotronHShape()}
 
 
 def write_jamba_gguf(path: Path, shape: JambaShape) -> None:
@@ -236,12 +363,14 @@ SCENARIOS = (
              steps=HYBRID_STEPS, continuation=HYBRID_CONTINUATION[:3], fork=None),
     Scenario("jamba_fa_unified", "jamba", "jamba", flash_attn=True, kv_unified=True, prompts=HYBRID_PROMPTS,
              steps=HYBRID_STEPS, continuation=HYBRID_CONTINUATION),
+    Scenario("nemotron_h_unified", "nemotron_h", "nemotron_h", flash_attn=False, kv_unified=True,
+             prompts=HYBRID_PROMPTS, steps=HYBRID_STEPS, continuation=HYBRID_CONTINUATION),
 )
 
 
 def model_path(scenario: Scenario | dict[str, Any], data_dir: Path) -> Path:
     model = scenario.model if isinstance(scenario, Scenario) else scenario["model"]
-    return MAMBA_GGUF if model == "mamba" else data_dir / HYBRID_GGUF_NAME
+    return MAMBA_GGUF if model == "mamba" else data_dir / HYBRIDS[model].gguf_name
 
 
 # -- llama.cpp through llama-cpp-python ----------------------------------------------------
@@ -539,7 +668,7 @@ def memory_shape(scenario: Scenario | dict[str, Any]) -> MemoryShape:
     model = scenario.model if isinstance(scenario, Scenario) else scenario["model"]
     if model == "mamba":
         return MemoryShape(recurrent_layers=4)
-    return MemoryShape(recurrent_layers=len(JambaShape().recurrent_layers), has_kv=True)
+    return MemoryShape(recurrent_layers=len(HYBRIDS[model].recurrent_layers), has_kv=True)
 
 
 # -- recording ----------------------------------------------------------------------------
@@ -670,16 +799,7 @@ def _shape_record(scenario: Scenario) -> dict[str, Any]:
         return {"n_layer": n_layer, "recurrent_layers": list(range(n_layer)), "attention_layers": [],
                 "n_embd_r": (d_conv - 1) * d_inner, "n_embd_s": d_state * d_inner, "dtype_r": "f32", "dtype_s": "f32",
                 "d_conv": d_conv, "d_inner": d_inner, "d_state": d_state}
-    shape = JambaShape()
-    head = shape.n_embd // shape.n_head
-    return {"n_layer": shape.n_layer, "recurrent_layers": shape.recurrent_layers,
-            "attention_layers": shape.attention_layers, "head_count_kv": list(shape.head_count_kv),
-            "n_embd_r": (shape.d_conv - 1) * shape.d_inner, "n_embd_s": shape.d_state * shape.d_inner,
-            "dtype_r": "f32", "dtype_s": "f32", "d_conv": shape.d_conv, "d_inner": shape.d_inner,
-            "d_state": shape.d_state, "dt_rank": shape.dt_rank, "n_embd": shape.n_embd, "n_head": shape.n_head,
-            "n_ff": shape.n_ff, "n_vocab": shape.n_vocab, "rms_eps": shape.rms_eps, "seed": shape.seed,
-            "n_embd_k_gqa": [n_kv * head for n_kv in shape.head_count_kv],
-            "n_embd_v_gqa": [n_kv * head for n_kv in shape.head_count_kv], "kv_cell_ext": False}
+    return HYBRIDS[scenario.model].record()  # type: ignore[no-any-return]
 
 
 def _repo_relative(path: Path) -> str:
@@ -699,7 +819,8 @@ def llama_version() -> dict[str, Any]:
 
 def record(out: Path) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
-    write_jamba_gguf(out / HYBRID_GGUF_NAME, JambaShape())
+    for hybrid in HYBRIDS.values():
+        hybrid.write_gguf(out / hybrid.gguf_name)
     version = llama_version()
     records = []
     for scenario in SCENARIOS:
