@@ -827,9 +827,9 @@ def record(out: Path) -> list[dict[str, Any]]:
         print(f"recording {scenario.name}", file=sys.stderr)
         records.append({"llama_cpp": version, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
                         **record_scenario(scenario, out)})
-    with gzip.open(out / RECORDS_NAME, "wt", encoding="utf-8") as file:
-        for item in records:
-            file.write(json.dumps(item, separators=(",", ":")) + "\n")
+    text = "".join(json.dumps(item, separators=(",", ":")) + "\n" for item in records)
+    # mtime 0: recording again with the same llama.cpp gives the same bytes
+    (out / RECORDS_NAME).write_bytes(gzip.compress(text.encode(), mtime=0))
     return records
 
 
