@@ -89,3 +89,28 @@ def test_a_new_recording_reproduces_the_committed_one(tmp_path):
 def _artifacts(record: dict) -> list[dict]:
     """A record's blobs and files in a fixed order."""
     return [*record["seq_blobs"], record["context_blob"], *record["seq_files"], record["session_file"]]
+
+
+def test_llamacpp_refuses_the_june_2025_framings(tmp_path):
+    """What docs/llamacpp_formats.md says current llama.cpp does with the framings the package writes today."""
+    _same_state_versions()
+    recorded, june = DATA / "mamba", tmp_path / "mamba"
+    june.mkdir()
+    seq_file = bytearray((recorded / "seq1.ggsq").read_bytes())
+    seq_file[4:8] = (2).to_bytes(4, "little")                                              # ggsq version 2
+    (june / "seq1.ggsq").write_bytes(seq_file)
+    (june / "seq0.blob").write_bytes((recorded / "seq0.blob").read_bytes()[8:])           # no 8-byte header
+    (june / "context.blob").write_bytes((recorded / "context.blob").read_bytes()[9:])     # no arch string
+    session = bytearray((recorded / "session.ggsn").read_bytes())
+    session[4:8] = (9).to_bytes(4, "little")                                               # ggsn version 9
+    (june / "session.ggsn").write_bytes(session)
+    report, ok = recorder.check(tmp_path, DATA, tolerance=2e-4)
+    results = report["scenarios"]["mamba"]
+    expected = {"seq1.ggsq": "unknown (magic, version) for sequence state file: 67677371, 00000002",
+                "seq0.blob": "wrong sequence state magic",
+                "context.blob": "wrong model arch",
+                "session.ggsn": "unknown (magic, version) for session file: 6767736e, 00000009"}
+    assert set(results) == set(expected) and not ok
+    for name, message in expected.items():
+        assert not results[name]["accepted"], name
+        assert any(message in line for line in results[name]["llama_errors"]), (name, results[name]["llama_errors"])
