@@ -4,13 +4,16 @@ recording reproduces them.
 Marked ``llamacpp_live`` and skipped unless ``llama_cpp`` (``pip install llama-cpp-python``, which
 compiles llama.cpp) and ``gguf`` import; ``pytest -m llamacpp_live`` runs only these.  Through
 ``tools/record_llamacpp.py``, the script that made the recordings: llama.cpp loads every blob and
-file it wrote there into a fresh context and continues each sequence to the recorded logits, and
-recording again with the same llama.cpp gives the same layouts and logits.
+file it wrote there into a fresh context and continues each sequence to the recorded logits,
+recording again with the same llama.cpp gives the same layouts and logits, llama.cpp refuses the
+June-2025 framings, and the states the package computes itself (both engines), framed by hand as
+llama.cpp frames them, continue in llama.cpp to its logits.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import struct
 import sys
 from pathlib import Path
 
@@ -114,3 +117,42 @@ def test_llamacpp_refuses_the_june_2025_framings(tmp_path):
     for name, message in expected.items():
         assert not results[name]["accepted"], name
         assert any(message in line for line in results[name]["llama_errors"]), (name, results[name]["llama_errors"])
+
+
+def _framed(prefix: bytes, tokens: list[int], body: bytes) -> bytes:
+    """A ggsq/ggsn header (prefix = magic and version) with its tokens, then body."""
+    return prefix + struct.pack(f"<I{len(tokens)}i", len(tokens), *tokens) + body
+
+
+def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
+    """The package's own Mamba forward decodes the recorded batches; its state bytes, framed here by hand
+    as current llama.cpp frames them, load in llama.cpp and continue to llama.cpp's recorded logits."""
+    _same_state_versions()
+    from recurrent_cache.models import load_gguf
+
+    record = RECORDS["mamba"]
+    model = load_gguf(ROOT / record["model_file"])
+    cache = model.new_cache(n_seq_max=record["context"]["n_seq_max"], engine=rc.ENGINE)
+    for op in record["ops"]:
+        if op["op"] == "seq_cp":
+            cache.seq_cp(op["src"], op["dst"], op["p0"], op["p1"])
+            continue
+        token, pos, seq, wants = zip(*op["tokens"])
+        batch = rc.Batch(token=list(token), pos=list(pos), seq_id=[[s] for s in seq], logits=[bool(w) for w in wants])
+        model.forward(cache.init_batch(batch, n_ubatch=record["context"]["n_ubatch"]))
+    out = tmp_path / "mamba"
+    out.mkdir()
+    for seq in record["sequences"]:
+        s, state = seq["seq_id"], bytes(cache.state_write(seq["seq_id"]))
+        (out / f"seq{s}.blob").write_bytes(struct.pack("<Ii", 0xAF143CD8, s) + state)
+        (out / f"seq{s}.ggsq").write_bytes(_framed(struct.pack("<II", 0x67677371, 3), seq["tokens"], state))
+    whole = struct.pack("<I", 5) + b"mamba" + bytes(cache.state_write(-1))
+    (out / "context.blob").write_bytes(whole)
+    (out / "session.ggsn").write_bytes(_framed(struct.pack("<II", 0x6767736E, 10), record["sequences"][0]["tokens"],
+                                               whole))
+    report, ok = recorder.check(tmp_path, DATA, tolerance=1e-3)
+    results = report["scenarios"]["mamba"]
+    assert len(results) == 2 * len(record["sequences"]) + 2
+    for name, result in results.items():
+        assert result["accepted"] and result["within_tolerance"], (name, result.get("max_abs_diff"))
+    assert ok
