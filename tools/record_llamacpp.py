@@ -10,12 +10,14 @@ for instance a separate venv::
 Three modes:
 
 ``--record DIR`` (default ``tests/data/llamacpp_current``)
-    For each scenario (the package's shipped Mamba-1 GGUF, and a small random
-    Jamba hybrid that this script writes with ``gguf``, with two context
-    settings), decode three sequences in one context (prompts of 3, 5 and 7
-    tokens in one batch, then 2 steps of one token each), then take from
+    For each scenario (the package's shipped Mamba-1 GGUF; small random
+    hybrids that this script writes with ``gguf``: a Jamba (Mamba-1 and
+    attention layers) with two context settings and a Nemotron-H (Mamba-2,
+    attention and FFN-only layers)), decode three sequences in one context
+    (prompts of 3, 5 and 7 tokens in one batch, then 2 steps of one token
+    each), fork one with ``seq_cp`` where the scenario says so, then take from
     llama.cpp: ``llama_state_seq_get_data`` of every sequence id (and of an
-    unused one), for the hybrid also with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``,
+    unused one), for hybrids also with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``,
     ``llama_state_get_data`` of the whole context, ``llama_state_seq_save_file``
     of every sequence (``ggsq``) and ``llama_state_save_file`` (``ggsn``).
     Each sequence is then continued by 2 tokens in the context that wrote
@@ -23,7 +25,7 @@ Three modes:
     into a fresh context and continued the same way, and the largest logit
     difference is kept under ``checks``: llama.cpp restores its own state.
     Writes ``DIR/<scenario>/*.blob|*.ggsq|*.ggsn``, ``DIR/records.jsonl.gz``
-    (one JSON object per scenario) and the hybrid GGUF.
+    (one JSON object per scenario) and the hybrid GGUFs.
 
 ``--check DIR``
     Load every state blob and file found in ``DIR/<scenario>/`` under the
