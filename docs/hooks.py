@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 
 PLOTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
-def on_files(files: Files, config) -> Files:
+def on_files(files: Files, config: MkDocsConfig) -> Files:
     """Add bench/results/*.png to the site as assets/bench/<name>.png."""
     for plot in sorted(PLOTS.glob("*.png")):
         files.append(File.generated(config, f"assets/bench/{plot.name}", abs_src_path=str(plot)))
