@@ -142,8 +142,11 @@ def run_command(argv: list[str], cwd: Path, name: str, block: Block) -> None:
     _RUN_ALREADY[key] = result.stdout
 
 
-def run_page(text: str, name: str, workdir: Path) -> dict:
-    """Check and run every block of a page, in order; the python blocks' namespace."""
+def run_page(text: str, name: str, workdir: Path, run_commands: bool = True) -> dict:
+    """Check and run every block of a page, in order; the python blocks' namespace.
+
+    ``run_commands=False`` checks the shell lines without running them (a second engine's pass).
+    """
     namespace: dict = {"__name__": f"docs.{name}"}
     blocks = blocks_of(text, name)
     for block in blocks:        # every block is checked before anything runs
@@ -161,7 +164,7 @@ def run_page(text: str, name: str, workdir: Path) -> dict:
             elif block.language in ("sh", "console"):
                 for line in block.code.splitlines():
                     argv = command_of(line, name, block)
-                    if argv is not None:
+                    if argv is not None and run_commands:
                         run_command(argv, workdir, name, block)
             elif block.language in C_LANGUAGES:
                 check_excerpt(block, name)
@@ -220,9 +223,12 @@ def test_strict_build_fails_on_a_broken_page(tmp_path, breakage):
 # -- the code blocks -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
-def test_code_blocks_run(page, tmp_path):
-    """Every block of the page passes its language's rule (this module's docstring)."""
-    run_page(page.read_text(encoding="utf-8"), page.name, tmp_path)
+def test_code_blocks_run(page, tmp_path, rc, monkeypatch):
+    """Every block of the page passes its language's rule (this module's docstring); the python
+    blocks run on both engines (the caches they build take ``RECURRENT_CACHE_IMPL``), the
+    commands once, on the default engine (the command-line tests cover the commands)."""
+    monkeypatch.setenv("RECURRENT_CACHE_IMPL", rc.ENGINE)
+    run_page(page.read_text(encoding="utf-8"), page.name, tmp_path, run_commands=rc.ENGINE == "compiled")
 
 
 def test_every_page_is_in_the_site():
