@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from recurrent_cache import __main__ as cli
+from recurrent_cache import cli
 from recurrent_cache.models import TRAINED_GGUF, ModelError, load_gguf
 
 

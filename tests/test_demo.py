@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from recurrent_cache import demo
+from recurrent_cache.cli import demo
 from recurrent_cache.models import escape
 
 SMALL = ["--clients", "5", "--parallel", "3", "--n-predict", "5", "--ubatch", "4", "--quiet"]

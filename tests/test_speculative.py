@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import recurrent_cache as rc
-from recurrent_cache import demo
-from recurrent_cache.demo_speculative import draft
+from recurrent_cache.cli import demo
+from recurrent_cache.cli.demo_speculative import draft
 from recurrent_cache.models import ReferenceRun, random_model, trained_model
 
 TOLERANCE = demo.TOLERANCE

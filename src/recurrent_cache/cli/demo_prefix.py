@@ -42,9 +42,9 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ._cli import USER_ERROR
+from .options import USER_ERROR
 from .demo import model_name
-from .models import MambaModel, ReferenceRun
+from ..models import MambaModel, ReferenceRun
 
 TURNS = 3
 N_SYSTEM_PROMPTS = 2

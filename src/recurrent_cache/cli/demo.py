@@ -35,12 +35,12 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ._cli import USER_ERROR, OneLineParser, float_in, int_in
-from .models import (MambaModel, ModelError, ReferenceRun, Sampler, held_out_prompts, load_gguf,
+from .options import USER_ERROR, OneLineParser, float_in, int_in
+from ..models import (MambaModel, ModelError, ReferenceRun, Sampler, held_out_prompts, load_gguf,
                      random_model, trained_model, write_gguf)
-from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
-from .models._storage import StateStorage
-from .models.vocab import escape
+from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+from ..models._storage import StateStorage
+from ..models.vocab import escape
 
 PROMPT_LENGTHS = (4, 48)  # inclusive range of random prompt lengths (a model without a vocabulary)
 

@@ -26,10 +26,10 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ._cli import USER_ERROR
+from .options import USER_ERROR
 from .demo import (CLIENTS_LISTED, TOLERANCE, Client, NoProgress, Server, make_clients, model_name,
                    serve_queue, shown_prompt, shown_tokens, verify)
-from .models import MambaModel
+from ..models import MambaModel
 
 NGRAMS = (3, 2, 1)   # the suffix lengths prompt lookup tries, longest first
 

@@ -23,9 +23,9 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ._cli import USER_ERROR, OneLineParser, float_in, int_in
-from .models import MambaModel, ModelError, Sampler, load_gguf, random_model, trained_model
-from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+from .options import USER_ERROR, OneLineParser, float_in, int_in
+from ..models import MambaModel, ModelError, Sampler, load_gguf, random_model, trained_model
+from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 
 STATE_DTYPES = ("f32", "f16", "bf16")
 MAX_SEED = 2**63 - 1
