@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from recurrent_cache.cli import demo
-from recurrent_cache.models import escape
+from recurrent_cache.cli.clients import HANDWRITTEN_PROMPTS
+from recurrent_cache.models import escape, held_out_prompts
 
 SMALL = ["--clients", "5", "--parallel", "3", "--n-predict", "5", "--ubatch", "4", "--quiet"]
 
@@ -75,7 +76,7 @@ def test_default_run_serves_the_shipped_model_as_text(capsys):
     assert demo.main(SMALL) == 0
     out = capsys.readouterr().out
     assert "the shipped byte-level model" in out
-    prompts = set(demo.HANDWRITTEN_PROMPTS) | set(demo.held_out_prompts())
+    prompts = set(HANDWRITTEN_PROMPTS) | set(held_out_prompts())
     lines = re.findall(r'^  client \d+ +prompt +(\d+) tokens "(.*)" -> "(.*)"  \[sampled \(temperature 0.7, top-k 40, '
                        r'seed \(0, \d\)\)\]$', out, re.MULTILINE)
     assert len(lines) == 5

@@ -34,17 +34,18 @@ import argparse
 import hashlib
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 import recurrent_cache as rc
 
+from ..models import MambaModel, ReferenceRun, Sampler
+from .model_options import model_name
 from .options import USER_ERROR
-from .demo import model_name
-from ..models import MambaModel, ReferenceRun
+from .serving import Client, Server, new_cache
+from .verification import TOLERANCE, fail, relative_difference
+
+__all__ = ["ConversationServer", "make_conversations", "model_identity", "run"]
 
 TURNS = 3
 N_SYSTEM_PROMPTS = 2
@@ -52,35 +53,6 @@ SYSTEM_PROMPT_LENGTHS = (48, 96)   # inclusive ranges of random token counts
 USER_LENGTHS = (4, 16)
 BLOCK_SIZE = 32
 MAX_BYTES = 4 << 20                 # the prefix cache's budget
-TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 1e-2}  # as the main demo's verification
-
-
-@dataclass(eq=False)
-class Request:
-    """One turn of one conversation."""
-
-    client: int
-    turn: int
-    prompt: list[int]
-    n_predict: int
-    tokens: list[int] = field(default_factory=list)   # generated
-    last_logits: np.ndarray | None = None
-    slot: int = -1
-    done: int = 0                 # prompt tokens whose effect is in the state
-    cuts: list[int] = field(default_factory=list)     # where to stop the prefill next and save
-    restored: int = 0             # prompt tokens restored from a snapshot
-
-
-@dataclass
-class Run:
-    """What one serving run did."""
-
-    requests: list[Request] = field(default_factory=list)
-    prompt_tokens: int = 0        # prompt tokens of every request
-    computed: int = 0             # prompt tokens run through the model
-    steps: int = 0
-    seconds: float = 0.0
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 def make_conversations(options: argparse.Namespace, n_vocab: int) -> list[list[list[int]]]:
@@ -88,7 +60,8 @@ def make_conversations(options: argparse.Namespace, n_vocab: int) -> list[list[l
     rng = np.random.default_rng(options.seed)
 
     def text(bounds: tuple[int, int]) -> list[int]:
-        return rng.integers(0, n_vocab, int(rng.integers(bounds[0], bounds[1] + 1))).tolist()
+        ids: list[int] = rng.integers(0, n_vocab, int(rng.integers(bounds[0], bounds[1] + 1))).tolist()
+        return ids
 
     systems = [text(SYSTEM_PROMPT_LENGTHS) for _ in range(N_SYSTEM_PROMPTS)]
     return [[systems[client % N_SYSTEM_PROMPTS] + text(USER_LENGTHS)] + [text(USER_LENGTHS) for _ in range(TURNS - 1)]
@@ -117,86 +90,62 @@ def model_identity(options: argparse.Namespace, model: MambaModel) -> str:
     return f"mamba1 {source}-sha256 {digest.hexdigest()} compute {options.compute}"
 
 
+class ConversationServer(Server):
+    """Turns of conversations as requests: each restores its longest cached prefix, prefills the
+    rest in chunks that end at the prefix cache's cuts (saving at each), and queues its
+    conversation's next turn when done.  Without a prefix cache, every prompt is computed whole."""
+
+    def __init__(self, model: MambaModel, cache: rc.RecurrentCache, n_ubatch: int,
+                 conversations: list[list[list[int]]], prefix_cache: rc.PrefixCache | None,
+                 corrupt_step: int | None = None) -> None:
+        super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
+        self.conversations = conversations
+        self.prefix_cache = prefix_cache
+
+    def admit(self, client: Client) -> None:
+        super().admit(client)
+        self.cache.seq_rm(client.slot, -1, -1)
+        if self.prefix_cache is not None:
+            client.restored = client.n_cached = self.prefix_cache.restore(client.slot, client.prompt)
+            client.cuts = self.prefix_cache.plan(client.prompt, client.n_cached)
+
+    def finish(self, client: Client) -> list[Client]:
+        """Save the conversation so far; its next turn, if any."""
+        if self.prefix_cache is not None:   # the state covers the prompt and every generated token but the last
+            self.prefix_cache.save(client.slot, client.prompt + client.tokens[:-1])
+        turns = self.conversations[client.number]
+        if client.turn + 1 == len(turns):
+            return []
+        prompt = client.prompt + client.tokens + turns[client.turn + 1]
+        return [Client(client.number, prompt, client.n_predict, Sampler(), turn=client.turn + 1)]
+
+    def end_step(self) -> list[Client]:
+        follow_ups = super().end_step()
+        if self.prefix_cache is not None:
+            for client in self.running.values():   # a chunk ended at a cut: snapshot it
+                if client.cuts and client.n_cached == client.cuts[0]:
+                    self.prefix_cache.save(client.slot, client.prompt[:client.n_cached])
+                    client.cuts.pop(0)
+        return follow_ups
+
+
 def serve(model: MambaModel, options: argparse.Namespace, conversations: list[list[list[int]]],
-          use_prefix_cache: bool, store: Any = None, namespace: str = "") -> Run:
-    """All turns of all conversations through one cache, with or without a PrefixCache (and its store)."""
-    cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype)
+          prefix_cache: bool, store: rc.stores.DirectoryStore | rc.stores.RedisStore | None = None,
+          namespace: str = "") -> tuple[ConversationServer, float, dict[str, int]]:
+    """All turns of all conversations through one cache, with or without a PrefixCache (and its
+    store): the server, the seconds it took, and the prefix cache's stats."""
+    cache = new_cache(model, options.parallel, options.dtype)
     pc = (rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store, namespace=namespace)
-          if use_prefix_cache else None)
-    run = Run()
-    free = list(range(options.parallel))
-    waiting = deque(Request(c, 0, turns[0], options.n_predict) for c, turns in enumerate(conversations))
-    running: list[Request] = []
+          if prefix_cache else None)
+    server = ConversationServer(model, cache, options.ubatch, conversations, pc,
+                                options.corrupt_step if prefix_cache else None)
     start = time.perf_counter()
-    while waiting or running:
-        while waiting and free:
-            request = waiting.popleft()
-            request.slot = free.pop(0)
-            cache.seq_rm(request.slot, -1, -1)
-            if pc is not None:
-                request.restored = request.done = pc.restore(request.slot, request.prompt)
-                request.cuts = pc.plan(request.prompt, request.done)
-            else:
-                request.cuts = [len(request.prompt)]
-            run.prompt_tokens += len(request.prompt)
-            run.computed += len(request.prompt) - request.done
-            running.append(request)
-        step(model, cache, options.ubatch, running, run)
-        for request in [r for r in running if len(r.tokens) >= r.n_predict]:
-            if pc is not None:   # the state covers the prompt and every generated token but the last
-                pc.save(request.slot, request.prompt + request.tokens[:-1])
-            cache.seq_rm(request.slot, -1, -1)
-            free.append(request.slot)
-            free.sort()
-            running.remove(request)
-            run.requests.append(request)
-            turns = conversations[request.client]
-            if request.turn + 1 < len(turns):
-                prompt = request.prompt + request.tokens + turns[request.turn + 1]
-                waiting.append(Request(request.client, request.turn + 1, prompt, request.n_predict))
-        if pc is not None:
-            for request in running:   # a chunk ended at a cut: snapshot it
-                if request.cuts and request.done == request.cuts[0]:
-                    pc.save(request.slot, request.prompt[:request.done])
-                    request.cuts.pop(0)
-    run.seconds = time.perf_counter() - start
-    run.stats = pc.stats() if pc is not None else {}
-    return run
+    server.serve(Client(number, turns[0], options.n_predict, Sampler()) for number, turns in enumerate(conversations))
+    seconds = time.perf_counter() - start
+    return server, seconds, pc.stats() if pc is not None else {}
 
 
-def step(model: MambaModel, cache: Any, n_ubatch: int, running: list[Request], run: Run) -> None:
-    """One init_batch: each prefilling request's chunk up to its next cut, one token for each decoding one."""
-    tokens: list[int] = []
-    pos: list[int] = []
-    seq_id: list[int] = []
-    output: list[bool] = []
-    owner: list[Request] = []
-    for request in running:
-        if request.done < len(request.prompt):
-            end = request.cuts[0]
-            feed, first = request.prompt[request.done:end], request.done
-            wants_logits = end == len(request.prompt)
-            request.done = end
-        else:
-            feed, first = request.tokens[-1:], len(request.prompt) + len(request.tokens) - 1
-            wants_logits = True
-        tokens += feed
-        pos += range(first, first + len(feed))
-        seq_id += [request.slot] * len(feed)
-        output += [False] * (len(feed) - 1) + [wants_logits]
-        owner += [request] * len(feed)
-    st = cache.init_batch(rc.Batch(token=tokens, pos=pos, seq_id=seq_id, logits=output), n_ubatch)
-    if st.status != rc.MemoryStatus.SUCCESS:
-        raise RuntimeError(f"init_batch failed ({st.status.name}) with {len(running)} requests")
-    logits = model.forward(st)
-    for row, batch_index in zip(logits, st.out_ids):
-        request = owner[batch_index]
-        request.last_logits = row
-        request.tokens.append(int(np.argmax(row)))
-    run.steps += 1
-
-
-def verify(model: MambaModel, runs: list[Run], conversations: list[list[list[int]]], n_predict: int,
+def verify(model: MambaModel, runs: list[list[Client]], conversations: list[list[list[int]]], n_predict: int,
            dtype: str) -> tuple[list[str], float]:
     """Every request of every run against its solo run: (problems, largest relative logits difference)."""
     solo: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}
@@ -215,20 +164,20 @@ def verify(model: MambaModel, runs: list[Run], conversations: list[list[list[int
             fed = len(prompt) + n_predict - 1
             solo[client, turn] = generated, last
     problems, worst = [], 0.0
-    for run, name in zip(runs, ("with", "without")):
-        for request in run.requests:
-            tokens, logits = solo[request.client, request.turn]
-            label = f"client {request.client} turn {request.turn} ({name} the prefix cache)"
+    for requests, name in zip(runs, ("with", "without")):
+        for request in requests:
+            tokens, logits = solo[request.number, request.turn]
+            label = f"client {request.number} turn {request.turn} ({name} the prefix cache)"
             if request.tokens != tokens:
                 problems.append(f"{label}: generated {request.tokens}, alone {tokens}")
-            difference = float(np.max(np.abs(request.last_logits - logits)) / np.max(np.abs(logits)))
+            difference = relative_difference(request.last_logits, logits)
             worst = max(worst, difference)
             if not difference <= TOLERANCE[dtype]:
                 problems.append(f"{label}: last logits differ from the solo run by {difference:.3g} (relative)")
     return problems, worst
 
 
-def main(options: argparse.Namespace, model: MambaModel) -> int:
+def run(options: argparse.Namespace, model: MambaModel) -> int:
     """Serve the scenario with and without the prefix cache, report, verify; the exit status."""
     conversations = make_conversations(options, model.hparams.n_vocab)
     store, namespace = None, ""
@@ -239,11 +188,14 @@ def main(options: argparse.Namespace, model: MambaModel) -> int:
         except (rc.ArgumentError, ImportError, OSError) as exc:
             print(f"demo: --store: {exc}", file=sys.stderr)
             return USER_ERROR
-    with_pc = serve(model, options, conversations, use_prefix_cache=True, store=store, namespace=namespace)
-    without = serve(model, options, conversations, use_prefix_cache=False)
-    stats = with_pc.stats
-    n_requests = len(with_pc.requests)
-    hits = sum(r.restored > 0 for r in with_pc.requests)
+    with_pc, with_seconds, stats = serve(model, options, conversations, prefix_cache=True, store=store,
+                                         namespace=namespace)
+    without, without_seconds, _ = serve(model, options, conversations, prefix_cache=False)
+    requests = with_pc.finished
+    n_requests = len(requests)
+    hits = sum(r.restored > 0 for r in requests)
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    computed = with_pc.stats.prompt_tokens
     print(f"model            {model.hparams.describe()} ({model_name(options)})")
     print(f"cache            {options.parallel} cells, {options.dtype} states, n_ubatch {options.ubatch}")
     print(f"clients          {options.clients} conversations of {TURNS} turns ({options.parallel} requests at a time), "
@@ -260,21 +212,19 @@ def main(options: argparse.Namespace, model: MambaModel) -> int:
               f"{stats['store_puts']} snapshots put ({stats['store_written']} written), "
               f"{stats['store_damaged']} damaged, {stats['store_errors']} errors")
         print(f"namespace        {namespace}")
-    saved = with_pc.prompt_tokens - with_pc.computed
-    print(f"prefill          {with_pc.computed} of {with_pc.prompt_tokens} prompt tokens computed with the prefix "
-          f"cache, {without.computed} without: {saved} saved ({100.0 * saved / with_pc.prompt_tokens:.1f}%)")
-    served = with_pc.prompt_tokens + n_requests * options.n_predict
-    print(f"throughput       {served / with_pc.seconds:.0f} tokens/s with the prefix cache ({with_pc.seconds:.2f} s), "
-          f"{served / without.seconds:.0f} without ({without.seconds:.2f} s): {without.seconds / with_pc.seconds:.2f}x "
+    saved = prompt_tokens - computed
+    print(f"prefill          {computed} of {prompt_tokens} prompt tokens computed with the prefix "
+          f"cache, {without.stats.prompt_tokens} without: {saved} saved ({100.0 * saved / prompt_tokens:.1f}%)")
+    served = prompt_tokens + n_requests * options.n_predict
+    print(f"throughput       {served / with_seconds:.0f} tokens/s with the prefix cache ({with_seconds:.2f} s), "
+          f"{served / without_seconds:.0f} without ({without_seconds:.2f} s): {without_seconds / with_seconds:.2f}x "
           f"(prompt + generated tokens served per second)")
-    problems, worst = verify(model, [with_pc, without], conversations, options.n_predict, options.dtype)
+    if with_pc.corruption:
+        print(f"testing          {with_pc.corruption}")
+    problems, worst = verify(model, [requests, without.finished], conversations, options.n_predict, options.dtype)
     if problems:
-        print(f"verification     FAILED: {len(problems)} mismatches with the solo runs")
-        print("\n*** VERIFICATION FAILED: served requests differ from running each conversation alone ***",
-              file=sys.stderr)
-        for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
+        return fail(f": {len(problems)} mismatches with the solo runs",
+                    "served requests differ from running each conversation alone", problems)
     print(f"verification     PASSED: {2 * n_requests} of {2 * n_requests} requests ({n_requests} with, {n_requests} "
           f"without the prefix cache) equal their solo runs (tokens identical, last logits within {worst:.1e} "
           f"relative, tolerance {TOLERANCE[options.dtype]:g})")

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
-from collections import deque
 
 import numpy as np
 
 import recurrent_cache as rc
 
-from .options import USER_ERROR
-from .demo import (CLIENTS_LISTED, TOLERANCE, Client, NoProgress, Server, make_clients, model_name,
-                   serve_queue, shown_prompt, shown_tokens, verify)
 from ..models import MambaModel
+from .clients import make_clients, print_clients
+from .model_options import model_name
+from .serving import Client, Feed, Server, new_cache
+from .verification import TOLERANCE, fail, verify
+
+__all__ = ["SpeculativeServer", "draft", "run"]
 
 NGRAMS = (3, 2, 1)   # the suffix lengths prompt lookup tries, longest first
 
@@ -56,62 +57,38 @@ class SpeculationStats:
 
 
 class SpeculativeServer(Server):
-    """The demo's server, verifying every client's drafts in its decode steps."""
+    """The serving loop, verifying every client's drafts in its decode steps."""
 
-    def __init__(self, model: MambaModel, cache: rc.RecurrentCache, n_ubatch: int, k: int) -> None:
-        super().__init__(model, cache, n_ubatch, NoProgress())
+    def __init__(self, model: MambaModel, cache: rc.RecurrentCache, n_ubatch: int, k: int,
+                 corrupt_step: int | None = None) -> None:
+        super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
         self.k = k
         self.speculation = SpeculationStats()
 
     def step(self) -> None:
-        stats, cache = self.stats, self.cache
-        tokens: list[int] = []
-        pos: list[int] = []
-        seq_id: list[int] = []
-        output: list[bool] = []
-        fed: dict[int, tuple[Client, list[int]]] = {}   # batch index of a client's first token
-        for client in self.running.values():
-            if client.n_cached == 0:
-                feed, drafts = client.prompt, []
-                stats.prompt_tokens += len(feed)
-            else:
-                room = client.n_predict - len(client.tokens) - 1   # drafts beyond n_predict are useless
-                drafts = draft(client.prompt + client.tokens, min(self.k, room)) if room > 0 else []
-                feed = [client.tokens[-1]] + drafts
-                stats.decode_tokens += len(feed)
-                self.speculation.drafted += len(drafts)
-            fed[len(tokens)] = (client, drafts)
-            tokens += feed
-            pos += range(client.n_cached, client.n_cached + len(feed))
-            seq_id += [client.slot] * len(feed)
-            # a prompt needs its last logits; a verification needs every position's
-            output += [False] * (len(feed) - 1) + [True] if not drafts else [True] * len(feed)
-        with stats.timing("cache"):
-            st = cache.init_batch(rc.Batch(token=tokens, pos=pos, seq_id=seq_id, logits=output), self.n_ubatch)
-        logits_of: dict[int, np.ndarray] = {}
-        rows = []
-        for _ in st:
-            stats.peak_used = max(stats.peak_used, cache.used)
-            with stats.timing("model"):
-                rows.append(self.model.forward_ubatch(st))
-            stats.ubatches += 1
-        for row, batch_index in zip(np.concatenate(rows), st.out_ids.tolist()):
-            logits_of[batch_index] = row
-        stats.steps += 1
-        if any(client.n_cached for client, _ in fed.values()):
+        if any(client.prefilled for client in self.running.values()):
             self.speculation.verify_steps += 1
-        for first, (client, drafts) in fed.items():
-            self.settle(client, drafts, first, logits_of)
+        super().step()
 
-    def settle(self, client: Client, drafts: list[int], first: int, logits_of: dict[int, np.ndarray]) -> None:
+    def feed(self, client: Client) -> Feed:
+        """The prompt; then the last token and up to K drafts, every position with logits."""
+        if not client.prefilled:
+            return super().feed(client)
+        room = client.n_predict - len(client.tokens) - 1   # drafts beyond n_predict are useless
+        drafts = draft(client.prompt + client.tokens, min(self.k, room)) if room > 0 else []
+        self.speculation.drafted += len(drafts)
+        return Feed(client, client.tokens[-1:] + drafts, "all" if drafts else "last")
+
+    def settle(self, feed: Feed, rows: list[np.ndarray]) -> None:
         """Keep the drafts the model agrees with and its own next token; roll the rest back."""
-        if client.n_cached == 0:   # the prompt
-            client.n_cached = len(client.prompt)
-            client.accept(logits_of[first + len(client.prompt) - 1])
+        client = feed.client
+        if not client.prefilled:   # the prompt
+            super().settle(feed, rows)
             return
+        drafts = feed.tokens[1:]
         accepted = 0
         while accepted < len(drafts):
-            logits = logits_of[first + accepted]
+            logits = rows[accepted]
             if client.sampler(logits) != drafts[accepted]:
                 break
             client.last_logits = logits
@@ -128,52 +105,36 @@ class SpeculativeServer(Server):
                                    f"{len(drafts) - accepted} rejected draft tokens")
             self.speculation.rollbacks += 1
         if not client.done:
-            client.accept(logits_of[first + accepted])
+            client.accept(rows[accepted])
 
 
-def serve(model: MambaModel, options: argparse.Namespace, clients: list[Client], k: int) -> tuple[Server, float]:
-    cache = model.new_cache(n_seq_max=options.parallel, dtype=options.dtype, n_rollback=k)
-    server: Server = SpeculativeServer(model, cache, options.ubatch, k) if k else \
-        Server(model, cache, options.ubatch, NoProgress())
+def serve(model: MambaModel, options: argparse.Namespace, k: int,
+          corrupt_step: int | None = None) -> tuple[list[Client], Server, SpeculationStats, float]:
+    """The demo's clients, greedy, served with drafts of up to ``k`` tokens (0: plain decoding):
+    the clients, the server, what speculation did, and the seconds it took."""
+    clients = make_clients(model, options.clients, options.n_predict, 0.0, 0, options.seed)
+    cache = new_cache(model, options.parallel, options.dtype, n_rollback=k)
+    server = (SpeculativeServer(model, cache, options.ubatch, k, corrupt_step) if k else
+              Server(model, cache, options.ubatch, corrupt_step=corrupt_step))
     start = time.perf_counter()
-    if k:
-        waiting = deque(clients)
-        while waiting or server.running:
-            while waiting and server.free_slots:
-                server.admit(waiting.popleft())
-            server.step()
-            server.end_step()
-    else:
-        serve_queue(server, clients)
-    return server, time.perf_counter() - start
+    server.serve(clients)
+    seconds = time.perf_counter() - start
+    speculation = server.speculation if isinstance(server, SpeculativeServer) else SpeculationStats()
+    return clients, server, speculation, seconds
 
 
-def main(options: argparse.Namespace, model: MambaModel) -> int:
+def run(options: argparse.Namespace, model: MambaModel) -> int:
     """The two runs, the report and the verification; the exit status."""
-    greedy = argparse.Namespace(**{**vars(options), "temperature": 0.0})
-    try:
-        runs = {}
-        for k in (0, options.speculative):
-            clients = make_clients(greedy, model, np.random.default_rng(options.seed))
-            runs[k] = (clients, *serve(model, options, clients, k))
-    except (MemoryError, rc.RecurrentCacheError) as exc:
-        print(f"demo: cannot serve {options.parallel} sequences with n_rollback {options.speculative}: {exc}",
-              file=sys.stderr)
-        return USER_ERROR
-    plain_clients, plain, plain_seconds = runs[0]
-    clients, server, seconds = runs[options.speculative]
-    spec = server.speculation
+    k = options.speculative
+    plain_clients, plain, _, plain_seconds = serve(model, options, 0)
+    clients, server, spec, seconds = serve(model, options, k, options.corrupt_step)
     generated = sum(len(client.tokens) for client in clients)
     print(f"model            {model.hparams.describe()} ({model_name(options)})")
-    print(f"cache            {options.parallel} cells, {options.dtype} states, n_rollback {options.speculative}, "
+    print(f"cache            {options.parallel} cells, {options.dtype} states, n_rollback {k}, "
           f"n_ubatch {options.ubatch}")
     print(f"clients          {len(clients)} ({options.parallel} at a time), greedy, drafts of up to "
-          f"{options.speculative} tokens by prompt lookup")
-    for client in clients[:CLIENTS_LISTED]:
-        print(f"  client {client.number:<3} prompt {len(client.prompt):>3} tokens {shown_prompt(model, client.prompt)}"
-              f" -> {shown_tokens(model, client.tokens)}")
-    if len(clients) > CLIENTS_LISTED:
-        print(f"  ... and {len(clients) - CLIENTS_LISTED} more")
+          f"{k} tokens by prompt lookup")
+    print_clients(model, clients, samplers=False)
     rate = spec.accepted / spec.drafted if spec.drafted else 0.0
     print(f"drafts           {spec.drafted} drafted, {spec.accepted} accepted ({100 * rate:.1f}%), "
           f"{spec.rollbacks} rollbacks")
@@ -186,24 +147,21 @@ def main(options: argparse.Namespace, model: MambaModel) -> int:
     print(f"throughput       {generated / seconds:.0f} generated tokens/s ({seconds:.2f} s) vs "
           f"{generated / plain_seconds:.0f} without speculation ({plain_seconds:.2f} s): "
           f"{plain_seconds / seconds:.2f}x")
+    if server.corruption:
+        print(f"testing          {server.corruption}")
     problems = []
     for served, alone in zip(clients, plain_clients):
         if served.tokens != alone.tokens:
             problems.append(f"client {served.number}: speculative tokens {served.tokens} differ from plain "
                             f"decoding's {alone.tokens}")
-    for run in (plain_clients, clients):
-        found, worst = verify(model, run, options.dtype)
+    worst = 0.0
+    for run_clients in (plain_clients, clients):
+        found, difference = verify(model, run_clients, options.dtype)
         problems += found
+        worst = max(worst, difference)
     if problems:
-        print("verification     FAILED")
-        print("\n*** VERIFICATION FAILED: speculative decoding differs from plain decoding ***", file=sys.stderr)
-        for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
+        return fail("", "speculative decoding differs from plain decoding", problems)
     print(f"verification     PASSED: {len(clients)} of {len(clients)} clients token-identical to plain greedy "
           f"decoding and to their solo runs (last logits within {worst:.1e} relative, "
           f"tolerance {TOLERANCE[options.dtype]:g})")
     return 0
-
-
-__all__ = ["draft", "main", "SpeculativeServer"]
