@@ -18,6 +18,7 @@ import importlib
 import sys
 
 from .options import OneLineParser
+from .output import guarded_stdout
 
 __all__ = ["COMMANDS", "main"]
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     A failed write to stdout ends it with one line on stderr, named by the subcommand.
     """
     argv = sys.argv[1:] if argv is None else argv
-    return _dispatch(argv)
+    name = argv[0] if argv and argv[0] in COMMANDS else "python -m recurrent_cache"
+    return guarded_stdout(name, lambda: _dispatch(argv))
 
 
 def _dispatch(argv: list[str]) -> int:

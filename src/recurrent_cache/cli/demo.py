@@ -31,7 +31,7 @@ from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
 from .clients import make_clients, print_clients
 from .model_options import add_model_options, build_model, model_name
-from .options import USER_ERROR, OneLineParser, float_in, int_in, text
+from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in, text
 from .serving import CannotAllocate, Client, Server, Stats, new_cache, progress_bar
 from .verification import TOLERANCE, fail, verify
 
@@ -108,6 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # Testing only: overwrite a live state after this step; the verification must then fail.
     parser.add_argument("--corrupt-step", type=int_in(0, 2**31 - 1), help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
+    problem = refusal(options)
+    if problem:
+        parser.error(problem)
     for name, value in DEFAULTS.items():
         if getattr(options, name) is None:
             setattr(options, name, value)
@@ -131,11 +134,11 @@ def refusal(options: argparse.Namespace) -> str:
         reads = reads | {"temperature"}   # greedy, as asked
     if mode == "--write-model" and not options.random_weights:
         reads = reads - {"seed"}          # only random weights have a seed
-    ignored = sorted(given - reads)
+    ignored = [flags[name] for name in sorted(given - reads)]
     if ignored:
-        shown = " and ".join(flags[name] for name in ignored[:2]) + (" ..." if len(ignored) > 2 else "")
+        shown = ", ".join(ignored[:-1]) + " and " + ignored[-1] if len(ignored) > 1 else ignored[0]
         return f"{shown} would be ignored by {mode}: {WHY[mode]}"
-    return ""
+    return greedy_refusal(options.temperature, options.top_k)
 
 
 def main(argv: list[str] | None = None) -> int:

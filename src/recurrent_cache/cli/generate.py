@@ -24,7 +24,7 @@ from typing import TextIO
 from ..models import MambaModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .model_options import add_model_options, build_model
-from .options import USER_ERROR, OneLineParser, float_in, int_in
+from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
 from .serving import CannotAllocate, Client, Server, new_cache
 
 __all__ = ["EXAMPLES", "TextStream", "generate", "main", "parse_args"]
@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
                         help=f"0 is greedy; above 0 samples softmax(logits / T) (default {DEFAULT_TEMPERATURE})")
-    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=DEFAULT_TOP_K,
+    parser.add_argument("--top-k", type=int_in(0, 1_000_000),
                         help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
                         help="seed of the sampling and the random weights (default 0)")
@@ -59,7 +59,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="n_ubatch: most prompt tokens per ubatch (default 64)")
     parser.add_argument("--dtype", choices=STATE_DTYPES, default="f32", help="state storage type")
     add_model_options(parser)
-    return parser.parse_args(argv)
+    options = parser.parse_args(argv)
+    problem = greedy_refusal(options.temperature, options.top_k)
+    if problem:
+        parser.error(problem)
+    if options.top_k is None:
+        options.top_k = DEFAULT_TOP_K
+    return options
 
 
 class TextStream:

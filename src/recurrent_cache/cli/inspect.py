@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from ..blob_report import describe_file
 from ..errors import RecurrentCacheError
 from ..state_format import MAX_TOKENS
+from .options import OneLineParser, int_in
+
+__all__ = ["EXAMPLES", "main", "parse_args"]
+
+EXAMPLES = """\
+examples:
+  python -m recurrent_cache inspect state.bin              # cells, layers, types, row sizes, min/max/mean, sha256
+  python -m recurrent_cache inspect seq1.ggsq --json       # the full report as JSON
+  python -m recurrent_cache inspect big.bin --max-cells 0  # list every cell
+"""
 
 
 def _number(value: float | None) -> str:
+    """A statistic as the report shows it ("-": no values)."""
     return "-" if value is None else f"{value:.6g}"
 
 
 def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
+    """``describe_file``'s report as text, at most ``max_cells`` cells listed (0: all)."""
     print(f"{path}: {report['format']}")
     if report["tokens"] is not None:
         tokens = report["tokens"]
@@ -47,33 +58,33 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
               f"{_number(t['max']):>12} {_number(t['mean']):>12}  {t['sha256'][:16]}{extra}")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one line, like every other error of the command."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"inspect: {message} (try --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def _fits(fits: dict[str, Any]) -> str:
+    """The smallest cache that reads the blob, as a constructor call."""
     shape = ", ".join(f"{key}={fits[key]!r}" for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
                       if fits[key] is not None)
     how = "seq_id -1" if fits["seq_id"] == -1 else "any seq_id"
     return f"RecurrentCache({shape}, size >= {fits['size']}), state_read with {how}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m recurrent_cache inspect",
-                     description="Describe a state blob (state_write) or a 'ggsq' sequence file "
-                                 "(llama_state_seq_save_file); exit status 1 unless a cache's "
-                                 "state_read accepts it.")
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options, checked: a bad value exits with one line."""
+    parser = OneLineParser(prog="python -m recurrent_cache inspect",
+                           description="Describe a state blob (state_write) or a 'ggsq' sequence file "
+                                       "(llama_state_seq_save_file); exit status 1 unless a cache's "
+                                       "state_read accepts it.",
+                           epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="the blob or sequence file")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument("--max-cells", type=int, default=32, metavar="N",
+    parser.add_argument("--max-cells", type=int_in(0, 2**63 - 1), default=32, metavar="N",
                         help="list at most N cells (default 32; 0 lists all)")
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
+    parser.add_argument("--max-tokens", type=int_in(0, 2**63 - 1), default=MAX_TOKENS, metavar="N",
                         help=f"refuse a sequence file of more than N tokens (default {MAX_TOKENS})")
-    options = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Describe the file; 0, or 1 after one line on stderr when no cache would read it."""
+    options = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with open(options.file, "rb") as file:
             report = describe_file(file, options.max_tokens)
@@ -86,12 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print(f"inspect: {options.file}: not enough memory to read it", file=sys.stderr)
         return 1
-    try:
-        if options.json:
-            print(json.dumps({"file": options.file, **report}, indent=1))
-        else:
-            _print_report(options.file, report, options.max_cells)
-        sys.stdout.flush()
-    except BrokenPipeError:   # `inspect FILE | head`: the reader left, which is no error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if options.json:
+        print(json.dumps({"file": options.file, **report}, indent=1))
+    else:
+        _print_report(options.file, report, options.max_cells)
     return 0

@@ -12,7 +12,7 @@ import argparse
 import math
 from typing import Callable, NoReturn
 
-__all__ = ["OneLineParser", "USER_ERROR", "float_in", "int_in", "text"]
+__all__ = ["OneLineParser", "USER_ERROR", "float_in", "greedy_refusal", "int_in", "text"]
 
 USER_ERROR = 2  # the exit status of every command-line user error (argparse's)
 
@@ -63,3 +63,11 @@ def text(what: str) -> Callable[[str], str]:
     parse.__name__ = what
     return parse
 
+
+
+def greedy_refusal(temperature: float | None, top_k: int | None) -> str:
+    """Why ``--top-k`` cannot be given with ``--temperature 0`` ("" when it can): greedy decoding
+    takes the most likely token whatever k is.  None stands for an option not given."""
+    if temperature == 0 and top_k is not None:
+        return "--top-k would be ignored by --temperature 0: greedy decoding takes the most likely token"
+    return ""
