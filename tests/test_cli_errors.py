@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -254,6 +255,20 @@ def test_head_of_the_demo_through_a_shell_pipe():
     result = subprocess.run([shell, "-c", command], capture_output=True, text=True, timeout=120)
     assert result.stdout.startswith("model ") and result.stdout.count("\n") == 1
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 1, result.stderr
+
+
+def test_ctrl_c_is_one_line():
+    """SIGINT while generate streams: one line, the shell's status for it, no traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "recurrent_cache", "generate", "x", "-n", "1000000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        process.stdout.read(4)   # it has started streaming: well inside main()
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=120)
+    finally:
+        process.kill()
+    stderr = process.stderr.read().decode()
+    assert status == 130 and stderr == "generate: interrupted\n", stderr
 
 
 # -- bad model files --------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ import sys
 from .options import OneLineParser
 from .output import guarded_stdout
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "INTERRUPTED", "main"]
+
+INTERRUPTED = 130   # the exit status after Ctrl-C, as a shell reports a process ended by SIGINT
 
 COMMANDS = {
     "demo": ("recurrent_cache.cli.demo", "run a recurrent model on the cache with continuous batching"),
@@ -40,11 +42,15 @@ examples:
 def main(argv: list[str] | None = None) -> int:
     """Run the subcommand named by ``argv[0]`` with the rest of ``argv``; its exit status.
 
-    A failed write to stdout ends it with one line on stderr, named by the subcommand.
+    A failed write to stdout, or Ctrl-C, ends it with one line on stderr, named by the subcommand.
     """
     argv = sys.argv[1:] if argv is None else argv
     name = argv[0] if argv and argv[0] in COMMANDS else "python -m recurrent_cache"
-    return guarded_stdout(name, lambda: _dispatch(argv))
+    try:
+        return guarded_stdout(name, lambda: _dispatch(argv))
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _dispatch(argv: list[str]) -> int:

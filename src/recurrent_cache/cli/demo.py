@@ -76,7 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options, checked: a bad value or a combination the mode cannot serve exits with one line."""
     parser = OneLineParser(
         prog="python -m recurrent_cache demo",
-        description="Serve clients with a Mamba model from one recurrent cache (continuous batching), "
+        description="Serve clients with a Mamba model from one recurrent cache (continuous batching),\n"
                     "then check every client against a solo run.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(parser)

@@ -31,21 +31,21 @@ the store (the ``store`` line reports it), and still equals the solo runs.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 import recurrent_cache as rc
 
 from ..models import MambaModel, ReferenceRun, Sampler
-from .model_options import model_name
+from .model_options import model_identity, model_name
 from .options import USER_ERROR
 from .serving import Client, Server, new_cache
 from .verification import TOLERANCE, fail, relative_difference
 
-__all__ = ["ConversationServer", "make_conversations", "model_identity", "run"]
+__all__ = ["ConversationServer", "Turn", "make_conversations", "run"]
 
 TURNS = 3
 N_SYSTEM_PROMPTS = 2
@@ -68,26 +68,12 @@ def make_conversations(options: argparse.Namespace, n_vocab: int) -> list[list[l
             for client in range(options.clients)]
 
 
-def model_identity(options: argparse.Namespace, model: MambaModel) -> str:
-    """The store namespace: what the states depend on besides the tokens and the cache geometry.
+@dataclass(eq=False)
+class Turn(Client):
+    """One turn of conversation ``number``: a request whose prompt is everything said so far."""
 
-    The sha256 of the GGUF file, or (random or built-in weights) of the weights
-    themselves; and the arithmetic, which changes the states too.
-    """
-    digest = hashlib.sha256()
-    if options.model:
-        with open(options.model, "rb") as file:
-            for chunk in iter(lambda: file.read(1 << 20), b""):
-                digest.update(chunk)
-        source = "gguf"
-    else:
-        for layer in model.layers:
-            for weights in vars(layer).values():
-                digest.update(np.ascontiguousarray(weights).tobytes())
-        for weights in (model.token_embd, model.output_norm, model.output):
-            digest.update(np.ascontiguousarray(weights).tobytes())
-        source = "weights"
-    return f"mamba1 {source}-sha256 {digest.hexdigest()} compute {options.compute}"
+    turn: int = 0
+    restored: int = 0   # prompt tokens restored from a snapshot
 
 
 class ConversationServer(Server):
@@ -101,23 +87,38 @@ class ConversationServer(Server):
         super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
         self.conversations = conversations
         self.prefix_cache = prefix_cache
+        self.served: list[Turn] = []   # the finished turns, in order
+
+    def serve_conversations(self, n_predict: int) -> None:
+        """Every conversation, turn after turn, greedily."""
+        self.serve(Turn(number, turns[0], n_predict, Sampler()) for number, turns in enumerate(self.conversations))
 
     def admit(self, client: Client) -> None:
         super().admit(client)
-        self.cache.seq_rm(client.slot, -1, -1)
+        turn = self.as_turn(client)
+        self.cache.seq_rm(turn.slot, -1, -1)
         if self.prefix_cache is not None:
-            client.restored = client.n_cached = self.prefix_cache.restore(client.slot, client.prompt)
-            client.cuts = self.prefix_cache.plan(client.prompt, client.n_cached)
+            turn.restored = turn.n_cached = self.prefix_cache.restore(turn.slot, turn.prompt)
+            turn.cuts = self.prefix_cache.plan(turn.prompt, turn.n_cached)
 
     def finish(self, client: Client) -> list[Client]:
         """Save the conversation so far; its next turn, if any."""
+        turn = self.as_turn(client)
+        self.served.append(turn)
         if self.prefix_cache is not None:   # the state covers the prompt and every generated token but the last
-            self.prefix_cache.save(client.slot, client.prompt + client.tokens[:-1])
-        turns = self.conversations[client.number]
-        if client.turn + 1 == len(turns):
+            self.prefix_cache.save(turn.slot, turn.prompt + turn.tokens[:-1])
+        turns = self.conversations[turn.number]
+        if turn.turn + 1 == len(turns):
             return []
-        prompt = client.prompt + client.tokens + turns[client.turn + 1]
-        return [Client(client.number, prompt, client.n_predict, Sampler(), turn=client.turn + 1)]
+        prompt = turn.prompt + turn.tokens + turns[turn.turn + 1]
+        return [Turn(turn.number, prompt, turn.n_predict, Sampler(), turn=turn.turn + 1)]
+
+    @staticmethod
+    def as_turn(client: Client) -> Turn:
+        """``client``, which this server only ever admits as a ``Turn``."""
+        if not isinstance(client, Turn):
+            raise TypeError(f"a conversation serves turns, not {client!r}")
+        return client
 
     def end_step(self) -> list[Client]:
         follow_ups = super().end_step()
@@ -140,12 +141,12 @@ def serve(model: MambaModel, options: argparse.Namespace, conversations: list[li
     server = ConversationServer(model, cache, options.ubatch, conversations, pc,
                                 options.corrupt_step if prefix_cache else None)
     start = time.perf_counter()
-    server.serve(Client(number, turns[0], options.n_predict, Sampler()) for number, turns in enumerate(conversations))
+    server.serve_conversations(options.n_predict)
     seconds = time.perf_counter() - start
     return server, seconds, pc.stats() if pc is not None else {}
 
 
-def verify(model: MambaModel, runs: list[list[Client]], conversations: list[list[list[int]]], n_predict: int,
+def verify(model: MambaModel, runs: list[list[Turn]], conversations: list[list[list[int]]], n_predict: int,
            dtype: str) -> tuple[list[str], float]:
     """Every request of every run against its solo run: (problems, largest relative logits difference)."""
     solo: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}
@@ -191,7 +192,7 @@ def run(options: argparse.Namespace, model: MambaModel) -> int:
     with_pc, with_seconds, stats = serve(model, options, conversations, prefix_cache=True, store=store,
                                          namespace=namespace)
     without, without_seconds, _ = serve(model, options, conversations, prefix_cache=False)
-    requests = with_pc.finished
+    requests = with_pc.served
     n_requests = len(requests)
     hits = sum(r.restored > 0 for r in requests)
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -221,7 +222,7 @@ def run(options: argparse.Namespace, model: MambaModel) -> int:
           f"(prompt + generated tokens served per second)")
     if with_pc.corruption:
         print(f"testing          {with_pc.corruption}")
-    problems, worst = verify(model, [requests, without.finished], conversations, options.n_predict, options.dtype)
+    problems, worst = verify(model, [requests, without.served], conversations, options.n_predict, options.dtype)
     if problems:
         return fail(f": {len(problems)} mismatches with the solo runs",
                     "served requests differ from running each conversation alone", problems)

@@ -58,8 +58,6 @@ class Client:
     slot: int = -1                                     # its sequence id while it is served
     n_cached: int = 0                                  # tokens whose effect is in its state
     cuts: list[int] = field(default_factory=list)      # where the prefill stops next ([]: at the prompt's end)
-    turn: int = 0                                      # which turn of its conversation (prefix-cache mode)
-    restored: int = 0                                  # prompt tokens restored from a snapshot
 
     @property
     def done(self) -> bool:
