@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    """Parse the subcommand's name, import its module, run its ``main`` on the rest."""
     parser = OneLineParser(prog="python -m recurrent_cache", epilog=EXAMPLES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS),
