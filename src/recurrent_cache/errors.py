@@ -20,6 +20,9 @@ __all__ = [
     "CoreError",
     "UsageError",
     "OutOfRangeError",
+    "NoFreeCellError",
+    "ModelError",
+    "GGUFError",
     "engine_error",
 ]
 
@@ -67,6 +70,18 @@ class CoreError(RecurrentCacheError, RuntimeError):
 class UsageError(RecurrentCacheError, RuntimeError):
     """A call out of order: a ``MemoryState`` applied twice, stale, or read before ``apply()``;
     one cache used by two threads at once."""
+
+
+class NoFreeCellError(RecurrentCacheError, RuntimeError):
+    """``PrefixCache.restore`` found a snapshot but every cell of the cache is in use."""
+
+
+class ModelError(RecurrentCacheError, ValueError):
+    """Weights, a model file or an input that do not make a valid Mamba model run."""
+
+
+class GGUFError(RecurrentCacheError, ValueError):
+    """A file is not a well-formed GGUF file (the message says where and why)."""
 
 
 # -- the engine codes ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import errors as E
 from .errors import engine_error
-from .state_format import CacheShape, parse_blob, target_aliases_cache, target_too_small, write_all
+from .state_format import Geometry, parse_blob, target_aliases_cache, target_too_small, write_all
 
 __all__ = ["CellTable", "Placement", "StateIO", "split_batch"]
 
@@ -566,10 +566,8 @@ class StateIO:
         self.table = table
         self.type_ids = tuple(type_ids)
 
-    def _shape(self) -> CacheShape:
-        t = self.table
-        return CacheShape(size=t.size, n_layer=len(t.tensors) // 2, type_ids=self.type_ids,
-                          row_bytes=tuple(tensor.shape[1] * tensor.itemsize for tensor in t.tensors))
+    def _shape(self) -> Geometry:
+        return Geometry.of_tensors(self.table.size, self.type_ids, self.table.tensors)
 
     def _parts(self, seq_id: int) -> list[Any]:
         """The blob in pieces: headers, then the rows range by range."""

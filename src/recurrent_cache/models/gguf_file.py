@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFError", "GGUFFile", "TensorInfo"]
+from ..errors import GGUFError
+
+__all__ = ["GGUFFile", "TensorInfo"]
 
 MAGIC = b"GGUF"
 
@@ -42,10 +44,6 @@ _QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34)
                  15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50),
                  20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2),
                  26: (1, 4), 27: (1, 8), 29: (256, 56), 34: (256, 54), 35: (256, 66), 39: (32, 17)}
-
-
-class GGUFError(ValueError):
-    """The file is not a well-formed GGUF file (the message says where and why)."""
 
 
 @dataclass(frozen=True)

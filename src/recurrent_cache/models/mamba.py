@@ -40,20 +40,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import RecurrentCacheError
+from .. import _args
+from ..errors import GGUFError, ModelError
 from ..memory_state import MemoryStatus
 from ._storage import StateStorage
-from .gguf_file import FLOAT_TYPES, GGUFError, GGUFFile
+from .gguf_file import FLOAT_TYPES, GGUFFile
 from .vocab import Vocabulary
 
-__all__ = ["ModelError", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
+__all__ = ["MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
            "random_model", "load_gguf", "write_gguf"]
 
 ARCH = "mamba"
-
-
-class ModelError(RecurrentCacheError, ValueError):
-    """Weights, a model file or an input that do not make a valid Mamba model run."""
 
 
 # -- hyper-parameters and weights ------------------------------------------------
@@ -75,9 +72,7 @@ class MambaHParams:
 
     def __post_init__(self) -> None:
         for name in ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "dt_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ModelError(f"hyper-parameter {name} must be a positive integer, got {value!r}")
+            _args.count(getattr(self, name), f"hyper-parameter {name}", 1, ModelError, int32_only=False)
         if self.d_conv < 2:
             # d_conv = 1 would leave no rolling state: the cache needs rows of width >= 1
             raise ModelError(f"d_conv must be >= 2, got {self.d_conv}")
@@ -487,8 +482,8 @@ def _load_gguf(file: GGUFFile, dtype: Any) -> MambaModel:
         value = file.fields.get(name, default)
         if value is None:
             raise ModelError(f"GGUF key {name} is missing")
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ModelError(f"GGUF key {name} is {value!r}, not an integer")
+        if kind is int:
+            _args.integer(value, f"GGUF key {name}", ModelError)
         if kind is float and not isinstance(value, (int, float)):
             raise ModelError(f"GGUF key {name} is {value!r}, not a number")
         return kind(value)

@@ -44,6 +44,7 @@ import time
 from typing import Any
 from collections.abc import Sequence
 
+from .. import _args
 from ..errors import ArgumentError
 from .base import StoreCounters
 from .snapshot import TRAILER_SIZE, check_entry, entry_ggsq_length, key_digest, make_trailer
@@ -67,10 +68,9 @@ class DirectoryStore:
     """
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None) -> None:
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                      or max_bytes < 1):
-            raise ArgumentError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r}")
-        self.path = os.path.abspath(os.fspath(path))
+        if max_bytes is not None:
+            max_bytes = _args.count(max_bytes, "DirectoryStore: max_bytes", 1, int32_only=False)
+        self.path = os.path.abspath(_args.path(path, "DirectoryStore: path"))
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:

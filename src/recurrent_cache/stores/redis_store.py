@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import _args
 from ..errors import ArgumentError
 from .base import StoreCounters
 from .snapshot import check_entry, entry_ggsq_length
@@ -91,8 +92,7 @@ class RedisStore:
                  timeout: float = 5.0, retry_after: float = 1.0) -> None:
         redis = _import_redis()
         Retry, NoBackoff = redis.retry.Retry, redis.backoff.NoBackoff
-        if not isinstance(url, str):
-            raise ArgumentError(f"url must be a str, got {type(url).__name__}")
+        _args.text(url, "url")
         _seconds("timeout", timeout, low=0.0, allow_low=False)
         _seconds("retry_after", retry_after, low=0.0, allow_low=True)
         if ttl is not None:
