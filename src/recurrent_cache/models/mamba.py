@@ -72,10 +72,9 @@ class MambaHParams:
 
     def __post_init__(self) -> None:
         for name in ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "dt_rank"):
-            _args.count(getattr(self, name), f"hyper-parameter {name}", 1, ModelError, int32_only=False)
-        if self.d_conv < 2:
             # d_conv = 1 would leave no rolling state: the cache needs rows of width >= 1
-            raise ModelError(f"d_conv must be >= 2, got {self.d_conv}")
+            minimum = 2 if name == "d_conv" else 1
+            _args.count(getattr(self, name), f"hyper-parameter {name}", minimum, ModelError, int32_only=False)
         if not self.rms_eps > 0:
             raise ModelError(f"rms_eps must be positive, got {self.rms_eps!r}")
 
