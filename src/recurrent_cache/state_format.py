@@ -1,4 +1,14 @@
-"""The state blob format of SPEC.md §5 (llama.cpp's recurrent ``state_write``), in pure Python.
+"""The bytes of a recurrent state, described once: SPEC.md §5 (llama.cpp's recurrent ``state_write``).
+
+This module is the one source of the byte formats: the ggml type table
+(``STATE_TYPES`` / ``GGML_TYPES``), the fixed runs of fields (``Layout``:
+``CELL_COUNT``, ``CELL``, ``DATA_HEADER``, ``TENSOR_HEADER``), the sequence-file
+framing (``SeqFileFormat``: ``GGSQ``; another framing is one more instance),
+the cache ``Geometry`` every blob, sequence file, snapshot and store key is
+checked against, and the wording of every defect.  ``state_read``,
+``seqfile``, ``inspect``, the snapshot codec and the reference engine build
+and read their bytes from it; the compiled ``_state_io`` keeps its own loops,
+held to the same bytes by the tests.
 
 A blob is, all integers little-endian::
 
@@ -73,7 +83,9 @@ GGML_TYPES = {t.type_id: t for t in STATE_TYPES.values()}
 # -- the layouts: every fixed run of fields, named once -------------------------
 
 class Layout(struct.Struct):
-    """A fixed run of little-endian fields: a ``struct.Struct`` that knows its fields' names."""
+    """A fixed run of little-endian fields: a ``struct.Struct`` that knows its fields' names.
+
+    Each field is ``(name, code)`` with a one-character ``struct`` code, packed without padding."""
 
     def __init__(self, *fields: tuple[str, str]) -> None:
         super().__init__("<" + "".join(code for _, code in fields))
