@@ -28,11 +28,13 @@ import numpy as np
 
 from .errors import ArgumentError, OutOfRangeError, SeqIdError
 
-__all__ = ["INT32_MIN", "INT32_END", "integer", "in_range", "as_int", "count", "index", "as_flag",
+__all__ = ["INT32_MIN", "INT32_END", "INT32", "LE_INT32", "integer", "in_range", "as_int", "count", "index", "as_flag",
            "state_seq_id", "plain_sequence", "holds_bool", "int_array", "tokens", "text", "path"]
 
 INT32_MIN = -2**31
 INT32_END = 2**31   # one past the largest int32
+INT32 = np.dtype(np.int32)
+LE_INT32 = np.dtype("<i4")   # a token as llama.cpp's files store it
 
 
 def _bound(value: int) -> str:
@@ -54,6 +56,8 @@ def in_range(value: Any, name: str, low: int, high: int | None,
              error: type[Exception] = ArgumentError, range_error: type[Exception] | None = None) -> int:
     """An integer in ``[low, high)`` (``high`` None: no ceiling); ``error`` for a value that is
     no integer, ``range_error`` (default: ``error``) for one outside the range."""
+    if type(value) is int and low <= value and (high is None or value < high):
+        return value   # the common case, without the general checks
     number = integer(value, name, error)
     outside = range_error or error
     if high is None:
@@ -121,17 +125,17 @@ def holds_bool(values: Any) -> bool:
                for v in values)
 
 
-def int_array(values: Any, name: str, dtype: Any = np.int32, error: type[Exception] = ArgumentError) -> np.ndarray:
+def int_array(values: Any, name: str, dtype: np.dtype = INT32, error: type[Exception] = ArgumentError) -> np.ndarray:
     """``values`` as a 1-D C-contiguous array of ``dtype`` (an integer type), every value checked to fit.
 
     Refuses bools (in an array or a list), floats, more or fewer than one
     dimension and ragged lists.  The result may be ``values`` itself when it
     is already such an array: copy it to keep it.
     """
-    target = np.dtype(dtype)
-    if type(values) is np.ndarray and values.dtype == target and values.ndim == 1 \
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 \
             and values.flags.c_contiguous:
-        return values   # the common case: nothing to convert
+        return values   # the common case: nothing to convert (a dtype object compares fast, a type does not)
+    target = np.dtype(dtype)
     wrong = f"{name} must be a 1-D array of integers"
     try:
         array = np.asarray(plain_sequence(values, name, error))
@@ -151,7 +155,7 @@ def int_array(values: Any, name: str, dtype: Any = np.int32, error: type[Excepti
 
 def tokens(values: Any, name: str = "tokens") -> np.ndarray:
     """Token ids as little-endian int32, llama.cpp's ``llama_token`` as a file stores it."""
-    return int_array(values, name, np.dtype("<i4"))
+    return int_array(values, name, LE_INT32)
 
 
 # -- strings and paths ---------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._args import holds_bool, int_array, integer, plain_sequence
+from ._args import INT32, holds_bool, int_array, integer, plain_sequence
 from .errors import BatchError
 
 __all__ = ["Batch"]
@@ -33,9 +33,12 @@ def _plain(values: Any, name: str) -> Any:
     return plain_sequence(values, f"batch {name}", BatchError)
 
 
-def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
-    array = int_array(values, f"batch {name}", dtype, BatchError)
-    # a batch keeps its own read-only copy (the caller may refill its buffers)
+def _int_array(values: Any, name: str) -> np.ndarray:
+    """``values`` as a frozen int32 array of the batch's own (the caller may refill its buffers);
+    ``name`` ("batch token", ...) names it in errors."""
+    if type(values) is np.ndarray and values.dtype == INT32 and values.ndim == 1 and values.flags.c_contiguous:
+        return _frozen(values.copy())   # the decode loop's case: one copy, not even a call
+    array = int_array(values, name, INT32, BatchError)
     return _frozen(array.copy() if array is values or array.base is not None else array)
 
 
@@ -55,10 +58,10 @@ def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
             raise BatchError("token 0 has no seq id")
         if array.ndim == 1 or array.shape[1] == 1:
             # one sequence per token: the fast path
-            return (_int_array(array.reshape(-1), "seq_id"),
+            return (_int_array(array.reshape(-1), "batch seq_id"),
                     _frozen(np.arange(n_tokens + 1, dtype=np.int32)))
         width = array.shape[1]
-        flat = _int_array(array.reshape(-1), "seq_id")
+        flat = _int_array(array.reshape(-1), "batch seq_id")
         if (n_tokens + 1) * width >= 2**31:
             raise BatchError(f"batch seq_id has {n_tokens * width} entries: too many for int32 offsets")
         offsets = _frozen(np.arange(0, (n_tokens + 1) * width, width, dtype=np.int32))
@@ -93,7 +96,7 @@ def _ragged_seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.nda
         wide = np.array(ids, dtype=np.int64)
     except OverflowError:
         raise BatchError("batch seq_id has a value outside the int32 range") from None
-    flat = _int_array(wide, "seq_id")
+    flat = _int_array(wide, "batch seq_id")
     offsets = np.zeros(n_tokens + 1, dtype=np.int32)
     offsets[1:] = np.cumsum(counts)
     return flat, _frozen(offsets)
@@ -158,7 +161,7 @@ class Batch:
         if (token is None) == (embd is None):
             raise BatchError("a batch takes exactly one of token= and embd=")
         if token is not None:
-            init(self, "token", _int_array(token, "token"))
+            init(self, "token", _int_array(token, "batch token"))
             init(self, "embd", None)
             n_tokens = self.token.shape[0]  # type: ignore[union-attr]
         else:
@@ -183,7 +186,7 @@ class Batch:
 
         init(self, "pos", None)
         if pos is not None:
-            init(self, "pos", _int_array(pos, "pos"))
+            init(self, "pos", _int_array(pos, "batch pos"))
             if self.pos.shape[0] != n_tokens:  # type: ignore[union-attr]
                 raise BatchError(f"batch pos has {self.pos.shape[0]} entries for {n_tokens} tokens")  # type: ignore[union-attr]
 
