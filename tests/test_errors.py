@@ -284,3 +284,41 @@ def test_seq_rm_beyond_the_cache_is_false_not_an_error(rc):
 def test_cell_index_out_of_range(rc, index):
     cache = populated(rc)
     assert_rejected(rc, cache, lambda c: c.cell(index), [IndexError], [str(index)])
+
+
+# -- the one exception table -------------------------------------------------------------------
+
+
+def test_every_exception_class_is_in_errors_and_exported():
+    """Every exception class of the package is defined in ``errors.py``, derives from
+    ``RecurrentCacheError`` and a built-in, and is exported from ``recurrent_cache`` itself."""
+    import ast
+    import builtins
+    import pathlib
+
+    import recurrent_cache
+    from recurrent_cache import errors
+
+    source = pathlib.Path(recurrent_cache.__file__).parent
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and path.name != "errors.py":
+                bases = {ast.unparse(base) for base in node.bases}
+                assert not (node.name.endswith(("Error", "Exception")) or bases & {"Exception", "ValueError"}
+                            or any(base.endswith("Error") for base in bases)), \
+                    f"{path.relative_to(source)} defines the exception {node.name}"
+    classes = [getattr(errors, name) for name in errors.__all__
+               if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name), BaseException)]
+    assert len(classes) >= 13
+    built_in = {cls for cls in vars(builtins).values() if isinstance(cls, type) and issubclass(cls, BaseException)}
+    for cls in classes:
+        assert cls.__module__ == "recurrent_cache.errors"
+        assert getattr(recurrent_cache, cls.__name__) is cls and cls.__name__ in recurrent_cache.__all__
+        if cls is not errors.RecurrentCacheError:
+            assert issubclass(cls, errors.RecurrentCacheError)
+            assert set(cls.__mro__) & (built_in - {Exception, BaseException, object}), \
+                f"{cls.__name__} derives from no built-in a caller would catch"
+    for module, name in (("prefix_cache", "NoFreeCellError"), ("models", "ModelError"),
+                         ("models.gguf_file", "GGUFError"), ("models.mamba", "GGUFError")):
+        imported = __import__(f"recurrent_cache.{module}", fromlist=[name])
+        assert getattr(imported, name) is getattr(errors, name)

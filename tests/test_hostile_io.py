@@ -299,17 +299,17 @@ def read_from_dev_zero_and_endless_fifos(name):
 
 @case()
 def read_from_a_stream_is_bounded_by_the_cache(name):
-    """With the cache's shape (CacheShape.of), an endless stream under a header claiming
+    """With the cache's geometry (Geometry.of), an endless stream under a header claiming
     terabytes is rejected at the header: no row is read."""
     rc = engine(name)
     import recurrent_cache as package
-    from recurrent_cache.state_format import CacheShape, read_rest
+    from recurrent_cache.state_format import Geometry, read_rest
     cache = populated(rc)
     head = blob([(0, [])], 2, [], rows=False) + struct.pack("<iQ", 0, 2**40)
     fifo = Fifo(head, b"\0" * 65536)
     before = peak_rss_mib()
     with open(fifo.path, "rb") as stream:
-        rejected(cache, lambda: read_rest(stream, CacheShape.of(cache), 1), package.StateError, "row size")
+        rejected(cache, lambda: read_rest(stream, Geometry.of(cache), 1), package.StateError, "row size")
     assert peak_rss_mib() - before < 64
 
 

@@ -160,7 +160,7 @@ def test_restore_into_a_sequence_that_holds_a_cell_is_refused(rc):
     with pytest.raises(recurrent_cache.ArgumentError, match="seq 0 already holds a cell"):
         pc.restore(0, tokens + [6])
     assert (cache.state_write(), [cache.cell(i) for i in range(cache.size)], pc.stats()) == before
-    with pytest.raises(recurrent_cache.SeqIdError, match="seq 2"):
+    with pytest.raises(recurrent_cache.SeqIdError, match=r"seq must be in \[0, 2\), got 2"):
         pc.restore(2, tokens + [6])
 
 

@@ -203,7 +203,7 @@ def test_step_arrays_shape_and_errors(rc):
         st.r_steps(0)
     st.apply()
     assert st.r_steps(0).shape == (1, 0, N_EMBD_R)
-    with pytest.raises(rc.ArgumentError, match="n_rollback must be >= 0"):
+    with pytest.raises(rc.ArgumentError, match=r"n_rollback must be in \[0, 2\*\*31\), got -1"):
         rc.RecurrentCache(1, 1, 1, n_rollback=-1)
     plain = rc.RecurrentCache(1, 1, 1, n_seq_max=1)
     for _ in plain.init_batch(rc.Batch(token=[1, 2], pos=[0, 1])):

@@ -14,11 +14,11 @@ validated.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
 
+from ._args import INT32, holds_bool, int_array, integer, plain_sequence
 from .errors import BatchError
 
 __all__ = ["Batch"]
@@ -30,39 +30,16 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 
 
 def _plain(values: Any, name: str) -> Any:
-    """Refuse containers whose meaning numpy would silently change (mask dropped, keys taken)."""
-    if isinstance(values, np.ma.MaskedArray):
-        raise BatchError(f"batch {name} is a masked array: pass the values you mean (np.ma.filled)")
-    if isinstance(values, (dict, set, frozenset, str, bytes)):
-        raise BatchError(f"batch {name} must be a sequence or array, got {type(values).__name__}")
-    return values
+    return plain_sequence(values, f"batch {name}", BatchError)
 
 
-def _holds_bool(values: Any) -> bool:
-    """A list / tuple (or list of lists) with a bool in it: numpy would silently read True as 1."""
-    if not isinstance(values, (list, tuple)):
-        return False
-    return any(isinstance(v, (bool, np.bool_)) or (isinstance(v, (list, tuple)) and _holds_bool(v))
-               for v in values)
-
-
-def _int_array(values: Any, name: str, dtype: type = np.int32) -> np.ndarray:
-    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 \
-            and values.flags.c_contiguous:
-        return _frozen(values.copy())  # the common case: one copy, no conversion
-    try:
-        array = np.asarray(_plain(values, name))
-    except (TypeError, ValueError) as exc:
-        raise BatchError(f"batch {name} is not an array of integers: {exc}") from None
-    if array.ndim != 1:
-        raise BatchError(f"batch {name} must be 1-D, got shape {array.shape}")
-    if array.size and (array.dtype.kind not in "iu" or _holds_bool(values)):
-        raise BatchError(f"batch {name} must hold integers, got dtype {array.dtype}")
-    if array.size and array.dtype.kind in "iu" and array.dtype.itemsize >= np.dtype(dtype).itemsize:
-        info = np.iinfo(dtype)
-        if array.min() < info.min or array.max() > info.max:
-            raise BatchError(f"batch {name} has a value outside the {np.dtype(dtype).name} range")
-    return _frozen(np.array(array, dtype=dtype, order="C"))
+def _int_array(values: Any, name: str) -> np.ndarray:
+    """``values`` as a frozen int32 array of the batch's own (the caller may refill its buffers);
+    ``name`` ("batch token", ...) names it in errors."""
+    if type(values) is np.ndarray and values.dtype == INT32 and values.ndim == 1 and values.flags.c_contiguous:
+        return _frozen(values.copy())   # the decode loop's case: one copy, not even a call
+    array = int_array(values, name, INT32, BatchError)
+    return _frozen(array.copy() if array is values or array.base is not None else array)
 
 
 def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +49,7 @@ def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         array = seq_id if isinstance(seq_id, np.ndarray) else np.asarray(seq_id)
     except (TypeError, ValueError):
         array = None  # ragged lists: several sequences per token, in varying numbers
-    if array is not None and array.size and (array.dtype.kind == "b" or _holds_bool(seq_id)):
+    if array is not None and array.size and (array.dtype.kind == "b" or holds_bool(seq_id)):
         raise BatchError(f"batch seq_id must hold integers, got dtype {array.dtype}")
     if array is not None and array.ndim in (1, 2) and (array.dtype.kind in "iu" or array.size == 0):
         if array.shape[0] != n_tokens:
@@ -81,10 +58,10 @@ def _seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
             raise BatchError("token 0 has no seq id")
         if array.ndim == 1 or array.shape[1] == 1:
             # one sequence per token: the fast path
-            return (_int_array(array.reshape(-1), "seq_id"),
+            return (_int_array(array.reshape(-1), "batch seq_id"),
                     _frozen(np.arange(n_tokens + 1, dtype=np.int32)))
         width = array.shape[1]
-        flat = _int_array(array.reshape(-1), "seq_id")
+        flat = _int_array(array.reshape(-1), "batch seq_id")
         if (n_tokens + 1) * width >= 2**31:
             raise BatchError(f"batch seq_id has {n_tokens * width} entries: too many for int32 offsets")
         offsets = _frozen(np.arange(0, (n_tokens + 1) * width, width, dtype=np.int32))
@@ -119,7 +96,7 @@ def _ragged_seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.nda
         wide = np.array(ids, dtype=np.int64)
     except OverflowError:
         raise BatchError("batch seq_id has a value outside the int32 range") from None
-    flat = _int_array(wide, "seq_id")
+    flat = _int_array(wide, "batch seq_id")
     offsets = np.zeros(n_tokens + 1, dtype=np.int32)
     offsets[1:] = np.cumsum(counts)
     return flat, _frozen(offsets)
@@ -127,9 +104,7 @@ def _ragged_seq_id_lists(seq_id: Any, n_tokens: int) -> tuple[np.ndarray, np.nda
 
 def _seq_id_value(value: Any) -> int:
     """One seq id: an integer, never a bool (True would silently mean sequence 1)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError("a bool is not a seq id")
-    return operator.index(value)
+    return integer(value, "seq_id", TypeError)
 
 
 def _check_seq_id_lists(flat: np.ndarray, offsets: np.ndarray) -> None:
@@ -186,7 +161,7 @@ class Batch:
         if (token is None) == (embd is None):
             raise BatchError("a batch takes exactly one of token= and embd=")
         if token is not None:
-            init(self, "token", _int_array(token, "token"))
+            init(self, "token", _int_array(token, "batch token"))
             init(self, "embd", None)
             n_tokens = self.token.shape[0]  # type: ignore[union-attr]
         else:
@@ -211,7 +186,7 @@ class Batch:
 
         init(self, "pos", None)
         if pos is not None:
-            init(self, "pos", _int_array(pos, "pos"))
+            init(self, "pos", _int_array(pos, "batch pos"))
             if self.pos.shape[0] != n_tokens:  # type: ignore[union-attr]
                 raise BatchError(f"batch pos has {self.pos.shape[0]} entries for {n_tokens} tokens")  # type: ignore[union-attr]
 

@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 
 from .errors import StateError
-from .state_format import GGML_TYPES, MAX_TOKENS, BlobCell, check_cells, read_file
+from ._args import INT32_END
+from .state_format import GGML_TYPES, GGSQ, MAX_TOKENS, STATE_TYPES, BlobCell, check_cells, read_file
 
 __all__ = ["describe", "describe_file"]
 
-_LIMIT = 2**31 - 1   # the constructor's largest size, n_layer and n_embd
-_DECODE = {0: "<f4", 1: "<f2", 30: "<u2"}   # ggml type id -> stored dtype; bf16 is widened by hand
+_LIMIT = INT32_END - 1   # the constructor's largest size, n_layer and n_embd
+_BF16 = STATE_TYPES["bf16"].type_id   # stored as the upper half of a float32, widened by hand
 
 
 class _TensorSummary:
@@ -36,7 +37,7 @@ class _TensorSummary:
 
     def __init__(self, k: int, n_layer: int, type_id: int, row_bytes: int, offset: int) -> None:
         self.type_id = type_id
-        self.dtype = np.dtype(_DECODE[type_id])
+        self.dtype = GGML_TYPES[type_id].bits
         self.sha256 = hashlib.sha256()
         self.carry = b""          # an element split between two pieces
         self.non_finite = 0
@@ -45,7 +46,7 @@ class _TensorSummary:
         self.min: float | None = None
         self.max: float | None = None
         self.summary: dict[str, Any] = {
-            "tensor": f"layer {k % n_layer} {'r' if k < n_layer else 's'}", "type": GGML_TYPES[type_id][0],
+            "tensor": f"layer {k % n_layer} {'r' if k < n_layer else 's'}", "type": GGML_TYPES[type_id].name,
             "type_id": type_id, "row_bytes": row_bytes, "n_embd": row_bytes // self.dtype.itemsize,
             "offset": offset}
 
@@ -55,7 +56,7 @@ class _TensorSummary:
         whole = len(data) - len(data) % self.dtype.itemsize
         self.carry = data[whole:]
         stored = np.frombuffer(data, dtype=self.dtype, count=whole // self.dtype.itemsize)
-        if self.type_id == 30:   # bf16: the upper half of a float32
+        if self.type_id == _BF16:
             values = (stored.astype(np.uint32) << 16).view(np.float32)
         else:
             values = stored.astype(np.float32)
@@ -107,8 +108,8 @@ class _Inspection:
         name, layer = ("r", k) if k < self.n_layer else ("s", k - self.n_layer)
         if type_id not in GGML_TYPES:
             raise StateError(f"state blob layer {layer} {name} has type {type_id} at byte {offset}: "
-                             f"a cache stores f32 (0), f16 (1) or bf16 (30)")
-        type_name, itemsize = GGML_TYPES[type_id]
+                             f"a cache stores {' or '.join(f'{t.name} ({t.type_id})' for t in GGML_TYPES.values())}")
+        type_name, itemsize = GGML_TYPES[type_id].name, GGML_TYPES[type_id].itemsize
         if layer == 0:
             if row_bytes % itemsize or not 1 <= row_bytes // itemsize <= _LIMIT:
                 raise StateError(f"state blob layer 0 {name} row size {row_bytes} at byte {offset + 4} is "
@@ -140,7 +141,7 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
         raise StateError(f"not a valid state blob or sequence file: {exc}") from None
     blob = contents.blob
     return {
-        "format": "state blob" if contents.tokens is None else "sequence file ('ggsq' version 2)",
+        "format": "state blob" if contents.tokens is None else f"sequence file ({GGSQ.name})",
         "tokens": None if contents.tokens is None else contents.tokens.tolist(),
         "blob_offset": contents.blob_offset, "blob_bytes": blob.n_bytes, "kind": blob.kind,
         "cell_count": blob.cell_count, "n_layer": blob.n_layer, "reads_into": inspection.fits,

@@ -16,12 +16,14 @@ from typing import Literal
 import numpy as np
 
 from . import _engines
-from ._config import Config, as_flag, as_int, state_seq_id
+from . import _args
+from ._args import as_flag, as_int, state_seq_id
+from ._config import Config
 from .batch import Batch
 from .errors import (POS_MAX, ArgumentError, CoreError, OutOfRangeError, PositionError, UsageError,
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus
-from .state_format import CacheShape, blob_view, read_rest, target_view
+from .state_format import Geometry, blob_view, read_rest, target_view
 
 __all__ = ["RecurrentCache"]
 
@@ -61,9 +63,7 @@ class RecurrentCache:
                  size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32",
                  n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None) -> None:
         self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
-        self._n_rollback = as_int(n_rollback, "n_rollback")
-        if self._n_rollback < 0:
-            raise ArgumentError(f"n_rollback must be >= 0, got {self._n_rollback}")
+        self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
         r, s = self._config.allocate()
         self.r: tuple[np.ndarray, ...] = tuple(r)
@@ -213,9 +213,7 @@ class RecurrentCache:
 
     def cell(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
         """``(pos, src, tail, seq_ids)`` of cell ``i``; ``tail`` is the cell holding sequence ``i``."""
-        i = as_int(i, "cell index")
-        if not 0 <= i < self.size:
-            raise OutOfRangeError(f"cell index {i} is out of range [0, {self.size})")
+        i = _args.index(i, "cell index", self.size, OutOfRangeError)
         self._enter()
         try:
             return self._table.cell(i)  # type: ignore[no-any-return]
@@ -472,7 +470,7 @@ class RecurrentCache:
         """``state_read`` of everything from a binary file's position to its end."""
         seq_id = state_seq_id(seq_id, self.size, "state_read_from")
         # bounded by this cache's state size, and checked as state_read checks the bytes
-        return self.state_read(read_rest(file, CacheShape.of(self), seq_id), seq_id)
+        return self.state_read(read_rest(file, Geometry.of(self), seq_id), seq_id)
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "

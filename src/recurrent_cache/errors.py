@@ -20,6 +20,10 @@ __all__ = [
     "CoreError",
     "UsageError",
     "OutOfRangeError",
+    "NoFreeCellError",
+    "ModelError",
+    "GGUFError",
+    "OutputError",
     "engine_error",
 ]
 
@@ -67,6 +71,24 @@ class CoreError(RecurrentCacheError, RuntimeError):
 class UsageError(RecurrentCacheError, RuntimeError):
     """A call out of order: a ``MemoryState`` applied twice, stale, or read before ``apply()``;
     one cache used by two threads at once."""
+
+
+class NoFreeCellError(RecurrentCacheError, RuntimeError):
+    """``PrefixCache.restore`` found a snapshot but every cell of the cache is in use."""
+
+
+class ModelError(RecurrentCacheError, ValueError):
+    """Weights, a model file or an input that do not make a valid Mamba model run."""
+
+
+class GGUFError(RecurrentCacheError, ValueError):
+    """A file is not a well-formed GGUF file (the message says where and why)."""
+
+
+class OutputError(RecurrentCacheError, RuntimeError):
+    """A command could not write its output (a closed pipe, a full disk); ``__cause__`` is the
+    failed write's ``OSError``.  Not an ``OSError`` itself: argparse swallows those when it
+    prints ``--help``, and the command must still say that its output was lost."""
 
 
 # -- the engine codes ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from ._args import index
 from .errors import OutOfRangeError, UsageError, engine_error
 
 if TYPE_CHECKING:
@@ -314,11 +315,8 @@ class MemoryState:
         return self._ubatch
 
     def _rows(self, tensors: tuple[np.ndarray, ...], il: int) -> np.ndarray:
-        if type(il) is not int or not 0 <= il < len(tensors):
-            if isinstance(il, bool) or not isinstance(il, (int, np.integer)):
-                raise OutOfRangeError(f"layer index must be an integer, got {il!r}")
-            if not 0 <= il < len(tensors):
-                raise OutOfRangeError(f"layer index {il} is out of range [0, {len(tensors)})")
+        if type(il) is not int or not 0 <= il < len(tensors):   # the common case skips the general check
+            il = index(il, "layer index", len(tensors), OutOfRangeError)
         if not self._applied:
             raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
         if self._placement is not None and self._cache._generation != self._generation:
@@ -336,8 +334,7 @@ class MemoryState:
 
     def _steps(self, first: int, il: int) -> np.ndarray:
         n_layer = self._cache.n_layer
-        if isinstance(il, bool) or not isinstance(il, (int, np.integer)) or not 0 <= il < n_layer:
-            raise OutOfRangeError(f"layer index {il!r} is out of range [0, {n_layer})")
+        il = index(il, "layer index", n_layer, OutOfRangeError)
         self._rows(self._cache.r, il)   # applied, and the cache unchanged since
         n_seqs = 0 if self._placement is None else self.ubatch.n_seqs
         return self._cache._step_rows(first + int(il), n_seqs, self._m)

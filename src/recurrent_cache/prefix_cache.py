@@ -94,7 +94,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import ArgumentError, PositionError, RecurrentCacheError, SeqIdError
+from ._args import count, in_range, index, text
+from .errors import ArgumentError, NoFreeCellError, PositionError, SeqIdError
 from .stores import Geometry, StoreTier
 
 __all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
@@ -111,10 +112,6 @@ GHOSTS_MAX = 4096
 
 _TOKEN = np.dtype("<i4")  # tokens as llama.cpp stores them: int32, little-endian
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
-
-
-class NoFreeCellError(RecurrentCacheError, RuntimeError):
-    """``restore`` found a snapshot but every cell of the cache is in use."""
 
 
 class SnapshotTier(Protocol):
@@ -230,14 +227,12 @@ class PrefixCache:
 
     def __init__(self, cache: Any, max_bytes: int, block_size: int = 256, store: Any = None,
                  namespace: str = "") -> None:
-        for name, value, low in (("max_bytes", max_bytes, 0), ("block_size", block_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ArgumentError(f"PrefixCache: {name} must be an integer >= {low}, got {value!r}")
-        if not isinstance(namespace, str):
-            raise ArgumentError(f"PrefixCache: namespace must be a str, got {namespace!r}")
+        max_bytes = count(max_bytes, "PrefixCache: max_bytes", 0, int32_only=False)
+        block_size = count(block_size, "PrefixCache: block_size", 1, int32_only=False)
+        text(namespace, "PrefixCache: namespace")
         self.cache = cache
-        self.max_bytes = int(max_bytes)
-        self.block_size = int(block_size)
+        self.max_bytes = max_bytes
+        self.block_size = block_size
         self.namespace = namespace
         self._r = [cache.r[il] for il in range(cache.n_layer)]
         self._s = [cache.s[il] for il in range(cache.n_layer)]
@@ -348,9 +343,7 @@ class PrefixCache:
         order), and ``len(tokens)``; ascending.
         """
         data, n_tokens = self._key(tokens)
-        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= n_tokens:
-            raise ArgumentError(f"plan: start must be an integer in [0, {n_tokens}], got {start!r}")
-        start = int(start)
+        start = in_range(start, "plan: start", 0, n_tokens + 1)
         block = self.block_size
         cuts = set(range((start // block + 1) * block, n_tokens + 1, block))
         cuts.update(j for j in self._junctions(data, n_tokens, start) if start < j < n_tokens)
@@ -369,8 +362,7 @@ class PrefixCache:
         (write-through), whether memory lets it in or not.
         """
         data, n_tokens = self._key(tokens)
-        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.cache.size:
-            raise SeqIdError(f"save: seq {seq!r} is outside [0, {self.cache.size})")
+        seq = index(seq, "save: seq", self.cache.size, SeqIdError)
         pos = self.cache.seq_pos_max(int(seq))
         if n_tokens == 0 or pos != n_tokens - 1:
             raise PositionError(f"save: seq {seq} is at position {pos}, but a snapshot of {n_tokens} tokens "
@@ -750,8 +742,7 @@ class PrefixCache:
 
     def _check_empty_seq(self, seq: int) -> None:
         size = self.cache.size
-        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < size:
-            raise SeqIdError(f"restore: seq {seq!r} is outside [0, {size})")
+        index(seq, "restore: seq", size, SeqIdError)
         if self.cache.cell(int(seq))[2] >= 0:
             raise ArgumentError(f"restore: seq {seq} already holds a cell (at position "
                                 f"{self.cache.seq_pos_max(int(seq))}); remove it first with seq_rm")

@@ -19,7 +19,8 @@ import numpy as np
 
 from . import errors as E
 from .errors import engine_error
-from .state_format import CacheShape, parse_blob, target_aliases_cache, target_too_small, write_all
+from .state_format import (CELL, CELL_COUNT, DATA_HEADER, TENSOR_HEADER, Geometry, parse_blob, target_aliases_cache,
+                           target_too_small, write_all)
 
 __all__ = ["CellTable", "Placement", "StateIO", "split_batch"]
 
@@ -566,10 +567,8 @@ class StateIO:
         self.table = table
         self.type_ids = tuple(type_ids)
 
-    def _shape(self) -> CacheShape:
-        t = self.table
-        return CacheShape(size=t.size, n_layer=len(t.tensors) // 2, type_ids=self.type_ids,
-                          row_bytes=tuple(tensor.shape[1] * tensor.itemsize for tensor in t.tensors))
+    def _shape(self) -> Geometry:
+        return Geometry.of_tensors(self.table.size, self.type_ids, self.table.tensors)
 
     def _parts(self, seq_id: int) -> list[Any]:
         """The blob in pieces: headers, then the rows range by range."""
@@ -584,14 +583,14 @@ class StateIO:
                 ranges[-1][1] = c + 1
             else:
                 ranges.append([c, c + 1])
-        parts: list[Any] = [struct.pack("<I", len(cells))]
+        parts: list[Any] = [CELL_COUNT.pack(len(cells))]
         for c in cells:
             ids = sorted(t.seq_ids[c]) if seq_id == -1 else []
-            parts.append(struct.pack(f"<iI{len(ids)}i", t.pos[c], len(ids), *ids))
+            parts.append(CELL.pack(t.pos[c], len(ids)) + struct.pack(f"<{len(ids)}i", *ids))
         shape = self._shape()
-        parts.append(struct.pack("<II", 0, shape.n_layer))   # v_trans = 0
+        parts.append(DATA_HEADER.pack(0, shape.n_layer))   # v_trans = 0
         for k, tensor in enumerate(t.tensors):
-            parts.append(struct.pack("<iQ", shape.type_ids[k], shape.row_bytes[k]))
+            parts.append(TENSOR_HEADER.pack(shape.type_ids[k], shape.row_bytes[k]))
             rows = tensor.view(np.uint8)
             parts.extend(rows[begin:end].reshape(-1) for begin, end in ranges)
         return parts

@@ -1,8 +1,8 @@
 """Sequence state files, as llama.cpp's ``llama_state_seq_save_file`` / ``_load_file`` write them.
 
-A file is ``u32 magic 0x67677371 ('ggsq')``, ``u32 version 2``,
-``u32 n_token_count``, ``n_token_count x i32 token``, then the state blob of
-one sequence (SPEC.md §5), all little-endian.
+A file is ``state_format.GGSQ``'s header (``u32 magic 0x67677371 ('ggsq')``,
+``u32 version 2``, ``u32 n_token_count``), ``n_token_count x i32 token``,
+then the state blob of one sequence (SPEC.md §5), all little-endian.
 """
 
 from __future__ import annotations
@@ -10,53 +10,29 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import struct
 from typing import Any
 
 import numpy as np
 
-from ._config import state_seq_id
+from . import _args
 from .errors import ArgumentError, StateError
-from .state_format import MAX_TOKENS, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, CacheShape, read_file, write_all
+from .state_format import GGSQ, MAX_TOKENS, Geometry, read_file, seq_file_header, write_all
 
 __all__ = ["save_seq_file", "load_seq_file"]
 
 
-def _tokens(tokens: Any) -> np.ndarray:
-    try:
-        array = np.asarray(tokens)
-    except (TypeError, ValueError) as exc:
-        raise ArgumentError(f"tokens must be a 1-D array of integers: {exc}") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ArgumentError(f"tokens must be a 1-D array of integers, got shape {array.shape} "
-                            f"dtype {array.dtype}")
-    if array.size and (array.min() < -2**31 or array.max() >= 2**31):
-        raise ArgumentError("tokens must fit in int32")
-    if array.shape[0] >= 2**32:
-        raise ArgumentError(f"{array.shape[0]} tokens do not fit a u32 count")
-    return array.astype("<i4")
-
-
-def _path(path: Any, op: str) -> str:
-    """``path`` as a str: any str, bytes or os.PathLike path (bytes are decoded as os does)."""
-    try:
-        name = os.fsdecode(os.fspath(path))
-    except TypeError:
-        raise ArgumentError(f"{op}: path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
-    if not name or "\0" in name:
-        raise ArgumentError(f"{op}: path {name!r} is empty or has a NUL character")
-    return name
-
-
-def save_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, tokens: Any) -> int:
+def save_seq_file(path: str | bytes | os.PathLike[str] | os.PathLike[bytes], cache: Any, seq_id: int,
+                  tokens: Any) -> int:
     """Write sequence ``seq_id`` of ``cache`` and its ``tokens`` to ``path``; returns the file size.
 
     The file is written under a temporary name in the same directory and
     renamed over ``path`` only when complete, so ``path`` holds either its old
     content or the whole new file, never part of one.
     """
-    path = _path(path, "save_seq_file")
-    token_array = _tokens(tokens)
+    path = _args.path(path, "save_seq_file: path")
+    token_array = _args.tokens(tokens)
+    if token_array.shape[0] >= 2**32:
+        raise ArgumentError(f"{token_array.shape[0]} tokens do not fit a sequence file's u32 count")
     size = cache.state_size(seq_id)   # checks seq_id before a file is created
     directory, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
@@ -64,7 +40,7 @@ def save_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, toke
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(handle, "wb") as file:
-            write_all(file, struct.pack("<III", SEQ_FILE_MAGIC, SEQ_FILE_VERSION, token_array.shape[0]))
+            write_all(file, seq_file_header(token_array.shape[0]))
             write_all(file, token_array)
             cache.state_write_into(file, seq_id)
             file.flush()
@@ -74,10 +50,10 @@ def save_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, toke
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
-    return 12 + 4 * token_array.shape[0] + size
+    return GGSQ.header.size + 4 * int(token_array.shape[0]) + int(size)
 
 
-def load_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, *,
+def load_seq_file(path: str | bytes | os.PathLike[str] | os.PathLike[bytes], cache: Any, seq_id: int, *,
                   max_tokens: int = MAX_TOKENS) -> np.ndarray:
     """Restore sequence ``seq_id`` of ``cache`` from a sequence file; returns its tokens (int32).
 
@@ -88,13 +64,12 @@ def load_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, *,
     blob no further than a sequence of this cache can be: a FIFO,
     ``/dev/zero`` or a huge file is rejected after a few bytes.
     """
-    path = _path(path, "load_seq_file")
-    seq_id = state_seq_id(seq_id, cache.size, "load_seq_file")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ArgumentError(f"load_seq_file: max_tokens must be an integer >= 0, got {max_tokens!r}")
+    path = _args.path(path, "load_seq_file: path")
+    seq_id = _args.state_seq_id(seq_id, cache.size, "load_seq_file")
+    max_tokens = _args.count(max_tokens, "load_seq_file: max_tokens", 0, int32_only=False)
     with open(path, "rb") as file:
         try:
-            contents = read_file(file, path, CacheShape.of(cache), seq_id, sequence_file=True,
+            contents = read_file(file, path, Geometry.of(cache), seq_id, sequence_file=True,
                                  max_tokens=max_tokens)
         except StateError as exc:
             raise StateError(f"{path}: {exc}") from None
@@ -102,4 +77,5 @@ def load_seq_file(path: str | bytes | os.PathLike, cache: Any, seq_id: int, *,
         cache.state_read(contents.data, seq_id)
     except StateError as exc:   # checked above already: only a rule the parse does not know lands here
         raise StateError(f"{path}: the state blob at byte {contents.blob_offset}: {exc}") from None
+    assert contents.tokens is not None   # a sequence file always has them (sequence_file=True)
     return contents.tokens

@@ -1,4 +1,14 @@
-"""The state blob format of SPEC.md §5 (llama.cpp's recurrent ``state_write``), in pure Python.
+"""The bytes of a recurrent state, described once: SPEC.md §5 (llama.cpp's recurrent ``state_write``).
+
+This module is the one source of the byte formats: the ggml type table
+(``STATE_TYPES`` / ``GGML_TYPES``), the fixed runs of fields (``Layout``:
+``CELL_COUNT``, ``CELL``, ``DATA_HEADER``, ``TENSOR_HEADER``), the sequence-file
+framing (``SeqFileFormat``: ``GGSQ``; another framing is one more instance),
+the cache ``Geometry`` every blob, sequence file, snapshot and store key is
+checked against, and the wording of every defect.  ``state_read``,
+``seqfile``, ``inspect``, the snapshot codec and the reference engine build
+and read their bytes from it; the compiled ``_state_io`` keeps its own loops,
+held to the same bytes by the tests.
 
 A blob is, all integers little-endian::
 
@@ -9,7 +19,7 @@ A blob is, all integers little-endian::
     n_layer x { i32 s_type; u64 s_row_bytes; cell_count rows of s }
 
 :func:`parse_blob` reads one into a :class:`Blob` without a cache (for
-``inspect``) or checks it against a cache's :class:`CacheShape` in the order
+``inspect``) or checks it against a cache's :class:`Geometry` in the order
 the compiled core does, so both implementations report the same defect with
 the same message.  The message builders below are the only wording of those
 defects; the core maps its error codes onto them.
@@ -18,43 +28,113 @@ defects; the core maps its error codes onto them.
 from __future__ import annotations
 
 import io
-import numbers
 import os
 import stat
 import struct
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from . import _args
 from .errors import ArgumentError, StateError
 
 __all__ = [
-    "GGML_TYPES", "TYPE_IDS", "MAX_TOKENS", "SEQ_FILE_MAGIC", "SEQ_FILE_VERSION", "Blob", "BlobCell", "BlobTensor",
-    "CacheShape", "FileContents", "parse_blob", "parse_seq_file_header", "read_file", "blob_view",
-    "target_view", "target_too_small", "target_aliases_cache", "read_rest", "write_all",
+    "StateType", "STATE_TYPES", "GGML_TYPES", "Layout", "CELL_COUNT", "CELL", "DATA_HEADER", "TENSOR_HEADER",
+    "SeqFileFormat", "GGSQ", "MAX_TOKENS", "Geometry", "sequence_blob_header", "seq_file_header",
+    "Blob", "BlobCell", "BlobTensor", "FileContents", "parse_blob", "parse_seq_file_header", "read_file",
+    "blob_view", "target_view", "target_too_small", "target_aliases_cache", "read_rest", "write_all",
     "check_cells",
 ]
 
-# ggml type id -> (name, element size); the state types this package stores
-# ggml type id -> (name, element size): the one table of the state types (the cache's dtypes too)
-GGML_TYPES = {0: ("f32", 4), 1: ("f16", 2), 30: ("bf16", 2)}
-TYPE_IDS = {name: type_id for type_id, (name, _) in GGML_TYPES.items()}
 
-SEQ_FILE_MAGIC = 0x67677371   # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
-SEQ_FILE_VERSION = 2          # llama.cpp's LLAMA_STATE_SEQ_VERSION
+# -- the ggml types a state tensor can have ------------------------------------
+
+def _bf16_storage() -> np.dtype:
+    """bfloat16 as a real numpy dtype when ml_dtypes is installed, else its raw bits (uint16):
+    the upper half of the float32 bit pattern, exactly llama.cpp's layout."""
+    try:
+        from ml_dtypes import bfloat16
+    except ImportError:  # pragma: no cover - exercised only without the extra
+        return np.dtype(np.uint16)
+    storage: np.dtype = np.dtype(bfloat16)
+    return storage
+
+
+@dataclass(frozen=True)
+class StateType:
+    """A type a state tensor can have: its name, ggml type id, element size and numpy forms."""
+
+    name: str            # "f32", "f16", "bf16": a cache's dtype_r / dtype_s
+    type_id: int         # ggml's type id, in a blob's tensor headers
+    itemsize: int
+    numpy: np.dtype      # how a cache stores it (bf16: ml_dtypes.bfloat16, or raw uint16 bits)
+    bits: np.dtype       # the little-endian bits of one element in a blob
+
+
+# The one table of the state types (the cache's dtypes, the blob's type ids).
+STATE_TYPES = {t.name: t for t in (StateType("f32", 0, 4, np.dtype(np.float32), np.dtype("<f4")),
+                                   StateType("f16", 1, 2, np.dtype(np.float16), np.dtype("<f2")),
+                                   StateType("bf16", 30, 2, _bf16_storage(), np.dtype("<u2")))}
+GGML_TYPES = {t.type_id: t for t in STATE_TYPES.values()}
+
+
+# -- the layouts: every fixed run of fields, named once -------------------------
+
+class Layout(struct.Struct):
+    """A fixed run of little-endian fields: a ``struct.Struct`` that knows its fields' names.
+
+    Each field is ``(name, code)`` with a one-character ``struct`` code, packed without padding."""
+
+    def __init__(self, *fields: tuple[str, str]) -> None:
+        super().__init__("<" + "".join(code for _, code in fields))
+        self.names = tuple(name for name, _ in fields)
+
+    def offset(self, field: str) -> int:
+        """Where ``field`` starts, from the start of the layout."""
+        index = self.names.index(field)
+        return struct.calcsize("<" + self.format[1:][:index]) if index else 0
+
+
+# A state blob (SPEC.md §5): CELL_COUNT, cell_count x (CELL, n_seq_id x i32), DATA_HEADER,
+# 2 * n_layer x (TENSOR_HEADER, cell_count rows).
+CELL_COUNT = Layout(("cell_count", "I"))
+CELL = Layout(("pos", "i"), ("n_seq_id", "I"))
+DATA_HEADER = Layout(("v_trans", "I"), ("n_layer", "I"))
+TENSOR_HEADER = Layout(("type", "i"), ("row_bytes", "Q"))
+
+
+@dataclass(frozen=True)
+class SeqFileFormat:
+    """One framing of a sequence file: ``header`` (starting with a magic and a version, ending
+    with the token count), the tokens as i32, then the state blob of one sequence."""
+
+    name: str
+    header: Layout
+    magic: int
+    version: int
+
+
+# llama.cpp's llama_state_seq_save_file: LLAMA_STATE_SEQ_MAGIC 'ggsq', LLAMA_STATE_SEQ_VERSION 2
+GGSQ = SeqFileFormat("'ggsq' version 2", Layout(("magic", "I"), ("version", "I"), ("n_token_count", "I")),
+                     0x67677371, 2)
+
 # The most tokens a sequence file may hold unless the caller allows more (llama.cpp's
 # llama_state_seq_load_file takes the same bound as n_token_capacity): 2**26 tokens,
 # 256 MiB, beyond any context window, so a header claiming 2**32 - 1 from a stream
 # cannot make a reader buffer 16 GiB.
 MAX_TOKENS = 2**26
 
-_U32 = struct.Struct("<I")
-_I32 = struct.Struct("<i")
-_U64 = struct.Struct("<Q")
-_CELL = struct.Struct("<iI")            # pos, n_seq_id
-_DATA_HEADER = struct.Struct("<II")     # v_trans, n_layer
-_TENSOR_HEADER = struct.Struct("<iQ")   # type, row_bytes
+
+def seq_file_header(n_tokens: int, framing: SeqFileFormat = GGSQ) -> bytes:
+    """The header of a sequence file of ``n_tokens`` tokens (the tokens follow it)."""
+    return framing.header.pack(framing.magic, framing.version, n_tokens)
+
+
+def sequence_blob_header(pos: int, n_layer: int) -> bytes:
+    """The bytes before the first tensor header of a one-cell sequence blob at ``pos``."""
+    return CELL_COUNT.pack(1) + CELL.pack(pos, 0) + DATA_HEADER.pack(0, n_layer)
 
 
 # -- the defects, worded once --------------------------------------------------
@@ -80,7 +160,7 @@ def field_name(field: str, cell: int = 0, tensor: int = 0, n_layer: int = 0) -> 
 
 
 def type_name(type_id: int) -> str:
-    return GGML_TYPES[type_id][0] if type_id in GGML_TYPES else "unknown type"
+    return GGML_TYPES[type_id].name if type_id in GGML_TYPES else "unknown type"
 
 
 def truncated(field: str, offset: int, need: int, length: int) -> StateError:
@@ -152,23 +232,121 @@ def row_bytes_mismatch(tensor: str, offset: int, got: int, expected: int) -> Sta
 
 # -- the parsed form -----------------------------------------------------------
 
-@dataclass(frozen=True)
-class CacheShape:
-    """What a blob must match to be read into a cache."""
+def _geometry_fields(error: type[Exception], n_layer: Any, n_embd_r: Any, n_embd_s: Any, dtype_r: Any,
+                     dtype_s: Any, size: Any) -> dict[str, Any]:
+    """The fields of a ``Geometry``, checked (``error`` for a bad one) and normalised to int."""
+    fields: dict[str, Any] = {
+        "n_layer": _args.count(n_layer, "n_layer", 0, error), "n_embd_r": _args.count(n_embd_r, "n_embd_r", 1, error),
+        "n_embd_s": _args.count(n_embd_s, "n_embd_s", 1, error)}
+    for name, value in (("dtype_r", dtype_r), ("dtype_s", dtype_s)):
+        if not isinstance(value, str) or value not in STATE_TYPES:
+            raise error(f"unknown {name} {value!r} (expected one of {', '.join(STATE_TYPES)})")
+        fields[name] = value
+    fields["size"] = _args.count(size, "size", 1, error)
+    return fields
 
-    size: int
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of a cache's state: what a blob or a snapshot must match to be read into it.
+
+    ``n_layer`` layers of one r row (``n_embd_r`` values of ``dtype_r``) and
+    one s row per cell; ``dtype_r`` / ``dtype_s`` are names of
+    ``STATE_TYPES``.  ``size`` (cells) matters only to a whole-cache blob: a
+    snapshot is one sequence's state, which any size holds, so a store key
+    (``key_text``) leaves it out.  Bad fields raise ``ArgumentError``.
+    """
+
     n_layer: int
-    type_ids: tuple[int, ...]    # [2*n_layer] r of every layer, then s
-    row_bytes: tuple[int, ...]   # [2*n_layer]
+    n_embd_r: int
+    n_embd_s: int
+    dtype_r: str = "f32"
+    dtype_s: str = "f32"
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        fields = _geometry_fields(ArgumentError, self.n_layer, self.n_embd_r, self.n_embd_s, self.dtype_r,
+                                  self.dtype_s, self.size)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
-    def of(cls, cache: Any) -> CacheShape:
-        """The shape of a cache of either implementation, from its public attributes."""
-        n = cache.n_layer
-        type_r, type_s = TYPE_IDS[cache.dtype_r], TYPE_IDS[cache.dtype_s]
-        return cls(size=cache.size, n_layer=n, type_ids=(type_r,) * n + (type_s,) * n,
-                   row_bytes=(cache.n_embd_r * GGML_TYPES[type_r][1],) * n
-                   + (cache.n_embd_s * GGML_TYPES[type_s][1],) * n)
+    def checked(cls, error: type[Exception], n_layer: Any, n_embd_r: Any, n_embd_s: Any, dtype_r: Any = "f32",
+                dtype_s: Any = "f32", size: Any = 1) -> Geometry:
+        """A geometry, raising ``error`` (a constructor's ``ConfigError``) for a bad field."""
+        return cls(**_geometry_fields(error, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s, size))
+
+    @classmethod
+    def of(cls, cache: Any) -> Geometry:
+        """The geometry of a ``RecurrentCache`` of either engine, from its public attributes."""
+        return cls(cache.n_layer, cache.n_embd_r, cache.n_embd_s, cache.dtype_r, cache.dtype_s, cache.size)
+
+    @classmethod
+    def of_tensors(cls, size: int, type_ids: Sequence[int], tensors: Sequence[np.ndarray]) -> Geometry:
+        """The geometry of an engine's state tensors: ``r[0..n_layer)`` then ``s[0..n_layer)``,
+        (size, n_embd) arrays of ggml types ``type_ids``.  Without layers no row width or type
+        is recorded anywhere; 1 and f32 are taken (no row of them is ever read or written)."""
+        n_layer = len(tensors) // 2
+        if not n_layer:
+            return cls(0, 1, 1, size=size)
+        return cls(n_layer, tensors[0].shape[1], tensors[n_layer].shape[1], GGML_TYPES[type_ids[0]].name,
+                   GGML_TYPES[type_ids[n_layer]].name, size)
+
+    @property
+    def type_r(self) -> StateType:
+        return STATE_TYPES[self.dtype_r]
+
+    @property
+    def type_s(self) -> StateType:
+        return STATE_TYPES[self.dtype_s]
+
+    @property
+    def row_bytes_r(self) -> int:
+        return self.n_embd_r * self.type_r.itemsize
+
+    @property
+    def row_bytes_s(self) -> int:
+        return self.n_embd_s * self.type_s.itemsize
+
+    @property
+    def type_ids(self) -> tuple[int, ...]:
+        """The ggml type of every tensor of a blob: r of every layer, then s."""
+        return (self.type_r.type_id,) * self.n_layer + (self.type_s.type_id,) * self.n_layer
+
+    @property
+    def row_bytes(self) -> tuple[int, ...]:
+        """The row size of every tensor of a blob: r of every layer, then s."""
+        return (self.row_bytes_r,) * self.n_layer + (self.row_bytes_s,) * self.n_layer
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's rows (every layer's r and s)."""
+        return self.n_layer * (self.row_bytes_r + self.row_bytes_s)
+
+    def sequence_blob_size(self) -> int:
+        """Length of a one-cell sequence blob of this geometry."""
+        return (CELL_COUNT.size + CELL.size + DATA_HEADER.size + 2 * self.n_layer * TENSOR_HEADER.size
+                + self.state_bytes)
+
+    def check_rows(self, rows: Sequence[Any], which: str) -> list[np.ndarray]:
+        """One sequence's ``which`` ("r" or "s") rows, one per layer, as contiguous arrays;
+        ``ArgumentError`` unless they have exactly this geometry's widths and storage dtype."""
+        n_embd, dtype = (self.n_embd_r, self.type_r.numpy) if which == "r" else (self.n_embd_s, self.type_s.numpy)
+        if len(rows) != self.n_layer:
+            raise ArgumentError(f"{which}_rows has {len(rows)} rows, the geometry has {self.n_layer} layers")
+        out = []
+        for il, row in enumerate(rows):
+            array = np.asarray(row)
+            if array.shape != (n_embd,) or array.dtype != dtype:
+                raise ArgumentError(f"{which}_rows[{il}] has shape {array.shape} and dtype {array.dtype}, "
+                                    f"the geometry has ({n_embd},) and {dtype}")
+            out.append(np.ascontiguousarray(array))
+        return out
+
+    def key_text(self) -> str:
+        """What a store key holds of the geometry: every field but ``size``."""
+        return (f"n_layer={self.n_layer};n_embd_r={self.n_embd_r};n_embd_s={self.n_embd_s};"
+                f"dtype_r={self.dtype_r};dtype_s={self.dtype_s}")
 
 
 @dataclass(frozen=True)
@@ -194,9 +372,9 @@ class BlobTensor:
     @property
     def n_embd(self) -> int | None:
         """Elements per row, when the type is one of GGML_TYPES and divides the row."""
-        if self.type_id not in GGML_TYPES or self.row_bytes % GGML_TYPES[self.type_id][1]:
+        if self.type_id not in GGML_TYPES or self.row_bytes % GGML_TYPES[self.type_id].itemsize:
             return None
-        return self.row_bytes // GGML_TYPES[self.type_id][1]
+        return self.row_bytes // GGML_TYPES[self.type_id].itemsize
 
 
 @dataclass(frozen=True)
@@ -324,7 +502,7 @@ def check_cells(cells: tuple[BlobCell, ...], size: int, seq_id: int) -> None:
         at += 8 + 4 * len(cell.seq_ids)
 
 
-def _parse(reader: Any, cache: CacheShape | None, seq_id: int, watch: Any = None) -> Blob:
+def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) -> Blob:
     """The checks of ``parse_blob`` over a ``_Reader`` or a ``_FileReader``.
 
     ``watch`` (optional) sees the blob as it is read, before any row:
@@ -332,20 +510,20 @@ def _parse(reader: Any, cache: CacheShape | None, seq_id: int, watch: Any = None
     offset)`` and ``watch.tensor(k, type_id, row_bytes, offset)``; it may raise
     to stop the read there.
     """
-    (cell_count,), _ = reader.unpack(_U32, field_name("cell_count"))
+    (cell_count,), _ = reader.unpack(CELL_COUNT, field_name("cell_count"))
     if cache is not None:
         _check_cell_count(cell_count, cache.size, seq_id)
     cells = []
     first_cell: dict[int, int] = {}   # seq id -> the cell that listed it
     for i in range(cell_count):
-        (pos, n_seq_id), pos_at = reader.unpack(_CELL, field_name("cell", cell=i))
+        (pos, n_seq_id), pos_at = reader.unpack(CELL, field_name("cell", cell=i))
         if cache is not None:
             _check_cell_header(i, pos, pos_at, n_seq_id, cache.size, seq_id)
         ids, ids_at = reader.ids(n_seq_id, field_name("seq_ids", cell=i))
         if cache is not None:
             _check_cell_ids(i, ids, ids_at, cache.size, first_cell)
         cells.append(BlobCell(pos, ids))
-    (v_trans, n_layer), data_at = reader.unpack(_DATA_HEADER, field_name("data_header"))
+    (v_trans, n_layer), data_at = reader.unpack(DATA_HEADER, field_name("data_header"))
     if v_trans != 0:
         raise v_trans_set(data_at, v_trans)
     if cache is not None and n_layer != cache.n_layer:
@@ -357,7 +535,7 @@ def _parse(reader: Any, cache: CacheShape | None, seq_id: int, watch: Any = None
     for k in range(2 * n_layer):
         name = tensor_name(k, n_layer)
         (type_id, row_bytes), header_at = reader.unpack(
-            _TENSOR_HEADER, field_name("tensor_header", tensor=k, n_layer=n_layer))
+            TENSOR_HEADER, field_name("tensor_header", tensor=k, n_layer=n_layer))
         if cache is not None:
             if type_id != cache.type_ids[k]:
                 raise type_mismatch(name, header_at, type_id, cache.type_ids[k])
@@ -370,7 +548,7 @@ def _parse(reader: Any, cache: CacheShape | None, seq_id: int, watch: Any = None
     return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
 
 
-def parse_blob(data: Any, cache: CacheShape | None = None, seq_id: int = -1) -> Blob:
+def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Blob:
     """Parse a state blob, raising ``StateError`` at its first defect.
 
     Without ``cache`` only the structure is checked (lengths, ``v_trans == 0``,
@@ -498,9 +676,8 @@ def write_all(file: Any, chunk: Any) -> None:
                 raise ArgumentError(f"state_write_into: the file would block (a non-blocking raw file "
                                     f"returned None) after {done} of {total} bytes of this part")
             return
-        if isinstance(written, bool) or not isinstance(written, numbers.Integral):
-            raise ArgumentError(f"state_write_into: the file's write() returned {written!r}, "
-                                f"not a byte count (after {done} of {total} bytes of this part)")
+        written = _args.integer(written, f"state_write_into: the file's write() result after {done} of "
+                                         f"{total} bytes of this part")
         if not 0 < written <= len(view):
             raise ArgumentError(f"state_write_into: the file's write() of {len(view)} bytes returned "
                                 f"{int(written)} (after {done} of {total} bytes of this part; "
@@ -526,7 +703,7 @@ def _remaining(file: Any) -> int | None:
             # st_size 0 is also what /proc files report, so such a file is read as a stream
             if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
                 return None
-            return max(0, info.st_size - file.tell())
+            return max(0, info.st_size - int(file.tell()))
         if file.seekable():
             here = file.tell()
             end = file.seek(0, io.SEEK_END)
@@ -672,7 +849,7 @@ def _truncation(field: str) -> Any:
     return lambda at, n, length: truncated(field, at, n, length)
 
 
-def read_rest(file: Any, cache: CacheShape | None = None, seq_id: int = -1) -> bytearray:
+def read_rest(file: Any, cache: Geometry | None = None, seq_id: int = -1) -> bytearray:
     """The blob of ``state_read_from``: one blob from a binary file's position to its end.
 
     Reads only what the blob's headers claim (and one byte more to prove the
@@ -681,25 +858,36 @@ def read_rest(file: Any, cache: CacheShape | None = None, seq_id: int = -1) -> b
     check of ``parse_blob`` is made on the way, which bounds the read by the
     cache's own state size.
     """
-    return read_file(file, "state_read_from", cache, seq_id, sequence_file=False).data
+    data: bytearray = read_file(file, "state_read_from", cache, seq_id, sequence_file=False).data
+    return data
 
 
-def _seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS) -> np.ndarray:
-    """The tokens of a 'ggsq' file's header; leaves the reader at the state blob."""
-    head = reader.take(12, lambda at, n, length: StateError(
-        f"sequence file truncated: {length} bytes, the header needs 12"))
-    magic, version, n_tokens = struct.unpack("<III", head)
-    if magic != SEQ_FILE_MAGIC:
-        raise StateError(f"not a sequence file: magic 0x{magic:08x} at byte 0, "
-                         f"expected 0x{SEQ_FILE_MAGIC:08x} ('ggsq')")
-    if version != SEQ_FILE_VERSION:
-        raise StateError(f"sequence file version {version} at byte 4, expected {SEQ_FILE_VERSION}")
+def _seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS, framing: SeqFileFormat = GGSQ) -> np.ndarray:
+    """The tokens of a sequence file's header (``framing``); leaves the reader at the state blob."""
+    header = framing.header
+    head = reader.take(header.size, lambda at, n, length: StateError(
+        f"sequence file truncated: {length} bytes, the header needs {header.size}"))
+    fields = dict(zip(header.names, header.unpack(head), strict=True))
+    magic, version, n_tokens = fields["magic"], fields["version"], fields["n_token_count"]
+    if magic != framing.magic:
+        raise StateError(f"not a sequence file: magic 0x{magic:08x} at byte {header.offset('magic')}, "
+                         f"expected 0x{framing.magic:08x} ({framing.magic.to_bytes(4, 'big').decode()!r})")
+    if version != framing.version:
+        raise StateError(f"sequence file version {version} at byte {header.offset('version')}, "
+                         f"expected {framing.version}")
+    count_at = header.offset("n_token_count")
     if n_tokens > max_tokens:
-        raise StateError(f"sequence file has {n_tokens} tokens (count at byte 8), more than "
+        raise StateError(f"sequence file has {n_tokens} tokens (count at byte {count_at}), more than "
                          f"max_tokens {max_tokens}")
     tokens = reader.take(4 * n_tokens, lambda at, n, length: StateError(
-        f"sequence file truncated: {n_tokens} tokens (count at byte 8) need {n} bytes, {length - at} left"))
+        f"sequence file truncated: {n_tokens} tokens (count at byte {count_at}) need {n} bytes, "
+        f"{length - at} left"))
     return np.frombuffer(tokens, dtype="<i4").astype(np.int32)
+
+
+def _starts_with_magic(head: bytes, framing: SeqFileFormat = GGSQ) -> bool:
+    """Whether a file's first bytes are ``framing``'s magic (its first field, a u32)."""
+    return head[:4] == framing.magic.to_bytes(4, "little")
 
 
 def parse_seq_file_header(data: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.ndarray, int]:
@@ -719,7 +907,7 @@ class FileContents:
     data: Any                    # the blob's bytes (bytes-like); None when read with ``rows``
 
 
-def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int = -1,
+def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int = -1,
               sequence_file: bool | None = None, watch: Any = None, rows: Any = None,
               max_tokens: int = MAX_TOKENS) -> FileContents:
     """Read a blob (``sequence_file=False``), a 'ggsq' file (True) or either (None: by its magic)
@@ -739,8 +927,7 @@ def read_file(file: Any, op: str, cache: CacheShape | None = None, seq_id: int =
     _check_file(file, op, "read", "reading")
     reader = _FileReader(file, op, rows)
     tokens = None
-    if sequence_file or (sequence_file is None and len(head := reader.peek(4)) == 4
-                         and struct.unpack("<I", head)[0] == SEQ_FILE_MAGIC):
+    if sequence_file or (sequence_file is None and _starts_with_magic(reader.peek(4))):
         tokens = _seq_file_header(reader, max_tokens)
     blob_offset = reader.offset
     reader.rebase()

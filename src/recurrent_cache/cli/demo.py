@@ -26,13 +26,14 @@ import argparse
 import sys
 import time
 
+from ..errors import ConfigError
 from ..models import MambaModel, ModelError, write_gguf
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
 from .clients import make_clients, print_clients
 from .model_options import add_model_options, build_model, model_name
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in, text
-from .serving import CannotAllocate, Client, Server, Stats, new_cache, progress_bar
+from .serving import Client, Server, Stats, new_cache, progress_bar
 from .verification import TOLERANCE, fail, verify
 
 __all__ = ["DEFAULTS", "EXAMPLES", "main", "parse_args", "refusal"]
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.speculative:
             return demo_speculative.run(options, model)
         return serve_clients(options, model)
-    except CannotAllocate as exc:
+    except ConfigError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return USER_ERROR
 

@@ -21,11 +21,12 @@ import sys
 import time
 from typing import TextIO
 
+from ..errors import ConfigError
 from ..models import MambaModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .model_options import add_model_options, build_model
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
-from .serving import CannotAllocate, Client, Server, new_cache
+from .serving import Client, Server, new_cache
 
 __all__ = ["EXAMPLES", "TextStream", "generate", "main", "parse_args"]
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(options.prompt)
     try:
         tokens, figures = generate(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream)
-    except CannotAllocate as exc:
+    except ConfigError as exc:
         print(f"generate: {exc}", file=sys.stderr)
         return USER_ERROR
     stream.write(b"", final=True)

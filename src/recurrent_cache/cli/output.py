@@ -4,7 +4,7 @@
 ``... > /dev/full`` has no room.  Either way the next write (or the final
 flush) raises ``OSError``.  ``guarded_stdout`` tells such a failure apart
 from every other ``OSError`` by wrapping ``sys.stdout``: only writes through
-the wrapper raise ``StdoutFailed``.  After one, stdout is pointed at the null
+the wrapper raise ``OutputError``.  After one, stdout is pointed at the null
 device, as the CPython documentation recommends for ``BrokenPipeError``, so
 that the interpreter's own flush at exit does not fail a second time.
 """
@@ -17,21 +17,15 @@ import sys
 from collections.abc import Callable
 from typing import TextIO, cast
 
-__all__ = ["OUTPUT_FAILED", "StdoutFailed", "guarded_stdout"]
+from ..errors import OutputError
+
+__all__ = ["OUTPUT_FAILED", "guarded_stdout"]
 
 OUTPUT_FAILED = 1   # the exit status when stdout cannot be written
 
 
-class StdoutFailed(Exception):
-    """Writing to stdout raised ``error``."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(error.strerror or str(error))
-        self.error = error
-
-
 class _GuardedStream(io.TextIOBase):
-    """``stream`` with its write and flush errors raised as ``StdoutFailed``."""
+    """``stream`` with its write and flush errors raised as ``OutputError``."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__()
@@ -41,13 +35,13 @@ class _GuardedStream(io.TextIOBase):
         try:
             return self.stream.write(text)
         except OSError as error:
-            raise StdoutFailed(error) from error
+            raise OutputError(error.strerror or str(error)) from error
 
     def flush(self) -> None:
         try:
             self.stream.flush()
         except OSError as error:
-            raise StdoutFailed(error) from error
+            raise OutputError(error.strerror or str(error)) from error
 
     def isatty(self) -> bool:
         return self.stream.isatty()
@@ -66,7 +60,7 @@ def guarded_stdout(prog: str, command: Callable[[], int]) -> int:
             return command()
         finally:   # also when argparse exits after --help: the text must be out before the interpreter ends
             sys.stdout.flush()
-    except StdoutFailed as failure:
+    except OutputError as failure:
         _silence(stdout)
         print(f"{prog}: cannot write to stdout: {failure}", file=sys.stderr)
         return OUTPUT_FAILED

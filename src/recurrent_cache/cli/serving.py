@@ -27,21 +27,18 @@ import recurrent_cache as rc
 
 from ..models import MambaModel, Sampler
 
-__all__ = ["CannotAllocate", "Client", "Feed", "NoProgress", "Progress", "Server", "Stats", "build_batch",
+__all__ = ["Client", "Feed", "NoProgress", "Progress", "Server", "Stats", "build_batch",
            "new_cache", "progress_bar"]
 
 
-class CannotAllocate(Exception):
-    """The cache the options ask for does not fit (the message says which and why)."""
-
-
 def new_cache(model: MambaModel, n_seq_max: int, dtype: str, n_rollback: int = 0) -> rc.RecurrentCache:
-    """A cache of ``n_seq_max`` cells for ``model``; ``CannotAllocate`` when it cannot be had."""
+    """A cache of ``n_seq_max`` cells for ``model``; ``ConfigError`` (saying which and why)
+    when it cannot be had."""
     try:
         cache: rc.RecurrentCache = model.new_cache(n_seq_max=n_seq_max, dtype=dtype, n_rollback=n_rollback)
     except (MemoryError, rc.RecurrentCacheError) as exc:
         rollback = f" with n_rollback {n_rollback}" if n_rollback else ""
-        raise CannotAllocate(f"cannot allocate {n_seq_max} state cells{rollback} for this model: {exc}") from exc
+        raise rc.ConfigError(f"cannot allocate {n_seq_max} state cells{rollback} for this model: {exc}") from exc
     return cache
 
 

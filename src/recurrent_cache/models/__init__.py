@@ -6,8 +6,8 @@
     logits = model.forward(cache.init_batch(rc.Batch(token=model.vocab.encode("def f"), seq_id=[0] * 5)))
 """
 
-from .mamba import (MambaHParams, MambaLayer, MambaModel, ModelError, ReferenceRun, load_gguf,
-                    random_model, write_gguf)
+from ..errors import ModelError
+from .mamba import MambaHParams, MambaLayer, MambaModel, ReferenceRun, load_gguf, random_model, write_gguf
 from .sampling import Sampler
 from .trained import TRAINED_GGUF, held_out_prompts, trained_model, training_facts
 from .vocab import Vocabulary, escape

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._config import DTYPES
+from ..state_format import STATE_TYPES
 
 __all__ = ["StateStorage"]
 
@@ -31,15 +31,15 @@ class StateStorage:
 
     def __init__(self, dtype: np.dtype) -> None:
         self.dtype = np.dtype(dtype)
-        if self.dtype not in {d.numpy for d in DTYPES.values()} | {_RAW_BF16}:
+        if self.dtype not in {t.numpy for t in STATE_TYPES.values()} | {_RAW_BF16}:
             raise TypeError(f"no state storage for dtype {self.dtype}")
 
     @classmethod
     def named(cls, name: str) -> "StateStorage":
         """The storage a cache built with ``dtype_r=name`` uses ("f32", "f16", "bf16")."""
-        if name not in DTYPES:
-            raise ValueError(f"unknown state dtype {name!r} (expected one of {', '.join(DTYPES)})")
-        return cls(DTYPES[name].numpy)
+        if name not in STATE_TYPES:
+            raise ValueError(f"unknown state dtype {name!r} (expected one of {', '.join(STATE_TYPES)})")
+        return cls(STATE_TYPES[name].numpy)
 
     def encode(self, values: np.ndarray) -> np.ndarray:
         """``values`` as this storage holds them (a new array of the storage dtype)."""

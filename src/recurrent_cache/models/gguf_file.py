@@ -24,7 +24,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFError", "GGUFFile", "TensorInfo"]
+from ..errors import GGUFError
+from ..state_format import GGML_TYPES
+
+__all__ = ["GGUFFile", "TensorInfo"]
 
 MAGIC = b"GGUF"
 
@@ -32,9 +35,9 @@ MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
-# ggml tensor types this reader converts itself: type id -> (name, numpy dtype of one element)
-FLOAT_TYPES = {0: ("F32", np.dtype("<f4")), 1: ("F16", np.dtype("<f2")), 28: ("F64", np.dtype("<f8")),
-               30: ("BF16", np.dtype("<u2"))}
+# ggml tensor types this reader converts itself: type id -> (name, numpy dtype of one element's bits);
+# the state types, and F64 (28), which weights may use and a state never does
+FLOAT_TYPES = {**{t.type_id: (t.name.upper(), t.bits) for t in GGML_TYPES.values()}, 28: ("F64", np.dtype("<f8"))}
 # (block size in elements, bytes per block) of the other ggml types, to check sizes of tensors we
 # hand to the gguf package; unknown types are an error.
 _QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
@@ -42,10 +45,6 @@ _QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34)
                  15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50),
                  20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2),
                  26: (1, 4), 27: (1, 8), 29: (256, 56), 34: (256, 54), 35: (256, 66), 39: (32, 17)}
-
-
-class GGUFError(ValueError):
-    """The file is not a well-formed GGUF file (the message says where and why)."""
 
 
 @dataclass(frozen=True)

@@ -40,20 +40,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import RecurrentCacheError
+from .. import _args
+from ..errors import GGUFError, ModelError
 from ..memory_state import MemoryStatus
 from ._storage import StateStorage
-from .gguf_file import FLOAT_TYPES, GGUFError, GGUFFile
+from .gguf_file import FLOAT_TYPES, GGUFFile
 from .vocab import Vocabulary
 
-__all__ = ["ModelError", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
+__all__ = ["MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
            "random_model", "load_gguf", "write_gguf"]
 
 ARCH = "mamba"
-
-
-class ModelError(RecurrentCacheError, ValueError):
-    """Weights, a model file or an input that do not make a valid Mamba model run."""
 
 
 # -- hyper-parameters and weights ------------------------------------------------
@@ -75,12 +72,9 @@ class MambaHParams:
 
     def __post_init__(self) -> None:
         for name in ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "dt_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ModelError(f"hyper-parameter {name} must be a positive integer, got {value!r}")
-        if self.d_conv < 2:
             # d_conv = 1 would leave no rolling state: the cache needs rows of width >= 1
-            raise ModelError(f"d_conv must be >= 2, got {self.d_conv}")
+            minimum = 2 if name == "d_conv" else 1
+            _args.count(getattr(self, name), f"hyper-parameter {name}", minimum, ModelError, int32_only=False)
         if not self.rms_eps > 0:
             raise ModelError(f"rms_eps must be positive, got {self.rms_eps!r}")
 
@@ -268,8 +262,8 @@ class MambaModel:
 
         m = st.r_steps(0).shape[1] if p.n_layer else 0   # step states the cache keeps per group
         steps: list[tuple[np.ndarray, np.ndarray]] = []
-        x = self._embed(ub.token, ub.embd).reshape(n_seqs, n_seq_tokens, p.n_embd)
-        x = self._blocks(x, conv, ssm, storage_r, storage_s, m, steps)
+        x = self.embed(ub.token, ub.embd).reshape(n_seqs, n_seq_tokens, p.n_embd)
+        x = self.run_layers(x, conv, ssm, storage_r, storage_s, m, steps)
 
         for il in range(p.n_layer):
             r_rows[il][...] = storage_r.encode(conv[il].reshape(n_seqs, p.n_embd_r))
@@ -277,11 +271,15 @@ class MambaModel:
             if m:
                 st.r_steps(il)[...] = storage_r.encode(steps[il][0].reshape(n_seqs, m, p.n_embd_r))
                 st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape(n_seqs, m, p.n_embd_s))
-        return self._logits(x.reshape(ub.n_tokens, p.n_embd)[ub.output])
+        return self.output_logits(x.reshape(ub.n_tokens, p.n_embd)[ub.output])
 
     # -- the layers ---------------------------------------------------------------
 
-    def _embed(self, tokens: np.ndarray | None, embd: np.ndarray | None = None) -> np.ndarray:
+    # embed, run_layers and output_logits are a forward pass in pieces, public for a driver
+    # that keeps its own states (ReferenceRun) rather than a cache's
+
+    def embed(self, tokens: np.ndarray | None, embd: np.ndarray | None = None) -> np.ndarray:
+        """The input vectors: rows of ``token_embd`` for ``tokens``, or ``embd`` as given."""
         p = self.hparams
         if tokens is None:
             if embd.shape[1] != p.n_embd:
@@ -293,9 +291,9 @@ class MambaModel:
             raise ModelError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {p.n_vocab})")
         return self.token_embd[tokens]
 
-    def _blocks(self, x: np.ndarray, conv: list[np.ndarray], ssm: list[np.ndarray],
-                storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
-                steps: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
+    def run_layers(self, x: np.ndarray, conv: list[np.ndarray], ssm: list[np.ndarray],
+                   storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
+                   steps: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
         """All layers on ``x`` [n_seqs, n_tokens, n_embd]; ``conv`` / ``ssm`` are updated in place.
 
         With ``m > 0`` each layer's states after tokens n_tokens-1-m .. n_tokens-2 are appended
@@ -355,7 +353,8 @@ class MambaModel:
             steps.append((conv_steps, ssm_steps))
         return ((y + xc * layer.ssm_d) * silu(z)) @ layer.ssm_out.T
 
-    def _logits(self, x: np.ndarray) -> np.ndarray:
+    def output_logits(self, x: np.ndarray) -> np.ndarray:
+        """The logits of the last layer's output ``x``: final RMS norm, then the output matrix."""
         return (rms_norm(x, self.hparams.rms_eps) * self.output_norm) @ self.output.T
 
 
@@ -382,9 +381,9 @@ class ReferenceRun:
         model = self.model
         logits = []
         for token in tokens:
-            x = model._embed(np.array([[token]]))
-            x = model._blocks(x, self.conv, self.ssm, self.storage_r, self.storage_s)
-            logits.append(model._logits(x[0]))
+            x = model.embed(np.array([[token]]))
+            x = model.run_layers(x, self.conv, self.ssm, self.storage_r, self.storage_s)
+            logits.append(model.output_logits(x[0]))
         return np.concatenate(logits)
 
     def copy(self) -> "ReferenceRun":
@@ -487,8 +486,8 @@ def _load_gguf(file: GGUFFile, dtype: Any) -> MambaModel:
         value = file.fields.get(name, default)
         if value is None:
             raise ModelError(f"GGUF key {name} is missing")
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ModelError(f"GGUF key {name} is {value!r}, not an integer")
+        if kind is int:
+            _args.integer(value, f"GGUF key {name}", ModelError)
         if kind is float and not isinstance(value, (int, float)):
             raise ModelError(f"GGUF key {name} is {value!r}, not a number")
         return kind(value)

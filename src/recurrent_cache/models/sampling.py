@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import _args
+
 __all__ = ["Sampler", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_K"]
 
 # The commands sample by default: greedy decoding of a small byte-level model soon repeats
@@ -26,8 +28,7 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, seed: Any = 0) -> None:
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+        top_k = _args.count(top_k, "top_k", 0, int32_only=False)
         self.temperature = float(temperature)
         self.top_k = top_k
         self.seed = seed

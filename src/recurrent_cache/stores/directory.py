@@ -58,6 +58,7 @@ import time
 from typing import Any
 from collections.abc import Sequence
 
+from .. import _args
 from ..errors import ArgumentError
 from .base import StoreCounters
 from .snapshot import (TRAILER_SIZE, check_entry, entry_ggsq_length, ggsq_declared_length, key_digest,
@@ -82,15 +83,10 @@ class DirectoryStore:
     the write, and never raises into the serving loop.
     """
 
-    def __init__(self, path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
-                 max_bytes: int | None = None) -> None:
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                      or max_bytes < 1):
-            raise ArgumentError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r}")
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            raise ArgumentError(f"DirectoryStore path must be a str, bytes or os.PathLike, got {path!r}")
-        # one kind of path inside: bytes are decoded as the file system would (os.fsdecode)
-        self.path = os.path.abspath(os.fsdecode(path))
+    def __init__(self, path: str | bytes | os.PathLike[str] | os.PathLike[bytes], max_bytes: int | None = None) -> None:
+        if max_bytes is not None:
+            max_bytes = _args.count(max_bytes, "DirectoryStore: max_bytes", 1, int32_only=False)
+        self.path = os.path.abspath(_args.path(path, "DirectoryStore: path"))
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:

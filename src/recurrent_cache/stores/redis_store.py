@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import _args
 from ..errors import ArgumentError
 from .base import StoreCounters
 from .snapshot import check_entry, entry_ggsq_length
@@ -108,10 +109,8 @@ class RedisStore:
                  timeout: float = 5.0, retry_after: float = 1.0) -> None:
         redis = _import_redis()
         Retry, NoBackoff = redis.retry.Retry, redis.backoff.NoBackoff
-        if not isinstance(url, str):
-            raise ArgumentError(f"RedisStore url must be a str, got {url!r}")
-        if not isinstance(prefix, str):
-            raise ArgumentError(f"RedisStore prefix must be a str, got {prefix!r}")
+        _args.text(url, "RedisStore url")
+        _args.text(prefix, "RedisStore prefix")
         try:
             prefix.encode("utf-8")   # how the client sends keys
         except UnicodeEncodeError:

@@ -27,109 +27,23 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .. import _args
 from ..errors import ArgumentError
+from ..state_format import (CELL, CELL_COUNT, DATA_HEADER, GGSQ, TENSOR_HEADER, Geometry, seq_file_header,
+                            sequence_blob_header)
 
 __all__ = ["Geometry", "snapshot_key", "encode_snapshot", "decode_snapshot", "check_entry",
            "sequence_rows", "restore_rows", "prefix_keys", "ggsq_declared_length",
            "entry_ggsq_length", "key_digest", "make_trailer", "TRAILER_SIZE"]
 
-SEQ_FILE_MAGIC = 0x67677371     # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
-SEQ_FILE_VERSION = 2            # llama.cpp's LLAMA_STATE_SEQ_VERSION
 TRAILER_MAGIC = b"rcS1"
 _TRAILER = struct.Struct("<4sIQ16s")   # magic, crc32, ggsq length, key digest
 TRAILER_SIZE = _TRAILER.size
-_FILE_HEADER = struct.Struct("<III")   # magic, version, n_token_count
-_BLOB_HEADER = struct.Struct("<IiIII")  # cell_count = 1, pos, n_seq_id = 0, v_trans = 0, n_layer
-_TENSOR_HEADER = struct.Struct("<iQ")  # ggml type id, row bytes
-
-# dtype name -> (ggml type id, element size); the types a cache stores
-_GGML = {"f32": (0, 4), "f16": (1, 2), "bf16": (30, 2)}
-
-
-def _row_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a cache's rows of type ``name`` (bf16 as the cache holds it)."""
-    if name == "bf16":
-        try:
-            import ml_dtypes
-            bf16: np.dtype = np.dtype(ml_dtypes.bfloat16)
-            return bf16
-        except ImportError:   # the cache then holds raw uint16 bits, and so do we
-            return np.dtype(np.uint16)
-    return np.dtype({"f32": "<f4", "f16": "<f2"}[name])
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The shape of one sequence's state: what a snapshot must match to be restored.
-
-    ``dtype_r`` / ``dtype_s`` are the cache's storage type names ("f32",
-    "f16", "bf16").  Part of every key: a snapshot never reaches a cache of
-    another geometry.
-    """
-
-    n_layer: int
-    n_embd_r: int
-    n_embd_s: int
-    dtype_r: str = "f32"
-    dtype_s: str = "f32"
-
-    def __post_init__(self) -> None:
-        for name, low in (("n_layer", 0), ("n_embd_r", 1), ("n_embd_s", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ArgumentError(f"Geometry {name} must be an integer >= {low}, got {value!r}")
-            object.__setattr__(self, name, int(value))
-        for name in ("dtype_r", "dtype_s"):
-            if getattr(self, name) not in _GGML:
-                raise ArgumentError(f"Geometry {name} must be one of {sorted(_GGML)}, "
-                                    f"got {getattr(self, name)!r}")
-
-    @classmethod
-    def of(cls, cache: Any) -> "Geometry":
-        """The geometry of a ``RecurrentCache`` (either engine)."""
-        return cls(cache.n_layer, cache.n_embd_r, cache.n_embd_s, cache.dtype_r, cache.dtype_s)
-
-    @property
-    def row_bytes_r(self) -> int:
-        return self.n_embd_r * _GGML[self.dtype_r][1]
-
-    @property
-    def row_bytes_s(self) -> int:
-        return self.n_embd_s * _GGML[self.dtype_s][1]
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of one sequence's rows (every layer's r and s)."""
-        return self.n_layer * (self.row_bytes_r + self.row_bytes_s)
-
-    def blob_size(self) -> int:
-        """Length of a one-cell sequence blob (SPEC §5) of this geometry."""
-        return _BLOB_HEADER.size + 2 * self.n_layer * _TENSOR_HEADER.size + self.state_bytes
-
-    def key_fields(self) -> bytes:
-        """The geometry as it is hashed into a snapshot key."""
-        return (f"n_layer={self.n_layer};n_embd_r={self.n_embd_r};n_embd_s={self.n_embd_s};"
-                f"dtype_r={self.dtype_r};dtype_s={self.dtype_s}").encode()
-
-
-def _token_array(tokens: Any) -> np.ndarray:
-    """``tokens`` as a little-endian int32 array, or ArgumentError."""
-    try:
-        array = np.asarray(tokens)
-    except (TypeError, ValueError) as exc:
-        raise ArgumentError(f"tokens must be a 1-D sequence of integers: {exc}") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ArgumentError(f"tokens must be a 1-D sequence of integers, got shape {array.shape} "
-                            f"dtype {array.dtype}")
-    if array.size and (int(array.min()) < -2**31 or int(array.max()) >= 2**31):
-        raise ArgumentError("tokens must fit in int32")
-    return array.astype("<i4", copy=False)
 
 
 def snapshot_key(namespace: str, geometry: Geometry, tokens: Any) -> str:
@@ -140,10 +54,10 @@ def snapshot_key(namespace: str, geometry: Geometry, tokens: Any) -> str:
     that mean nothing to each other.  Use something that changes whenever the
     weights do — a hash of the GGUF file, a model name with its revision (the
     demo uses the GGUF file's sha256, or the random model's seed and shape).
-    The key is ``"rc2:"`` and a sha256 of the namespace, the geometry and the
-    tokens: safe as a file name and as a Redis key.
+    The key is ``"rc2:"`` and a sha256 of the namespace, the geometry
+    (``Geometry.key_text``: not the cache's size) and the tokens: safe as a file name and as a Redis key.
     """
-    token_array = _token_array(tokens)
+    token_array = _args.tokens(tokens)
     return prefix_keys(namespace, geometry, token_array, [token_array.size])[0]
 
 
@@ -155,17 +69,16 @@ def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequen
     then their byte count (last, so that the hash of every prefix is a copy
     of one running hash; the message still parses one way only).
     """
-    if not isinstance(namespace, str):
-        raise ArgumentError(f"namespace must be a str, got {type(namespace).__name__}")
+    _args.text(namespace, "namespace")
     if not isinstance(geometry, Geometry):
         raise ArgumentError(f"geometry must be a Geometry, got {type(geometry).__name__}")
-    token_bytes = memoryview(_token_array(tokens).tobytes())
+    token_bytes = memoryview(_args.tokens(tokens).tobytes())
     n_tokens = len(token_bytes) // 4
     for n in lengths:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= n_tokens:
             raise ArgumentError(f"prefix length {n!r} is outside [0, {n_tokens}]")
     running = hashlib.sha256()
-    for part in (namespace.encode("utf-8", "surrogatepass"), geometry.key_fields()):
+    for part in (namespace.encode("utf-8", "surrogatepass"), geometry.key_text().encode()):
         running.update(struct.pack("<Q", len(part)))
         running.update(part)
     keys: dict[int, str] = {}
@@ -177,6 +90,18 @@ def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequen
         digest.update(struct.pack("<Q", 4 * n))
         keys[n] = "rc2:" + digest.hexdigest()
     return [keys[int(n)] for n in lengths]
+
+
+def _ggsq_length(n_tokens: int, geometry: Geometry) -> int:
+    """Length of the ggsq file of a snapshot of ``n_tokens`` tokens: header, tokens, one-cell blob."""
+    return GGSQ.header.size + 4 * n_tokens + geometry.sequence_blob_size()
+
+
+def _ggsq_head(token_array: np.ndarray, geometry: Geometry) -> bytes:
+    """The bytes of a snapshot's ggsq file before its first tensor header: the file's header,
+    the tokens, the one-cell blob's cell and layer count (its pos is the last token's)."""
+    n_tokens = token_array.size
+    return seq_file_header(n_tokens) + token_array.tobytes() + sequence_blob_header(n_tokens - 1, geometry.n_layer)
 
 
 def key_digest(key: str) -> bytes:
@@ -191,21 +116,6 @@ def make_trailer(crc: int, ggsq_length: int, digest: bytes) -> bytes:
     return _TRAILER.pack(TRAILER_MAGIC, crc, ggsq_length, digest)
 
 
-def _rows(rows: Sequence[Any], geometry: Geometry, which: str) -> list[np.ndarray]:
-    n_embd = geometry.n_embd_r if which == "r" else geometry.n_embd_s
-    dtype = _row_dtype(geometry.dtype_r if which == "r" else geometry.dtype_s)
-    if len(rows) != geometry.n_layer:
-        raise ArgumentError(f"{which}_rows has {len(rows)} rows, the geometry has {geometry.n_layer} layers")
-    out = []
-    for il, row in enumerate(rows):
-        array = np.asarray(row)
-        if array.shape != (n_embd,) or array.dtype != dtype:
-            raise ArgumentError(f"{which}_rows[{il}] must have shape ({n_embd},) and dtype {dtype}, "
-                                f"got {array.shape} {array.dtype}")
-        out.append(np.ascontiguousarray(array))
-    return out
-
-
 def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequence[Any],
                     geometry: Geometry) -> bytearray:
     """The entry for the state after ``tokens`` (its pos is ``len(tokens) - 1``) under ``key``.
@@ -215,29 +125,22 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
     what ``rc.save_seq_file`` writes for a sequence holding that state.  The
     rows are copied once, into the entry.
     """
-    token_array = _token_array(tokens)
+    token_array = _args.tokens(tokens)
     if token_array.size == 0:
         raise ArgumentError("a snapshot needs at least one token (the state after no token is zeros)")
-    r_list, s_list = _rows(r_rows, geometry, "r"), _rows(s_rows, geometry, "s")
+    rows = geometry.check_rows(r_rows, "r") + geometry.check_rows(s_rows, "s")
     n_tokens = token_array.size
-    ggsq_length = _FILE_HEADER.size + 4 * n_tokens + geometry.blob_size()
-    entry = bytearray(ggsq_length + TRAILER_SIZE)
+    head = _ggsq_head(token_array, geometry)
+    entry = bytearray(_ggsq_length(n_tokens, geometry) + TRAILER_SIZE)
     view = memoryview(entry)
     entry_bytes = np.frombuffer(entry, dtype=np.uint8)   # the same memory, for numpy's row copies
-    _FILE_HEADER.pack_into(entry, 0, SEQ_FILE_MAGIC, SEQ_FILE_VERSION, n_tokens)
-    offset = _FILE_HEADER.size
-    view[offset:offset + 4 * n_tokens] = token_array.tobytes()
-    offset += 4 * n_tokens
-    _BLOB_HEADER.pack_into(entry, offset, 1, n_tokens - 1, 0, 0, geometry.n_layer)
-    offset += _BLOB_HEADER.size
-    for which, rows in (("r", r_list), ("s", s_list)):
-        type_id = _GGML[geometry.dtype_r if which == "r" else geometry.dtype_s][0]
-        row_bytes = geometry.row_bytes_r if which == "r" else geometry.row_bytes_s
-        for row in rows:
-            _TENSOR_HEADER.pack_into(entry, offset, type_id, row_bytes)
-            offset += _TENSOR_HEADER.size
-            entry_bytes[offset:offset + row_bytes] = row.view(np.uint8).reshape(-1)
-            offset += row_bytes
+    view[:len(head)] = head
+    offset = len(head)
+    for type_id, row_bytes, row in zip(geometry.type_ids, geometry.row_bytes, rows, strict=True):
+        TENSOR_HEADER.pack_into(entry, offset, type_id, row_bytes)
+        offset += TENSOR_HEADER.size
+        entry_bytes[offset:offset + row_bytes] = row.view(np.uint8).reshape(-1)
+        offset += row_bytes
     view[offset:] = make_trailer(zlib.crc32(view[:offset]), offset, key_digest(key))
     return entry
 
@@ -255,24 +158,29 @@ def ggsq_declared_length(read_at: Callable[[int, int], bytes]) -> int | None:
         data = read_at(offset, layout.size)
         return layout.unpack(data) if len(data) == layout.size else None
 
-    file_header = unpack(_FILE_HEADER, 0)
-    if file_header is None or file_header[:2] != (SEQ_FILE_MAGIC, SEQ_FILE_VERSION):
+    file_header = unpack(GGSQ.header, 0)
+    if file_header is None or file_header[:2] != (GGSQ.magic, GGSQ.version):
         return None
-    blob_at = _FILE_HEADER.size + 4 * file_header[2]
-    blob_header = unpack(_BLOB_HEADER, blob_at)
-    if blob_header is None or blob_header[0] != 1:
+    blob_at = GGSQ.header.size + 4 * file_header[2]
+    # a snapshot's blob: one cell (pos, no seq ids), then v_trans and n_layer
+    cell_count = unpack(CELL_COUNT, blob_at)
+    if cell_count is None or cell_count[0] != 1:
         return None
-    n_layer = blob_header[4]
-    tensors_at = blob_at + _BLOB_HEADER.size
+    data_at = blob_at + CELL_COUNT.size + CELL.size
+    data_header = unpack(DATA_HEADER, data_at)
+    if data_header is None:
+        return None
+    n_layer = data_header[1]
+    tensors_at = data_at + DATA_HEADER.size
     if n_layer == 0:
         return int(tensors_at)
-    r_header = unpack(_TENSOR_HEADER, tensors_at)
+    r_header = unpack(TENSOR_HEADER, tensors_at)
     if r_header is None:
         return None
-    s_header = unpack(_TENSOR_HEADER, tensors_at + n_layer * (_TENSOR_HEADER.size + r_header[1]))
+    s_header = unpack(TENSOR_HEADER, tensors_at + n_layer * (TENSOR_HEADER.size + r_header[1]))
     if s_header is None:
         return None
-    return int(tensors_at + n_layer * (2 * _TENSOR_HEADER.size + r_header[1] + s_header[1]))
+    return int(tensors_at + n_layer * (2 * TENSOR_HEADER.size + r_header[1] + s_header[1]))
 
 
 def entry_ggsq_length(key: str, entry: Any) -> int | None:
@@ -319,33 +227,28 @@ def decode_snapshot(entry: Any, key: str, geometry: Geometry, tokens: Any, *,
         view = memoryview(entry).cast("B")
     except TypeError:
         return None
-    token_array = _token_array(tokens)
+    token_array = _args.tokens(tokens)
     if not (check_entry(key, view) if verify_crc else entry_ggsq_length(key, view) is not None):
         return None
     n_tokens = token_array.size
-    header = _FILE_HEADER.size
-    blob_at = header + 4 * n_tokens
-    if len(view) - TRAILER_SIZE != blob_at + geometry.blob_size() or n_tokens == 0:
+    if n_tokens == 0:
         return None
-    if _FILE_HEADER.unpack_from(view, 0) != (SEQ_FILE_MAGIC, SEQ_FILE_VERSION, n_tokens):
+    # everything before the first row is what encode_snapshot writes for these tokens, byte for byte
+    head = _ggsq_head(token_array, geometry)
+    if len(view) - TRAILER_SIZE != _ggsq_length(n_tokens, geometry):
         return None
-    if view[header:blob_at] != token_array.tobytes():
+    if view[:len(head)] != head:
         return None
-    if _BLOB_HEADER.unpack_from(view, blob_at) != (1, n_tokens - 1, 0, 0, geometry.n_layer):
-        return None
-    offset = blob_at + _BLOB_HEADER.size
-    rows: dict[str, list[np.ndarray]] = {"r": [], "s": []}
-    for which in ("r", "s"):
-        dtype_name = geometry.dtype_r if which == "r" else geometry.dtype_s
-        row_bytes = geometry.row_bytes_r if which == "r" else geometry.row_bytes_s
-        for _ in range(geometry.n_layer):
-            if _TENSOR_HEADER.unpack_from(view, offset) != (_GGML[dtype_name][0], row_bytes):
-                return None
-            offset += _TENSOR_HEADER.size
-            rows[which].append(np.frombuffer(view, dtype=np.uint8, count=row_bytes, offset=offset)
-                               .view(_row_dtype(dtype_name)))
-            offset += row_bytes
-    return rows["r"], rows["s"]
+    offset = len(head)
+    rows: list[np.ndarray] = []
+    dtypes = (geometry.type_r.numpy,) * geometry.n_layer + (geometry.type_s.numpy,) * geometry.n_layer
+    for type_id, row_bytes, dtype in zip(geometry.type_ids, geometry.row_bytes, dtypes, strict=True):
+        if TENSOR_HEADER.unpack_from(view, offset) != (type_id, row_bytes):
+            return None
+        offset += TENSOR_HEADER.size
+        rows.append(np.frombuffer(view, dtype=np.uint8, count=row_bytes, offset=offset).view(dtype))
+        offset += row_bytes
+    return rows[:geometry.n_layer], rows[geometry.n_layer:]
 
 
 # -- between a cache's rows and a snapshot -------------------------------------------

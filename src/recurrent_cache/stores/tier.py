@@ -26,7 +26,7 @@ from ..errors import ArgumentError
 from .base import StoreCounters
 from .directory import DirectoryStore
 from .redis_store import RedisStore
-from .snapshot import Geometry, _row_dtype, decode_snapshot, encode_snapshot, prefix_keys, snapshot_key
+from .snapshot import Geometry, decode_snapshot, encode_snapshot, prefix_keys, snapshot_key
 
 __all__ = ["StoreTier"]
 
@@ -49,7 +49,7 @@ class StoreTier:
         # DirectoryStore and RedisStore check an entry's CRC-32 before handing it out; for any
         # other store the decode checks it (about 18 ms per 64 MiB)
         self._verify_crc = not isinstance(store, (DirectoryStore, RedisStore))
-        self._row_dtypes = (_row_dtype(geometry.dtype_r), _row_dtype(geometry.dtype_s))
+        self._row_dtypes = (geometry.type_r.numpy, geometry.type_s.numpy)
         self._counters = StoreCounters()   # damaged (rejected here) and errors (raised by the store)
         self._error_logged = False
 
