@@ -558,7 +558,7 @@ def test_cache_shape_of_a_cache_is_the_one_its_reads_check(dtype_r, dtype_s):
         core, reference = (recurrent_cache.RecurrentCache(n_layer, 5, 7, n_seq_max=4, dtype_r=dtype_r,
                                                           dtype_s=dtype_s, engine=engine)
                            for engine in ENGINES)
-        assert CacheShape.of(core) == CacheShape.of(reference) == reference._state_io._shape()
+        assert CacheShape.of(core) == CacheShape.of(reference) == reference.memory_core.shape()
 
 
 def test_state_read_from_reads_only_what_the_headers_claim(rc):

@@ -60,9 +60,10 @@ from recurrent_cache._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SP
                                      SPLIT_ERR_NEGATIVE_POS, SPLIT_ERR_NO_MEMORY, SPLIT_ERR_SEQ_RANGE,
                                      SPLIT_OK, Split, SplitDetail, split_batch, split_prepare,
                                      split_release)
+from recurrent_cache._core cimport MemoryCore as CellTable
 from recurrent_cache._cells cimport (RC_ERR_ARGUMENT, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL,
                                      RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT, RC_ERR_POSITION,
-                                     RC_ERR_SEQ_RANGE, RC_OK, Cells, CellTable, cells_clear,
+                                     RC_ERR_SEQ_RANGE, RC_OK, Cells, cells_clear,
                                      cells_copy_plan, cells_find_slot, cells_seq_add, cells_seq_cp,
                                      cells_seq_div, cells_seq_keep, cells_seq_pos_max,
                                      cells_seq_pos_min, cells_seq_rm, rows_apply_plan)

@@ -283,12 +283,9 @@ class PrefixCache:
             return 0
         found.pinned = True
         try:
-            row = self.cache._place_sequence(seq, found.length - 1)
             slot = found.slot
-            for dst, pool in zip(self._r, self._pool_r):
-                dst[row] = pool[slot]
-            for dst, pool in zip(self._s, self._pool_s):
-                dst[row] = pool[slot]
+            self.cache.seq_restore(seq, found.length - 1, [pool[slot] for pool in self._pool_r],
+                                   [pool[slot] for pool in self._pool_s])
         finally:
             found.pinned = False
         found.hits += 1

@@ -315,11 +315,7 @@ def restore_rows(cache: Any, seq: int, n_tokens: int, r_rows: Sequence[np.ndarra
                  s_rows: Sequence[np.ndarray]) -> int:
     """Give ``seq`` (holding no cell) the state after ``n_tokens`` tokens; returns its row.
 
-    Placed as ``state_read`` of the one-cell blob would place it
-    (``cache._place_sequence``), then the rows are copied in byte for byte.
+    Placed as ``state_read`` of the one-cell blob would place it, holding the rows byte
+    for byte (``cache.seq_restore``: every row is checked before anything changes).
     """
-    row = cache._place_sequence(seq, n_tokens - 1)
-    for il in range(cache.n_layer):
-        cache.r[il][row].view(np.uint8)[...] = np.asarray(r_rows[il]).view(np.uint8)
-        cache.s[il][row].view(np.uint8)[...] = np.asarray(s_rows[il]).view(np.uint8)
-    return int(row)
+    return int(cache.seq_restore(seq, n_tokens - 1, r_rows, s_rows))
