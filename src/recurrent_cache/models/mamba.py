@@ -382,9 +382,9 @@ class ReferenceRun:
         model = self.model
         logits = []
         for token in tokens:
-            x = model._embed(np.array([[token]]))
-            x = model._blocks(x, self.conv, self.ssm, self.storage_r, self.storage_s)
-            logits.append(model._logits(x[0]))
+            x = model._embed(np.array([[token]]))   # noqa: SLF001 - this module's model, run step by step
+            x = model._blocks(x, self.conv, self.ssm, self.storage_r, self.storage_s)   # noqa: SLF001 - this module's model, run step by step
+            logits.append(model._logits(x[0]))   # noqa: SLF001 - this module's model, run step by step
         return np.concatenate(logits)
 
     def copy(self) -> "ReferenceRun":

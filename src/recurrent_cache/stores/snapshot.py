@@ -150,7 +150,7 @@ def snapshot_key(namespace: str, geometry: Geometry, tokens: Any) -> str:
     name = namespace.encode("utf-8", "surrogatepass")
     digest = hashlib.sha256()
     # length-prefixed fields: no two (namespace, geometry, tokens) share the hashed bytes
-    for part in (name, geometry._describe(), token_array.tobytes()):
+    for part in (name, geometry._describe(), token_array.tobytes()):   # noqa: SLF001 - this module's Geometry
         digest.update(struct.pack("<Q", len(part)))
         digest.update(part)
     return "rc1:" + digest.hexdigest()
@@ -300,15 +300,10 @@ def sequence_rows(cache: Any, seq: int) -> tuple[list[np.ndarray], list[np.ndarr
     Reads the row of the sequence's cell (``src``: where its data lives; a
     cell that has none yet means zeros).  ``seq`` must hold a cell.
     """
-    tail = cache.cell(seq)[2]
-    if tail < 0:
+    if cache.seq_cell(seq) < 0:
         raise ArgumentError(f"sequence {seq} holds no cell: there is no state to snapshot")
-    src = cache.cell(tail)[1]
-    def take(rows: np.ndarray) -> np.ndarray:
-        return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
-
-    return ([take(cache.r[il]) for il in range(cache.n_layer)],
-            [take(cache.s[il]) for il in range(cache.n_layer)])
+    r_rows, s_rows = cache.seq_state(seq)
+    return r_rows, s_rows
 
 
 def restore_rows(cache: Any, seq: int, n_tokens: int, r_rows: Sequence[np.ndarray],
