@@ -50,10 +50,21 @@ def decode_python(cache: recurrent_cache.RecurrentCache, seq: int, first: int, n
                 rows[0] = state_value(seq, last, k)
 
 
-def holds(cache: recurrent_cache.RecurrentCache, seq: int, pos: int) -> bool:
-    """Whether seq's rows are exactly the model's state after pos."""
-    r_rows, s_rows = cache.seq_state(seq)
-    return all(np.all(row == state_value(seq, pos, k)) for k, row in enumerate(r_rows + s_rows))
+def cell_of(cache: recurrent_cache.RecurrentCache, seq: int) -> int:
+    """The cell holding seq, or -1 (read through ``cell``, as every version of the API reads it)."""
+    return cache.cell(seq)[2]
+
+
+def state_of(cache: recurrent_cache.RecurrentCache, seq: int) -> list[np.ndarray]:
+    """seq's rows, r then s (the cell's src row: where its data lives)."""
+    src = cache.cell(cell_of(cache, seq))[1]
+    return [t[src] for t in cache.r + cache.s]
+
+
+def holds(cache: recurrent_cache.RecurrentCache, seq: int, pos: int, owner: int | None = None) -> bool:
+    """Whether seq's rows are exactly the model's state of `owner` (default: seq) after pos."""
+    owner = seq if owner is None else owner
+    return all(np.all(row == state_value(owner, pos, k)) for k, row in enumerate(state_of(cache, seq)))
 
 
 def filled(cache: recurrent_cache.RecurrentCache, seq: int, pos: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -65,7 +76,7 @@ def filled(cache: recurrent_cache.RecurrentCache, seq: int, pos: int) -> tuple[l
 def frees_a_cell_with_history(cache: recurrent_cache.RecurrentCache) -> int:
     """Sequence 0 decodes 10 tokens (history of states after 5..8 in its cell), then leaves; its cell."""
     decode_python(cache, 0, 0, 10)
-    cell = cache.seq_cell(0)
+    cell = cell_of(cache, 0)
     assert cache.seq_rollback_min(0) == 10 - 1 - N_ROLLBACK
     assert cache.seq_rm(0, -1, -1)
     return cell
@@ -84,7 +95,7 @@ RESTORES = {
 def test_a_restored_sequence_has_no_rollback_history_of_the_cells_previous_occupant(engine, how):
     cache = make(engine)
     cell = frees_a_cell_with_history(cache)
-    assert RESTORES[how](cache, 1, 9, filled(cache, 1, 9)) == cell == cache.seq_cell(1)
+    assert RESTORES[how](cache, 1, 9, filled(cache, 1, 9)) == cell == cell_of(cache, 1)
     assert holds(cache, 1, 9)
     assert cache.seq_rollback_min(1) == -1
     assert not cache.seq_rm(1, 7, -1)   # no state after 6 of sequence 1 is held: nothing to roll back to
@@ -101,9 +112,8 @@ def test_a_prefix_cache_restore_has_no_rollback_history_of_the_cells_previous_oc
     assert prefix.save(2, tokens[:8])
     assert cache.seq_rm(2, -1, -1)
     cell = frees_a_cell_with_history(cache)
-    assert prefix.restore(1, tokens) == 8 and cache.seq_cell(1) == cell
-    r_rows, s_rows = cache.seq_state(1)
-    assert all(np.all(row == state_value(2, 7, k)) for k, row in enumerate(r_rows + s_rows))
+    assert prefix.restore(1, tokens) == 8 and cell_of(cache, 1) == cell
+    assert holds(cache, 1, 7, owner=2)
     assert cache.seq_rollback_min(1) == -1
     assert not cache.seq_rm(1, 5, -1)
     cache.check()
@@ -118,7 +128,7 @@ def test_restore_rows_that_do_not_fit_change_nothing(engine, defect):
     decode_python(cache, 0, 0, 3)
     cache.seq_rm(0, -1, -1)   # a free cell whose rows still hold something
     before = [t.copy() for t in cache.r + cache.s], [cache.cell(i) for i in range(cache.size)]
-    history_before = cache.memory_core.history()
+    reach_before = [cache.seq_rollback_min(seq) for seq in range(cache.size)]
     r_rows, s_rows = filled(cache, 1, 4)
     if defect == "second layer too wide":
         s_rows[1] = np.zeros(N_EMBD_S + 1, np.float32)
@@ -130,9 +140,8 @@ def test_restore_rows_that_do_not_fit_change_nothing(engine, defect):
         restore_rows(cache, 1, 5, r_rows, s_rows)
     assert [t.tobytes() for t in cache.r + cache.s] == [t.tobytes() for t in before[0]]
     assert [cache.cell(i) for i in range(cache.size)] == before[1]
-    history = cache.memory_core.history()
-    assert history[0].tobytes() == history_before[0].tobytes()
-    assert cache.seq_cell(1) == -1
+    assert [cache.seq_rollback_min(seq) for seq in range(cache.size)] == reach_before
+    assert cell_of(cache, 1) == -1
 
 
 # -- the C API meets the Python API (compiled engine) --------------------------------------------
@@ -180,10 +189,10 @@ def test_step_states_of_a_python_ubatch_are_filed_before_c_calls_change_the_cell
     in the same cell: the newcomer's history is its own, never the dropped sequence's."""
     cache, ctx = compiled
     decode_python(cache, 0, 0, 8)            # step states after 3..6 written, not yet filed
-    cell = cache.seq_cell(0)
+    cell = cell_of(cache, 0)
     assert T.seq_rm(ctx, 0, -1, -1) == 1
     assert c_decode(ctx, 1, 0, 6) == 1       # seq 1 in the freed cell, step states after 1..4
-    assert cache.seq_cell(1) == cell
+    assert cell_of(cache, 1) == cell
     assert cache.seq_rollback_min(1) == 1
     for q in (4, 3, 2, 1):
         assert cache.seq_rm(1, q + 1, -1) and holds(cache, 1, q), q
@@ -230,3 +239,27 @@ except TypeError as exc:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "TypeError: rc_ctx_new takes a recurrent_cache.RecurrentCache, got NULL" in result.stdout
+
+
+# -- the facade's calls for one sequence's state --------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["compiled", "reference"])
+def test_seq_cell_state_and_restore_round_trip(engine):
+    cache = make(engine)
+    decode_python(cache, 0, 0, 3)
+    cache.seq_cp(0, 2)
+    assert cache.seq_cell(0) == cache.seq_cell(2) == cell_of(cache, 0) and cache.seq_cell(1) == -1
+    r_rows, s_rows = cache.seq_state(2)
+    assert [row.tolist() for row in r_rows + s_rows] == [row.tolist() for row in state_of(cache, 0)]
+    r_rows[0][...] = -1   # copies: the cache is untouched
+    assert holds(cache, 0, 2)
+    assert cache.seq_restore(1, 2, *cache.seq_state(0)) == cache.seq_cell(1) != cache.seq_cell(0)
+    assert [row.tobytes() for row in state_of(cache, 1)] == [row.tobytes() for row in state_of(cache, 0)]
+    with pytest.raises(recurrent_cache.ArgumentError, match="holds no cell"):
+        cache.seq_state(3)
+    with pytest.raises(recurrent_cache.ArgumentError, match="already holds a cell"):
+        cache.seq_restore(1, 2, *cache.seq_state(0))
+    with pytest.raises(recurrent_cache.SeqIdError):
+        cache.seq_cell(cache.size)
+    cache.check()
+

@@ -216,7 +216,7 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
         return RC_ERR_SEQ_HAS_CELL
     if pos < 0 or pos == INT32_MAX:
         return RC_ERR_POSITION
-    if core.cells.used >= core.cells.size:   # seq holds no cell, so one free cell is all find_slot needs
+    if core.cells.used >= core.cells.size:   # (cannot be: seq, < size, holds no cell) checked, not assumed
         return RC_ERR_NO_FREE_CELL
     core_file_steps(core)
     core.generation += 1

@@ -329,10 +329,10 @@ class RecurrentCache:
         1-D array of ``n_embd_r`` / ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
         rollback history (another sequence's past is not this one's).  Returns the cell.
 
-        Placed as ``state_read`` of a one-cell blob would place it.  Every row, ``seq``,
-        ``pos`` and the free cell are checked before anything changes: a call that raises
-        (``ArgumentError``, ``SeqIdError``, ``PositionError``; ``CoreError`` when every cell
-        is in use) has changed nothing.
+        Placed as ``state_read`` of a one-cell blob would place it (a sequence without a cell
+        always finds a free one: seq ids are < size).  Every row, ``seq`` and ``pos`` are
+        checked before anything changes: a call that raises (``ArgumentError``,
+        ``SeqIdError``, ``PositionError``) has changed nothing.
         """
         seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
         rows = self._rows_of("r", r_rows, self.r) + self._rows_of("s", s_rows, self.s)
