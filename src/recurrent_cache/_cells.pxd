@@ -116,7 +116,7 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
 cdef struct History:
     int32_t n_rollback          # 0: no history (every function below does nothing)
     Py_ssize_t n_tensors
-    char** tensor_data          # [n_tensors] the state tensors (shared with the cell table's handle)
+    char** tensor_data          # [n_tensors] the state tensors (shared with the memory core's)
     Py_ssize_t* row_bytes       # [n_tensors]
     char** hist_data            # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
     int32_t* tags               # [size * n_rollback]

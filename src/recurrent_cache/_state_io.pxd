@@ -3,7 +3,7 @@
 
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
-``recurrent_cache._state_io.blob_error`` is the one place that turns them into
+``recurrent_cache._core.MemoryCore.blob_error`` is the one place that turns them into
 ``StateError`` messages (worded in ``recurrent_cache.state_format``).
 """
 

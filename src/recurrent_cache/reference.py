@@ -369,10 +369,11 @@ class MemoryCore:
         start from, and expect the model's step states: (code, copy_src, zero)."""
         self._file_steps()
         m = self.steps(n_seq_tokens)
-        if len(groups) * m > self.step_scratch[0].shape[0] if self.step_scratch else False:
+        rows = len(groups) * m
+        if self.step_scratch and rows > self.step_scratch[0].shape[0]:
             # new arrays: a view the model still holds of the old ones stays valid
-            self.step_scratch = [np.zeros((max(len(groups) * m, 2 * self.step_scratch[0].shape[0]), t.shape[1]),
-                                          dtype=t.dtype) for t in self.tensors]
+            rows = max(rows, 2 * self.step_scratch[0].shape[0])
+            self.step_scratch = [np.zeros((rows, t.shape[1]), dtype=t.dtype) for t in self.tensors]
         self.generation += 1
         code = self._find_slot(groups, last_pos, n_tokens)
         if code:
@@ -487,17 +488,15 @@ class MemoryCore:
 
     def shape(self) -> CacheShape:
         """The cache's geometry, as its state reads check blobs against it."""
-        t = self
-        return CacheShape(size=t.size, n_layer=len(t.tensors) // 2, type_ids=self.type_ids,
-                          row_bytes=tuple(tensor.shape[1] * tensor.itemsize for tensor in t.tensors))
+        return CacheShape(size=self.size, n_layer=len(self.tensors) // 2, type_ids=self.type_ids,
+                          row_bytes=tuple(tensor.shape[1] * tensor.itemsize for tensor in self.tensors))
 
     def _parts(self, seq_id: int) -> list[Any]:
         """The blob in pieces: headers, then the rows range by range."""
-        t = self
         if seq_id == -1:
-            cells = [c for c in range(t.size) if t.seq_ids[c]]
+            cells = [c for c in range(self.size) if self.seq_ids[c]]
         else:
-            cells = [c for c in range(t.size) if seq_id in t.seq_ids[c]]
+            cells = [c for c in range(self.size) if seq_id in self.seq_ids[c]]
         ranges: list[list[int]] = []   # runs of consecutive cells, [begin, end)
         for c in cells:
             if ranges and ranges[-1][1] == c:
@@ -506,11 +505,11 @@ class MemoryCore:
                 ranges.append([c, c + 1])
         parts: list[Any] = [struct.pack("<I", len(cells))]
         for c in cells:
-            ids = sorted(t.seq_ids[c]) if seq_id == -1 else []
-            parts.append(struct.pack(f"<iI{len(ids)}i", t.pos[c], len(ids), *ids))
+            ids = sorted(self.seq_ids[c]) if seq_id == -1 else []
+            parts.append(struct.pack(f"<iI{len(ids)}i", self.pos[c], len(ids), *ids))
         shape = self.shape()
         parts.append(struct.pack("<II", 0, shape.n_layer))   # v_trans = 0
-        for k, tensor in enumerate(t.tensors):
+        for k, tensor in enumerate(self.tensors):
             parts.append(struct.pack("<iQ", shape.type_ids[k], shape.row_bytes[k]))
             rows = tensor.view(np.uint8)
             parts.extend(rows[begin:end].reshape(-1) for begin, end in ranges)
