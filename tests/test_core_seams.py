@@ -263,3 +263,112 @@ def test_seq_cell_state_and_restore_round_trip(engine):
         cache.seq_cell(cache.size)
     cache.check()
 
+
+
+# -- random interleavings of the two APIs on one cache -------------------------------------------
+
+def python_step(cache: recurrent_cache.RecurrentCache, seqs: list[int], n: int) -> None:
+    """n tokens for each of seqs at their next positions through the Python API (the model
+    writes every state it promises)."""
+    seq_ids = [seq for seq in seqs for _ in range(n)]
+    pos = [cache.seq_pos_max(seq) + 1 + t for seq in seqs for t in range(n)]
+    st = cache.init_batch(recurrent_cache.Batch(token=[0] * len(pos), seq_id=seq_ids, pos=pos))
+    for ub in st:
+        last = ub.pos.reshape(ub.n_seqs, ub.n_seq_tokens)[:, -1]
+        for g, seq in enumerate(ub.seq_owner.tolist()):
+            for il in range(N_LAYER):
+                for k, rows, steps in ((il, st.r(il), st.r_steps(il)), (N_LAYER + il, st.s(il), st.s_steps(il))):
+                    m = steps.shape[1]
+                    for j in range(m):
+                        steps[g, j] = state_value(seq, int(last[g]) - m + j, k)
+                    rows[g] = state_value(seq, int(last[g]), k)
+
+
+def c_step(cache: recurrent_cache.RecurrentCache, ctx, seqs: list[int], n: int) -> None:
+    """The same step through the C API."""
+    seq_ids = [seq for seq in seqs for _ in range(n)]
+    pos = [cache.seq_pos_max(seq) + 1 + t for seq in seqs for t in range(n)]
+    batch = P()
+    assert T.batch_init(ctx, len(pos), ints(seq_ids), None, ints(pos), None, 512, 0, ctypes.byref(batch)) == 0
+    ub = Ubatch()
+    try:
+        while T.batch_apply(batch, ctypes.byref(ub)) == 1:
+            m = T.batch_n_steps(batch)
+            for g in range(ub.n_seqs):
+                token = ub.token_order[g * ub.n_seq_tokens + ub.n_seq_tokens - 1]
+                seq, last = seq_ids[token], pos[token]
+                for k in range(2 * N_LAYER):
+                    data, row_bytes = P(), ctypes.c_size_t()
+                    T.tensor(ctx, k, ctypes.byref(data), ctypes.byref(row_bytes))
+                    width = row_bytes.value // 4
+                    for j in range(m):
+                        row = P()
+                        assert T.batch_step_row(batch, k, g, j, ctypes.byref(row)) == 0
+                        values = np.full(width, state_value(seq, last - m + j, k), np.float32)
+                        ctypes.memmove(row, values.ctypes.data, row_bytes.value)
+                    values = np.full(width, state_value(seq, last, k), np.float32)
+                    ctypes.memmove(data.value + (ub.head + g) * row_bytes.value, values.ctypes.data, row_bytes.value)
+    finally:
+        T.batch_release(batch)
+
+
+def every_state_is_of_its_position(cache: recurrent_cache.RecurrentCache) -> None:
+    """Each sequence's rows are a state the model wrote after the sequence's own position."""
+    for seq in range(cache.size):
+        cell = cell_of(cache, seq)
+        if cell < 0 or cache.cell(cell)[1] < 0:
+            continue
+        pos = cache.cell(cell)[0]
+        for k, row in enumerate(state_of(cache, seq)):
+            owner = (int(row[0]) - 10 * pos - k) // 1000 - 1
+            assert np.all(row == state_value(owner, pos, k)), (seq, pos, k, row)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_interleavings_of_python_and_c_calls_match_the_reference(compiled, seed):
+    """Random steps, removals, rollbacks, forks and state reads, each through Python or C at
+    random, on one compiled cache; the same through Python on the reference engine."""
+    cache, ctx = compiled
+    reference = make("reference")
+    rng = np.random.default_rng(seed)
+    for step in range(60):
+        op, seq, other = rng.choice(["step", "step", "remove", "rollback", "fork", "read"]), *rng.integers(0, 4, 2)
+        seq, other, by_c = int(seq), int(other), bool(rng.integers(2))
+        if op == "step":
+            seqs = sorted({seq, other}) if rng.integers(2) else [seq]
+            n = 1 if len(seqs) > 1 else int(rng.integers(1, 7))
+            if by_c:
+                c_step(cache, ctx, seqs, n)
+            else:
+                python_step(cache, seqs, n)
+            python_step(reference, seqs, n)
+        elif op == "remove":
+            done = T.seq_rm(ctx, seq, -1, -1) == 1 if by_c else cache.seq_rm(seq, -1, -1)
+            assert done == reference.seq_rm(seq, -1, -1)
+        elif op == "rollback" and cache.seq_pos_max(seq) > 0:
+            p0 = int(rng.integers(1, cache.seq_pos_max(seq) + 1))
+            done = T.seq_rm(ctx, seq, p0, -1) == 1 if by_c else cache.seq_rm(seq, p0, -1)
+            assert done == reference.seq_rm(seq, p0, -1), (step, seq, p0)
+        elif op == "fork":
+            assert (T.seq_cp(ctx, seq, other) == 0) if by_c else cache.seq_cp(seq, other) is None
+            reference.seq_cp(seq, other)
+        elif op == "read":
+            blob = cache.state_write(seq)
+            if by_c:
+                assert T.state_read(ctx, other, blob, len(blob)) == 0
+            else:
+                cache.state_read(blob, other)
+            reference.state_read(blob, other)
+        every_state_is_of_its_position(cache)
+        if rng.integers(2):   # the checks too go through either API
+            reach = [T.seq_rollback_min(ctx, s) for s in range(4)]
+            size, written = ctypes.c_size_t(), ctypes.c_size_t()
+            assert T.state_size(ctx, -1, ctypes.byref(size)) == 0
+            blob = ctypes.create_string_buffer(size.value)
+            assert T.state_write(ctx, -1, blob, size.value, ctypes.byref(written)) == 0
+            blob = blob.raw[:written.value]
+        else:
+            reach, blob = [cache.seq_rollback_min(s) for s in range(4)], cache.state_write()
+        assert reach == [reference.seq_rollback_min(s) for s in range(4)], (step, op)
+        assert blob == reference.state_write(), (step, op)
+    cache.check()
