@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import recurrent_cache as rc
-from recurrent_cache.generate import generate
+from recurrent_cache.cli.generate import generate
 from recurrent_cache.models import (TRAINED_GGUF, ReferenceRun, Sampler, held_out_prompts, trained_model,
                                     training_facts)
 from recurrent_cache.models.gguf_file import GGUFFile

@@ -3,14 +3,17 @@ never a traceback (issue 8, the CLI part); and ``load_gguf`` raises only ``Model
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from recurrent_cache import __main__ as cli
+from recurrent_cache import cli
+from recurrent_cache.cli import demo
 from recurrent_cache.models import TRAINED_GGUF, ModelError, load_gguf
 
 
@@ -73,12 +76,38 @@ GENERATE_BAD = [
     ([], "prompt"),
     (["", "--random-weights"], "prompt is empty"),
     (["x", "--model", "a.gguf", "--random-weights"], "--random-weights"),
+    (["x", "--model", ""], "--model"),
+    (["x", "--model", "a\0b"], "NUL"),
+    (["x", "--temperature", "0", "--top-k", "5"], "--top-k"),
 ]
 
 
 @pytest.mark.parametrize("args, named", GENERATE_BAD, ids=[" ".join(a) or "no-prompt" for a, _ in GENERATE_BAD])
 def test_generate_rejects_bad_invocation_in_one_line(capsys, args, named):
     assert_one_line_error(run_in_process(capsys, "generate", *args), named)
+
+
+DEMO_BAD_VALUES = [
+    (["--model", ""], "--model"),
+    (["--store", ""], "--store"),
+    (["--write-model", ""], "--write-model"),
+    (["--model", "a\0b"], "NUL"),
+    (["--temperature", "0", "--top-k", "5"], "--top-k"),
+]
+
+
+@pytest.mark.parametrize("args, named", DEMO_BAD_VALUES, ids=[" ".join(a) for a, _ in DEMO_BAD_VALUES])
+def test_demo_rejects_empty_and_inert_values_in_one_line(capsys, args, named):
+    assert_one_line_error(run_in_process(capsys, "demo", "--quiet", *args), named)
+
+
+INSPECT_BAD = [(["x", "--max-cells", "-1"], "--max-cells"), (["x", "--max-tokens", "-5"], "--max-tokens"),
+               (["x", "--bogus"], "--bogus")]
+
+
+@pytest.mark.parametrize("args, named", INSPECT_BAD, ids=[" ".join(a) for a, _ in INSPECT_BAD])
+def test_inspect_rejects_bad_invocation_in_one_line(capsys, args, named):
+    assert_one_line_error(run_in_process(capsys, "inspect", *args), named)
 
 
 def test_unknown_command_is_one_line(capsys):
@@ -92,6 +121,9 @@ CLASSES = {
     "not-a-number": (["demo", "--ubatch", "many"], ["generate", "x", "--temperature", "warm"]),
     "unknown-option": (["demo", "--bogus"], ["generate", "x", "--bogus"]),
     "empty-prompt": (None, ["generate", "", "--random-weights"]),
+    "empty-value": (["demo", "--model", ""], ["generate", "x", "--model", ""]),
+    "refused-combination": (["demo", "--fork", "--clients", "3"],
+                            ["generate", "x", "--temperature", "0", "--top-k", "2"]),
 }
 
 
@@ -101,6 +133,142 @@ REAL_PROCESS_CASES = [(kind, args) for kind in sorted(CLASSES) for args in CLASS
 @pytest.mark.parametrize("kind, args", REAL_PROCESS_CASES, ids=[f"{k}-{a[0]}" for k, a in REAL_PROCESS_CASES])
 def test_bad_invocation_in_a_real_process(kind, args):
     assert_one_line_error(run_cli(*args))
+
+
+# -- demo modes refuse the options they would ignore ------------------------------------------------
+
+# The arguments that choose each mode, and what each mode does NOT use (written from what each does:
+# --fork serves --parallel forks of one prompt, --prefix-cache and --speculative decode greedily,
+# --write-model writes the model and exits).
+MODE_ARGS = {"--fork": ["--fork"], "--prefix-cache": ["--prefix-cache"], "--store": ["--store", "states"],
+             "--speculative": ["--speculative", "2"], "--write-model": ["--write-model", "out.gguf"]}
+OPTION_ARGS = {"--clients": ["--clients", "3"], "--parallel": ["--parallel", "2"], "--n-predict": ["--n-predict", "2"],
+               "--ubatch": ["--ubatch", "4"], "--dtype": ["--dtype", "f16"], "--seed": ["--seed", "1"],
+               "--temperature": ["--temperature", "0.5"], "--top-k": ["--top-k", "5"],
+               "--corrupt-step": ["--corrupt-step", "1"]}
+IGNORED = {"--fork": {"--clients"}, "--prefix-cache": {"--temperature", "--top-k"},
+           "--store": {"--temperature", "--top-k"}, "--speculative": {"--temperature", "--top-k"},
+           "--write-model": set(OPTION_ARGS)}
+# the mode a flag chooses, as the refusal names it (--store implies --prefix-cache)
+MODE_NAMED = {**{flag: flag for flag in MODE_ARGS}, "--store": "--prefix-cache"}
+
+REFUSED = [(mode, option) for mode in sorted(MODE_ARGS) for option in sorted(IGNORED[mode])]
+ACCEPTED = [(mode, option) for mode in sorted(MODE_ARGS) for option in sorted(set(OPTION_ARGS) - IGNORED[mode])]
+TWO_MODES = [(a, b) for a in sorted(MODE_ARGS) for b in sorted(MODE_ARGS)
+             if a < b and {a, b} != {"--prefix-cache", "--store"}]
+
+
+@pytest.mark.parametrize("mode, option", REFUSED, ids=[f"{m} {o}" for m, o in REFUSED])
+def test_a_mode_refuses_an_option_it_would_ignore(capsys, tmp_path, monkeypatch, mode, option):
+    monkeypatch.chdir(tmp_path)   # nothing may be written, but if it were, not into the repository
+    result = run_in_process(capsys, "demo", *MODE_ARGS[mode], *OPTION_ARGS[option])
+    assert_one_line_error(result, option, MODE_NAMED[mode], "ignored")
+    assert result.returncode == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("mode, option", ACCEPTED, ids=[f"{m} {o}" for m, o in ACCEPTED])
+def test_a_mode_accepts_the_options_it_uses(mode, option):
+    options = demo.parse_args([*MODE_ARGS[mode], *OPTION_ARGS[option]])
+    name = option.removeprefix("--").replace("-", "_")
+    assert str(getattr(options, name)) == OPTION_ARGS[option][1]
+
+
+@pytest.mark.parametrize("first, second", TWO_MODES, ids=[f"{a} {b}" for a, b in TWO_MODES])
+def test_two_modes_are_refused(capsys, tmp_path, monkeypatch, first, second):
+    monkeypatch.chdir(tmp_path)
+    result = run_in_process(capsys, "demo", *MODE_ARGS[first], *MODE_ARGS[second])
+    assert_one_line_error(result, MODE_NAMED[first], MODE_NAMED[second], "choose one")
+    assert result.returncode == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("mode", ["--prefix-cache", "--speculative"])
+def test_greedy_modes_accept_temperature_zero(mode):
+    assert demo.parse_args([*MODE_ARGS[mode], "--temperature", "0"]).temperature == 0
+
+
+def test_write_model_takes_a_seed_for_random_weights_only(capsys, tmp_path):
+    assert demo.parse_args(["--write-model", "x.gguf", "--random-weights", "--seed", "3"]).seed == 3
+    assert_one_line_error(run_in_process(capsys, "demo", "--write-model", str(tmp_path / "x.gguf"), "--seed", "3"),
+                          "--seed", "--write-model")
+
+
+def test_store_implies_prefix_cache():
+    assert demo.parse_args(["--store", "states"]).prefix_cache
+
+
+# -- a stdout that fails: a closed pipe, a full disk ------------------------------------------------
+
+
+def blob_file(directory) -> str:
+    from recurrent_cache import RecurrentCache, Batch
+    cache = RecurrentCache(1, 4, 4, n_seq_max=1)
+    cache.init_batch(Batch(token=[1, 2], pos=[0, 1])).apply()
+    path = directory / "state.bin"
+    path.write_bytes(cache.state_write())
+    return str(path)
+
+
+OUTPUT_COMMANDS = {
+    "demo": ["demo", "--clients", "2", "--parallel", "2", "--n-predict", "2", "--quiet"],
+    "generate": ["generate", "def f", "-n", "20"],
+    "inspect": ["inspect", "BLOB"],
+    "help": ["demo", "--help"],
+}
+
+
+def output_args(name: str, directory) -> list[str]:
+    return [blob_file(directory) if arg == "BLOB" else arg for arg in OUTPUT_COMMANDS[name]]
+
+
+def assert_stdout_failure(status: int, stderr: str) -> None:
+    assert status == 1, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write to stdout" in lines[0], stderr
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUT_COMMANDS))
+def test_a_closed_stdout_is_one_line(tmp_path, name):
+    """``python -m recurrent_cache ... | head -0``: the reader has left before the first write."""
+    process = subprocess.Popen([sys.executable, "-m", "recurrent_cache", *output_args(name, tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert_stdout_failure(process.wait(timeout=120), stderr)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+@pytest.mark.parametrize("name", sorted(OUTPUT_COMMANDS))
+def test_a_full_stdout_is_one_line(tmp_path, name):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "recurrent_cache", *output_args(name, tmp_path)],
+                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert_stdout_failure(result.returncode, result.stderr)
+
+
+def test_head_of_the_demo_through_a_shell_pipe():
+    """The user's command: the first line arrives, and whatever happens after is at most one line."""
+    shell = shutil.which("bash")
+    if shell is None:
+        pytest.skip("no bash")
+    command = f"{sys.executable} -m recurrent_cache demo --clients 2 --n-predict 2 --quiet | head -1"
+    result = subprocess.run([shell, "-c", command], capture_output=True, text=True, timeout=120)
+    assert result.stdout.startswith("model ") and result.stdout.count("\n") == 1
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 1, result.stderr
+
+
+def test_ctrl_c_is_one_line():
+    """SIGINT while generate streams: one line, the shell's status for it, no traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "recurrent_cache", "generate", "x", "-n", "1000000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        process.stdout.read(4)   # it has started streaming: well inside main()
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=120)
+    finally:
+        process.kill()
+    stderr = process.stderr.read().decode()
+    assert status == 130 and stderr == "generate: interrupted\n", stderr
 
 
 # -- bad model files --------------------------------------------------------------------------------

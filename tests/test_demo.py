@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
-from recurrent_cache import demo
-from recurrent_cache.models import escape
+from recurrent_cache.cli import demo
+from recurrent_cache.cli.clients import HANDWRITTEN_PROMPTS
+from recurrent_cache.models import escape, held_out_prompts
 
 SMALL = ["--clients", "5", "--parallel", "3", "--n-predict", "5", "--ubatch", "4", "--quiet"]
+FORK = SMALL[2:] + ["--fork"]   # --fork serves --parallel forks and refuses --clients
 
 
 def report_number(out: str, label: str) -> int:
@@ -40,16 +42,23 @@ def test_half_precision_states_pass(capsys, dtype):
 
 def test_fork_run_passes(capsys):
     # hot sampling and 16 bytes: an indented block's first bytes are the same for any seed
-    assert demo.main(SMALL + ["--fork", "--n-predict", "16", "--temperature", "1.5"]) == 0
+    assert demo.main(FORK + ["--n-predict", "16", "--temperature", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "1 prompt forked into 3 sequences" in out and "PASSED: 3 of 3" in out
     continuations = re.findall(r"-> (\".*\")  \[sampled", out)
     assert len(set(continuations)) == 3, "each fork samples with its own seed"
 
 
-@pytest.mark.parametrize("mode", [[], ["--fork"]], ids=["queue", "fork"])
+TINY = ["--clients", "2", "--parallel", "2", "--n-predict", "6", "--ubatch", "8", "--quiet"]
+MODES = {"queue": SMALL + ["--corrupt-step", "2"], "fork": FORK + ["--corrupt-step", "2"],
+         "prefix-cache": TINY + ["--prefix-cache", "--corrupt-step", "1"],
+         "speculative": TINY + ["--speculative", "3", "--corrupt-step", "1"]}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_corrupted_state_fails_verification(capsys, mode):
-    assert demo.main(SMALL + mode + ["--corrupt-step", "2"]) == 1
+    """Every mode's verification is live: a state overwritten while serving must fail it."""
+    assert demo.main(MODES[mode]) == 1
     captured = capsys.readouterr()
     assert "corrupted the layer-0 SSM state of client" in captured.out
     assert "verification     FAILED" in captured.out
@@ -75,7 +84,7 @@ def test_default_run_serves_the_shipped_model_as_text(capsys):
     assert demo.main(SMALL) == 0
     out = capsys.readouterr().out
     assert "the shipped byte-level model" in out
-    prompts = set(demo.HANDWRITTEN_PROMPTS) | set(demo.held_out_prompts())
+    prompts = set(HANDWRITTEN_PROMPTS) | set(held_out_prompts())
     lines = re.findall(r'^  client \d+ +prompt +(\d+) tokens "(.*)" -> "(.*)"  \[sampled \(temperature 0.7, top-k 40, '
                        r'seed \(0, \d\)\)\]$', out, re.MULTILINE)
     assert len(lines) == 5

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from recurrent_cache import generate as generate_command
-from recurrent_cache.generate import TextStream, generate
+from recurrent_cache.cli import generate as generate_command
+from recurrent_cache.cli.generate import TextStream, generate
 from recurrent_cache.models import ReferenceRun, Sampler, random_model, trained_model
 
 

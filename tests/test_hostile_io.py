@@ -139,11 +139,11 @@ def inspect_cli(path, *options, in_process=True):
     """(exit status, stdout, stderr) of ``python -m recurrent_cache inspect``: its main() in
     this process (an exception escaping it is a traceback), or the command itself."""
     if in_process:
-        from recurrent_cache import blob_report
+        from recurrent_cache.cli import inspect as inspect_command
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = blob_report.main([str(path), *options])
+                code = inspect_command.main([str(path), *options])
             except SystemExit as exit:
                 code = exit.code
         return code, out.getvalue(), err.getvalue()
@@ -548,12 +548,12 @@ def inspect_of_dev_zero_fifos_huge_files_and_non_files(name):
 
 @case(both=False)
 def inspect_usage_errors_are_one_line(name):
-    from recurrent_cache import blob_report
+    from recurrent_cache.cli import inspect as inspect_command
     for argv in ([], ["--bogus", "x"], ["x", "--max-cells", "many"], ["a", "b"], ["x", "--max-tokens", "1e3"]):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
-                blob_report.main(argv)
+                inspect_command.main(argv)
             except SystemExit as exit:
                 assert exit.code == 2, exit.code
             else:

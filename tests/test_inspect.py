@@ -15,6 +15,7 @@ from test_state_io import forked_cache
 
 import recurrent_cache
 from recurrent_cache import blob_report
+from recurrent_cache.cli import inspect as inspect_command
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ def cache():
 
 
 def run(capsys, *argv):
-    code = blob_report.main([str(a) for a in argv])
+    code = inspect_command.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 

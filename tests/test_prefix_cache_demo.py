@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import recurrent_cache as rc
-from recurrent_cache import demo
+from recurrent_cache.cli import demo
 import test_stores_shared
 
 redis_server = test_stores_shared.redis_server   # a fixture: a real redis-server on a unix socket

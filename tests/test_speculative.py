@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import recurrent_cache as rc
-from recurrent_cache import demo
-from recurrent_cache.demo_speculative import draft
+from recurrent_cache.cli import demo
+from recurrent_cache.cli.demo_speculative import draft
+from recurrent_cache.cli.verification import TOLERANCE
 from recurrent_cache.models import ReferenceRun, random_model, trained_model
-
-TOLERANCE = demo.TOLERANCE
 
 
 def test_prompt_lookup_drafts_what_followed_the_last_ngram():

@@ -97,15 +97,21 @@ def test_broken_links_are_misses(tmp_path, damage):
 
 
 def test_a_new_entry_under_a_key_replaces_the_old_file(tmp_path):
-    """Other content under one key (another machine's rounding, say): the old file goes."""
+    """Other content under one key (another machine's rounding, say): the old file goes once no
+    link has pointed to it for STALE_SECONDS (a racing writer of it may still link to it before)."""
     store = DirectoryStore(tmp_path)
     geometry, entries = small_entries(1)
     key, tokens, first = entries[0]
     rows = ([np.ones(3, np.float32)] * 2, [np.ones(5, np.float16)] * 2)
     second = encode_snapshot(key, tokens, *rows, geometry)
-    assert store.put(key, first) and store.put(key, second)
+    assert store.put(key, first)
+    old_file = tmp_path / os.readlink(link_of(store, key))
+    assert store.put(key, second)
     assert bytes(store.get_first([key])[1]) == second
-    assert len(list(tmp_path.iterdir())) == 2     # the link and the second file only
+    assert len(list(tmp_path.iterdir())) == 3 and old_file.exists()   # young: a writer may link to it
+    os.utime(old_file, (time.time() - 3600, time.time() - 3600))
+    store.stats()                                 # a scan
+    assert len(list(tmp_path.iterdir())) == 2 and not old_file.exists()   # the link and the second file
 
 
 def test_stale_temporary_files_and_dangling_links_are_swept(tmp_path):
@@ -113,7 +119,8 @@ def test_stale_temporary_files_and_dangling_links_are_swept(tmp_path):
     key, entry, _ = numbered_entry(1, 4)
     store.put(key, entry)
     (tmp_path / os.readlink(link_of(store, key))).unlink()
-    stale, fresh = tmp_path / ".abc.1234.tmp", tmp_path / ".abc.5678.tmp"
+    digest = key_digest(key).hex()
+    stale, fresh = tmp_path / f".{digest}.{'12' * 8}.tmp", tmp_path / f".{digest}.{'56' * 8}.tmp"
     stale.write_bytes(b"x" * 100)
     fresh.write_bytes(b"y" * 10)
     os.utime(stale, (time.time() - 3600, time.time() - 3600))

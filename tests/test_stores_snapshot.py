@@ -133,7 +133,7 @@ def test_keys_differ_in_every_field():
             snapshot_key("a\0", g, [1, 2]), snapshot_key("a", g, np.array([1, 2], np.int64).view(np.int32)[:2])}
     assert len(keys) == 10
     assert snapshot_key("a", g, np.array([1, 2], np.int16)) == snapshot_key("a", g, [1, 2])
-    assert all(k.startswith("rc1:") and len(k) == 68 for k in keys)
+    assert all(k.startswith("rc2:") and len(k) == 68 for k in keys)
 
 
 def test_bad_arguments_raise_package_errors():

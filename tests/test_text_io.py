@@ -157,7 +157,7 @@ def test_commands_speak_through_a_bpe_vocabulary(tmp_path, capsys):
     """A llama.cpp-style Mamba GGUF with GPT-2 pieces: generate encodes the prompt with them and
     prints the decoded continuation; demo serves text prompts and passes its verification."""
     pytest.importorskip("gguf")
-    from recurrent_cache import demo, generate
+    from recurrent_cache.cli import demo, generate
     tokens, types = gpt2_vocabulary()
     model = random_model(seed=4, n_vocab=-(len(tokens) // -8) * 8, n_embd=16, n_layer=2, d_state=4)
     path = str(tmp_path / "bpe.gguf")
@@ -178,7 +178,7 @@ def test_commands_speak_through_a_bpe_vocabulary(tmp_path, capsys):
 
 def test_generation_stops_at_the_files_end_of_text_token(tmp_path):
     pytest.importorskip("gguf")
-    from recurrent_cache.generate import generate
+    from recurrent_cache.cli.generate import generate
     tokens, types = gpt2_vocabulary()
     model = random_model(seed=6, n_vocab=len(tokens), n_embd=16, n_layer=1, d_state=4)
     prompt = list(range(1, 9))

@@ -1,30 +1,7 @@
-"""Command line: ``python -m recurrent_cache {demo,generate,inspect} ...``."""
+"""``python -m recurrent_cache {demo,generate,inspect} ...``: see ``recurrent_cache.cli``."""
 
-from __future__ import annotations
-
-import argparse
-import importlib
 import sys
 
-from ._cli import OneLineParser
+from .cli import main
 
-COMMANDS = {
-    "demo": ("recurrent_cache.demo", "run a recurrent model on the cache with continuous batching"),
-    "generate": ("recurrent_cache.generate", "continue one prompt with the model, streaming the text"),
-    "inspect": ("recurrent_cache.blob_report", "describe a state blob or a 'ggsq' sequence file"),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = OneLineParser(prog="python -m recurrent_cache")
-    parser.add_argument("command", choices=sorted(COMMANDS),
-                        help="; ".join(f"{name}: {text}" for name, (_, text) in sorted(COMMANDS.items())))
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's own options (try --help)")
-    options = parser.parse_args(argv[:1])
-    module = importlib.import_module(COMMANDS[options.command][0])
-    return module.main(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

@@ -16,20 +16,16 @@ largest seq id + 1.  Anything else is a one-line error and exit status 1.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
-import json
-import os
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
-from .errors import RecurrentCacheError, StateError
+from .errors import StateError
 from .state_format import GGML_TYPES, MAX_TOKENS, BlobCell, check_cells, read_file
 
-__all__ = ["main", "describe", "describe_file"]
+__all__ = ["describe", "describe_file"]
 
 _LIMIT = 2**31 - 1   # the constructor's largest size, n_layer and n_embd
 _DECODE = {0: "<f4", 1: "<f2", 30: "<u2"}   # ggml type id -> stored dtype; bf16 is widened by hand
@@ -155,83 +151,3 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
 def describe(data: Any) -> dict[str, Any]:
     """``describe_file`` of a blob or sequence file in memory."""
     return describe_file(io.BytesIO(data))
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
-
-
-def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
-    print(f"{path}: {report['format']}")
-    if report["tokens"] is not None:
-        tokens = report["tokens"]
-        shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
-        print(f"tokens: {len(tokens)} [{shown}]")
-    print(f"blob: {report['blob_bytes']} bytes at byte {report['blob_offset']}, {report['kind']}"
-          f"{' (0 cells: either kind)' if report['kind'] == 'empty' else ''}")
-    cells = report["cells"]
-    print(f"cells: {len(cells)}")
-    for i, cell in enumerate(cells if max_cells <= 0 else cells[:max_cells]):
-        ids = " ".join(map(str, cell["seq_ids"])) or "- (a sequence blob's cell)"
-        print(f"  cell {i:>5}  pos {cell['pos']:>10}  seq ids {ids}")
-    if 0 < max_cells < len(cells):
-        print(f"  ... {len(cells) - max_cells} more (--max-cells 0 lists all)")
-    print(f"reads into: {_fits(report['reads_into'])}")
-    print(f"layers: {report['n_layer']} (v_trans 0)")
-    print(f"  {'tensor':<12} {'type':<6} {'row bytes':>10} {'n_embd':>7} {'min':>12} {'max':>12} "
-          f"{'mean':>12}  sha256")
-    for t in report["tensors"]:
-        extra = f"  ({t['non_finite']} non-finite values)" if t["non_finite"] else ""
-        print(f"  {t['tensor']:<12} {t['type']:<6} {t['row_bytes']:>10} "
-              f"{t['n_embd']:>7} {_number(t['min']):>12} "
-              f"{_number(t['max']):>12} {_number(t['mean']):>12}  {t['sha256'][:16]}{extra}")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one line, like every other error of the command."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"inspect: {message} (try --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def _fits(fits: dict[str, Any]) -> str:
-    shape = ", ".join(f"{key}={fits[key]!r}" for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
-                      if fits[key] is not None)
-    how = "seq_id -1" if fits["seq_id"] == -1 else "any seq_id"
-    return f"RecurrentCache({shape}, size >= {fits['size']}), state_read with {how}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m recurrent_cache inspect",
-                     description="Describe a state blob (state_write) or a 'ggsq' sequence file "
-                                 "(llama_state_seq_save_file); exit status 1 unless a cache's "
-                                 "state_read accepts it.")
-    parser.add_argument("file", help="the blob or sequence file")
-    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument("--max-cells", type=int, default=32, metavar="N",
-                        help="list at most N cells (default 32; 0 lists all)")
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
-                        help=f"refuse a sequence file of more than N tokens (default {MAX_TOKENS})")
-    options = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        with open(options.file, "rb") as file:
-            report = describe_file(file, options.max_tokens)
-    except RecurrentCacheError as exc:   # before ValueError: StateError and ArgumentError are ValueErrors
-        print(f"inspect: {options.file}: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:   # ValueError: a path with a NUL character
-        print(f"inspect: cannot read {options.file!r}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
-        return 1
-    except MemoryError:
-        print(f"inspect: {options.file}: not enough memory to read it", file=sys.stderr)
-        return 1
-    try:
-        if options.json:
-            print(json.dumps({"file": options.file, **report}, indent=1))
-        else:
-            _print_report(options.file, report, options.max_cells)
-        sys.stdout.flush()
-    except BrokenPipeError:   # `inspect FILE | head`: the reader left, which is no error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0

@@ -67,16 +67,27 @@ is one encode and one put per new snapshot.  A snapshot whose write the
 store did not confirm (it was down, or had the entry already) is offered
 again when it is evicted (``_spill``).  ``restore`` asks the store, in one
 lookup, for the longest candidate length beyond what memory holds — the
-block grid and the junctions this process knows, longest first — and
-promotes a hit into memory (``_fetch``).  A store that fails is a miss; a
-damaged or foreign entry is a miss counted in ``stats()``.
+block grid and the junctions this process knows, longest first, keyed by
+one hash of the prompt (``_fetch``) — places the hit and then promotes it
+into memory (``_promote``).  A store that fails is a miss; a damaged or
+foreign entry is a miss counted in ``stats()``.
+
+Cost.  ``match``, ``plan``, ``restore`` and ``save`` cost time and memory in
+proportion to the prompt (and the snapshots held), never to ``block_size``:
+the junction comparison spans at most the prompt, and nothing is padded to
+a block.  ``bench/prefix_cost.py`` has the figures.
+
+Failures.  ``save`` reads the cache before it changes anything, and
+``restore`` changes the prefix cache only once the sequence holds its state:
+a call that raises (``UsageError``: another thread is inside the cache)
+leaves the snapshots, their order and the stats as they were.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from typing import Any, Protocol
 from collections.abc import Sequence
@@ -152,9 +163,9 @@ class _Node:
         del self.continuations[bisect_left(self.continuations, key)]
         self.version += 1
 
-    def neighbours(self, mine: bytes, step: int) -> list[bytes]:
+    def neighbours(self, mine: bytes) -> list[bytes]:
         """The continuations here that ``mine`` (the prompt's tokens after this node's blocks, at
-        most one block of ``step`` bytes) leaves deepest: one on each side of it in sorted order.
+        most one block) leaves deepest: one on each side of it in sorted order.
 
         Sorted, the continuations sharing the longest prefix with ``mine`` are its
         neighbours; those that are prefixes of ``mine`` (snapshots on its path) or extend
@@ -163,9 +174,9 @@ class _Node:
         options = self.continuations
         found = []
         i = bisect_left(options, mine)
-        # past the prompt's own block and the paths the prompt ends on (they extend ``mine``;
-        # a continuation is at most ``step`` bytes, so all of them sort below this bound)
-        j = bisect_right(options, mine + b"\xff" * step, i)
+        # past the prompt's own block and the paths the prompt ends on (they extend ``mine``)
+        above = _above_extensions(mine)
+        j = len(options) if above is None else bisect_left(options, above, i)
         if j < len(options):
             found.append(options[j])
         k = i - 1
@@ -174,6 +185,12 @@ class _Node:
         if k >= 0:
             found.append(options[k])
         return found
+
+
+def _above_extensions(prefix: bytes) -> bytes | None:
+    """The least byte string that sorts after every string starting with ``prefix``; None if none does."""
+    stem = prefix.rstrip(b"\xff")
+    return stem[:-1] + bytes([stem[-1] + 1]) if stem else None
 
 
 class _Snapshot:
@@ -265,7 +282,9 @@ class PrefixCache:
         less than ``len(tokens)``, so at least one token is left to produce
         logits.  Returns 0 and changes nothing when no prefix is reusable;
         raises ``NoFreeCellError`` (changing nothing) when one is but every
-        cell is in use.
+        cell is in use.  A call that raises leaves the prefix cache as it was
+        (snapshots, their order, stats): a store hit is promoted into memory
+        only once the sequence holds its state.
         """
         data, n_tokens = self._key(tokens)
         self._check_empty_seq(seq)
@@ -275,25 +294,46 @@ class PrefixCache:
                 return 0
             raise NoFreeCellError(f"restore seq {seq}: a snapshot of {found.length} tokens is held but all "
                                   f"{self.cache.size} cells are in use")
+        counters = dict(self._store_stats)
+        held = self._lookup(data, n_tokens)
+        fetched = None
+        if self._tier is not None:
+            fetched = self._fetch(data, n_tokens, held.length if held is not None else 0)
+        if fetched is not None:
+            length, r_rows, s_rows = fetched
+            found = None
+        elif held is not None:
+            length, found = held.length, held
+            r_rows = [pool[held.slot] for pool in self._pool_r]
+            s_rows = [pool[held.slot] for pool in self._pool_s]
+        else:
+            self._stats["lookups"] += 1
+            self._stats["tokens_recomputed"] += n_tokens
+            return 0
+        was_pinned = found.pinned if found is not None else False
+        if found is not None:
+            found.pinned = True   # its pool rows are being read
+        try:
+            self.cache.seq_restore(seq, length - 1, r_rows, s_rows)
+        except BaseException:
+            self._store_stats = counters   # the store lookup led nowhere: as if not made
+            raise
+        finally:
+            if found is not None:
+                found.pinned = was_pinned
+        if fetched is not None:
+            self._store_stats["store_hits"] += 1
+            self._store_stats["store_tokens_restored"] += length
+            found = self._promote(data, length, r_rows, s_rows)
+        if found is not None:
+            found.hits += 1
+            self._touch(found)
         stats = self._stats
         stats["lookups"] += 1
-        found = self._lookup(data, n_tokens, use_tier=True)
-        if found is None:
-            stats["tokens_recomputed"] += n_tokens
-            return 0
-        found.pinned = True
-        try:
-            slot = found.slot
-            self.cache.seq_restore(seq, found.length - 1, [pool[slot] for pool in self._pool_r],
-                                   [pool[slot] for pool in self._pool_s])
-        finally:
-            found.pinned = False
-        found.hits += 1
-        self._touch(found)
         stats["hits"] += 1
-        stats["tokens_matched"] += found.length
-        stats["tokens_recomputed"] += n_tokens - found.length
-        return found.length
+        stats["tokens_matched"] += length
+        stats["tokens_recomputed"] += n_tokens - length
+        return length
 
     def plan(self, tokens: Sequence[int] | np.ndarray, start: int = 0) -> list[int]:
         """Prefix lengths in ``(start, len(tokens)]`` at which to stop the prefill and ``save``.
@@ -331,6 +371,9 @@ class PrefixCache:
         if n_tokens == 0 or pos != n_tokens - 1:
             raise PositionError(f"save: seq {seq} is at position {pos}, but a snapshot of {n_tokens} tokens "
                                 f"needs position {n_tokens - 1}")
+        # All-or-nothing: the cache is read (which can raise: another thread inside it) before
+        # anything here changes; what follows only moves numpy rows and never raises.
+        r_rows, s_rows = self._rows_of(int(seq))
         self._stats["saves"] += 1
         node, tail = self._path(data, n_tokens, create=False)
         known = node.tails.get(tail) if node is not None else None
@@ -348,12 +391,12 @@ class PrefixCache:
                     known = self._add(data, n_tokens, -1, kind)
                 self._ghost(known)
                 if self._tier is not None:
-                    self._write(known, data, *self._rows_of(int(seq)))
+                    self._write(known, data, r_rows, s_rows)
                 return False
         if known is None:
             known = self._add(data, n_tokens, -1, kind)
         slot = self._take_slot(known)
-        for pool, row in zip(self._pool_r + self._pool_s, sum(self._rows_of(int(seq)), [])):
+        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
             pool[slot] = row
         self._touch(known)
         if self._tier is not None:
@@ -446,16 +489,8 @@ class PrefixCache:
             node = child
         return node, data[full * step:]
 
-    def _lookup(self, data: bytes, n_tokens: int, use_tier: bool = False) -> _Snapshot | None:
-        """The held snapshot of the longest proper prefix of ``data`` (memory, then the tier)."""
-        found = self._longest_in_memory(data, n_tokens)
-        if use_tier and self._tier is not None:
-            fetched = self._fetch(data, n_tokens, found.length if found is not None else 0)
-            if fetched is not None:
-                return fetched
-        return found
-
-    def _longest_in_memory(self, data: bytes, n_tokens: int) -> _Snapshot | None:
+    def _lookup(self, data: bytes, n_tokens: int) -> _Snapshot | None:
+        """The held snapshot of the longest proper prefix of ``data``."""
         block = self.block_size
         for node in reversed(self._walk(data, n_tokens)):
             base = node.depth * block
@@ -475,6 +510,8 @@ class PrefixCache:
         its parent's continuations change.
         """
         step, block = 4 * self.block_size, self.block_size
+        if n_tokens == 0:
+            return []
         nodes = self._walk(data, n_tokens)
         junctions: list[int] = []
         pending: list[tuple[int, _Node | None, bytes]] = []   # (depth, memo holder, neighbour)
@@ -488,14 +525,19 @@ class PrefixCache:
             if child is not None:
                 child.branch_memo = (node.version, [])
             mine = child.block if child is not None else data[node.depth * step:(node.depth + 1) * step]
-            pending += [(node.depth, child, other) for other in node.neighbours(mine, step)]
+            pending += [(node.depth, child, other) for other in node.neighbours(mine)]
         if pending:
-            padded = np.frombuffer(data + bytes(-len(data) % step + step), _TOKEN).reshape(-1, block)
+            # Compared over at most the prompt's length, never a whole block: a block can be far
+            # longer than the prompt, and a node's prompt tokens and continuations fit in this.
+            width = min(block, n_tokens)
+            span = 4 * width
             depths = np.fromiter((depth for depth, _, _ in pending), np.int64, len(pending))
-            others = np.frombuffer(b"".join(other.ljust(step, b"\0") for _, _, other in pending),
-                                   _TOKEN).reshape(-1, block)
-            differ = padded[depths] != others
-            first = np.where(differ.any(axis=1), differ.argmax(axis=1), block)
+            mine_rows = np.frombuffer(b"".join(data[depth * step:depth * step + span].ljust(span, b"\0")
+                                               for depth, _, _ in pending), _TOKEN).reshape(-1, width)
+            other_rows = np.frombuffer(b"".join(other[:span].ljust(span, b"\0") for _, _, other in pending),
+                                       _TOKEN).reshape(-1, width)
+            differ = mine_rows != other_rows
+            first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
             limit = np.fromiter((min(len(other) // 4, n_tokens - depth * block) for depth, _, other in pending),
                                 np.int64, len(pending))
             common = depths * block + np.minimum(first, limit)
@@ -651,8 +693,10 @@ class PrefixCache:
                     [pool[slot] for pool in self._pool_r], [pool[slot] for pool in self._pool_s])
         self._store_stats["store_spills"] += 1
 
-    def _fetch(self, data: bytes, n_tokens: int, held: int) -> _Snapshot | None:
-        """On a memory miss, the longest candidate length the tier holds, promoted into memory.
+    def _fetch(self, data: bytes, n_tokens: int,
+               held: int) -> tuple[int, list[np.ndarray], list[np.ndarray]] | None:
+        """On a memory miss, the longest candidate length the tier holds: ``(n, r_rows, s_rows)``,
+        the rows of the pools' dtypes; None for a miss.  Changes nothing but ``store_lookups``.
 
         The candidates are the block grid and the junctions this process
         knows, beyond ``held`` (what memory has); one lookup, longest first.
@@ -670,12 +714,20 @@ class PrefixCache:
         if found is None:
             return None
         n, r_rows, s_rows = found
+        pools = self._pool_r + self._pool_s
+        rows = list(r_rows) + list(s_rows)
         if not (n in lengths and len(r_rows) == len(self._r) and len(s_rows) == len(self._s) and all(
-                np.asarray(row).nbytes == pool[0].nbytes
-                for row, pool in zip(list(r_rows) + list(s_rows), self._pool_r + self._pool_s))):
+                np.asarray(row).nbytes == pool[0].nbytes for row, pool in zip(rows, pools))):
             return None   # rows that do not fit this cache: a miss, never a wrong state
+        # by the bytes: bf16 rows may be ml_dtypes.bfloat16 on one side and uint16 on the other
+        typed = [np.ascontiguousarray(row).view(np.uint8).reshape(-1).view(pool.dtype)
+                 for row, pool in zip(rows, pools)]
+        return n, typed[:len(self._r)], typed[len(self._r):]
+
+    def _promote(self, data: bytes, n: int, r_rows: list[np.ndarray], s_rows: list[np.ndarray]) -> _Snapshot | None:
+        """A store hit of the first ``n`` tokens of ``data`` into memory; None if nothing can be evicted."""
         if len(self._held) >= self.capacity and not self._evict():
-            return None  # every snapshot held is being restored
+            return None   # every snapshot held is being restored
         prefix = data[:4 * n]
         node, tail = self._path(prefix, n, create=False)
         snapshot = node.tails.get(tail) if node is not None else None
@@ -685,13 +737,9 @@ class PrefixCache:
             del self._ghosts[snapshot]
         if snapshot.slot < 0:
             self._take_slot(snapshot)
-        for pool, row in zip(self._pool_r + self._pool_s, list(r_rows) + list(s_rows)):
-            # by the bytes: bf16 rows may be ml_dtypes.bfloat16 on one side and uint16 on the other
-            pool[snapshot.slot].view(np.uint8)[...] = np.ascontiguousarray(row).view(np.uint8).reshape(-1)
+        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
+            pool[snapshot.slot] = row
         snapshot.stored = True
-        self._touch(snapshot)
-        self._store_stats["store_hits"] += 1
-        self._store_stats["store_tokens_restored"] += n
         return snapshot
 
     # -- checks -----------------------------------------------------------------------------

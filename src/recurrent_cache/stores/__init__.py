@@ -9,7 +9,8 @@ or another replica, restores a prefix instead of recomputing it.
 Entries and keys (``snapshot.py``)::
 
     geometry = Geometry.of(cache)                       # layers, row widths, dtypes
-    key = snapshot_key(namespace, geometry, tokens)      # "rc1:" + sha256
+    key = snapshot_key(namespace, geometry, tokens)      # "rc2:" + sha256
+    keys = prefix_keys(namespace, geometry, tokens, lengths)   # the keys of prefixes: one hash in all
     entry = encode_snapshot(key, tokens, r_rows, s_rows, geometry)   # ggsq file + 32-byte trailer
     rows = decode_snapshot(entry, key, geometry, tokens)            # (r_rows, s_rows) or None
 
@@ -30,8 +31,11 @@ The interface the prefix cache calls (every store implements it):
 ``store.get_many(keys) -> list[entry | None]``
     Every key's entry, in one round trip (Redis ``MGET``).
 ``store.put(key, entry) -> bool``
-    Store an entry made by ``encode_snapshot`` under the same key (atomic
-    replace). False when it was there already or the store failed.
+    Store an entry made by ``encode_snapshot`` under the same key, whole or
+    not at all.  True: the key reads back a complete entry until it is
+    evicted, whatever other writers of the key do.  False when it was there
+    already (a directory: this very entry; Redis: any entry of the key) or
+    the store failed.
 ``store.stats() -> dict``
     ``lookups`` (calls), ``hits`` / ``misses`` / ``damaged`` (keys), ``errors``,
     ``puts``, ``put_skipped``, ``bytes_read``, ``bytes_written``, and what the
@@ -59,7 +63,7 @@ from typing import Any, Union
 from .base import Store
 from .directory import DirectoryStore
 from .redis_store import RedisStore
-from .snapshot import (Geometry, check_entry, decode_snapshot, encode_snapshot, restore_rows,
+from .snapshot import (Geometry, check_entry, decode_snapshot, encode_snapshot, prefix_keys, restore_rows,
                        sequence_rows, snapshot_key)
 from .tier import StoreTier
 
@@ -76,5 +80,5 @@ def open_store(target: Union[str, "os.PathLike[str]"], **options: Any) -> Union[
     return DirectoryStore(target, **options)
 
 
-__all__ = ["Store", "DirectoryStore", "RedisStore", "open_store", "Geometry", "snapshot_key", "encode_snapshot",
-           "decode_snapshot", "check_entry", "sequence_rows", "restore_rows", "StoreTier"]
+__all__ = ["Store", "DirectoryStore", "RedisStore", "open_store", "Geometry", "snapshot_key", "prefix_keys",
+           "encode_snapshot", "decode_snapshot", "check_entry", "sequence_rows", "restore_rows", "StoreTier"]

@@ -5,6 +5,14 @@ Layout, for a key whose digest (``sha256(key)[:16]``, hex) is ``D``::
     D.ggsq              -> D.CCCCCCCC.ggsq   a symbolic link: the key's current entry
     D.CCCCCCCC.ggsq     the ggsq file (SPEC §5) of the entry, CCCCCCCC its CRC-32 in hex
     .D.<random>.tmp     a file being written (a writer killed now leaves only this)
+    .D.<random>.lnk     a link being made, renamed over ``D.ggsq`` next
+
+``<random>`` is 16 hex digits.  The store only ever deletes files named
+exactly like this (``D`` 32 hex digits, ``CCCCCCCC`` 8): whatever else is in
+the directory is another program's and is left alone.  A file named like an
+entry that the store did not write (a FIFO, a device, a link to elsewhere, a
+file larger than its own header says) is a damaged entry: a miss, counted
+and logged, never a read that blocks or one larger than the entry can be.
 
 Every file that ends in ``.ggsq`` is a plain 'ggsq' file: ``python -m
 recurrent_cache inspect D.ggsq`` and llama.cpp's ``llama_state_seq_load_file``
@@ -19,7 +27,12 @@ final name, then a new link is made under a temporary name and renamed over
 ``D.ggsq``.  A reader sees the old entry, the new one or none, never part of
 one; a writer killed at any point leaves a temporary file or a file no link
 points to (both removed by a later scan once ten minutes old), or a
-complete entry.  Files are not
+complete entry.  A ``put`` never deletes a file: another writer of the same
+key may be about to link to it, so a ``put`` that returned True leaves an
+entry that stays readable until it is evicted (the last writer's link points
+at a complete file); the file of an entry replaced by other content is
+removed by a later scan once no link has pointed to it for ten minutes.
+Files are not
 fsync'ed: after a power cut an entry can be lost or damaged, and the
 CRC-32 turns damage into a miss.
 
@@ -39,6 +52,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 from typing import Any
@@ -46,7 +60,8 @@ from collections.abc import Sequence
 
 from ..errors import ArgumentError
 from .base import StoreCounters
-from .snapshot import TRAILER_SIZE, check_entry, entry_ggsq_length, key_digest, make_trailer
+from .snapshot import (TRAILER_SIZE, check_entry, entry_ggsq_length, ggsq_declared_length, key_digest,
+                       make_trailer)
 
 __all__ = ["DirectoryStore"]
 
@@ -54,6 +69,7 @@ log = logging.getLogger("recurrent_cache.stores")
 
 _DATA = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8})\.ggsq$")
 _LINK = re.compile(r"^([0-9a-f]{32})\.ggsq$")
+_TEMPORARY = re.compile(r"^\.[0-9a-f]{32}\.[0-9a-f]{16}\.(tmp|lnk)$")   # _write_file's and put's
 STALE_SECONDS = 600   # a temporary file this old belongs to a writer that died
 
 
@@ -66,11 +82,15 @@ class DirectoryStore:
     the write, and never raises into the serving loop.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None) -> None:
+    def __init__(self, path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+                 max_bytes: int | None = None) -> None:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes < 1):
             raise ArgumentError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r}")
-        self.path = os.path.abspath(os.fspath(path))
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise ArgumentError(f"DirectoryStore path must be a str, bytes or os.PathLike, got {path!r}")
+        # one kind of path inside: bytes are decoded as the file system would (os.fsdecode)
+        self.path = os.path.abspath(os.fsdecode(path))
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
@@ -122,7 +142,7 @@ class DirectoryStore:
             previous = os.readlink(link)
         if previous == data_name:
             with contextlib.suppress(OSError):   # its file is gone: write it again
-                os.utime(os.path.join(self.path, data_name))
+                os.utime(os.path.join(self.path, data_name), follow_symlinks=False)
                 self._counters.add(put_skipped=1)
                 return False
         try:
@@ -138,10 +158,9 @@ class DirectoryStore:
         except OSError as exc:
             self._error(f"cannot write {data_name}", exc)
             return False
-        if previous is not None and previous != data_name and _DATA.match(previous):
-            # the entry this one replaces (other content under the same key): nothing links to it now
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.path, previous))
+        # The file of an entry this one replaced (other content under the key) is not removed here:
+        # a writer of that content may be linking to it now, and its put must stay readable.  Once
+        # no link has pointed to it for STALE_SECONDS, a scan removes it.
         self._counters.add(puts=1, bytes_written=len(view))
         self._written_since_scan += length
         if self.max_bytes is not None and (self._written_since_scan > self.max_bytes // 8
@@ -180,29 +199,23 @@ class DirectoryStore:
             return None
         data_path = os.path.join(self.path, target)
         try:
-            with open(data_path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                entry = bytearray(size + TRAILER_SIZE)
-                view = memoryview(entry)
-                done = 0
-                while done < size:
-                    n = file.readinto(view[done:size])
-                    if not n:
-                        break
-                    done += n
-                # the hit makes this the most recently used entry
-                with contextlib.suppress(OSError):
-                    os.utime(file.fileno())
+            entry = self._read_data(data_path)
         except FileNotFoundError:          # removed (evicted) since the link was read
             self._counters.add(misses=1)
             return None
         except OSError as exc:
+            # a link (ELOOP; EMLINK on some BSDs) or a socket (ENXIO) where an entry's file should be
+            if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO):
+                self._damaged(key, link, None)
+                return None
             self._error(f"cannot read {data_path}", exc)
             self._counters.add(misses=1)
             return None
-        if done != size:
-            self._damaged(key, link, data_path)
+        if entry is None:
+            self._damaged(key, link, None)
             return None
+        size = len(entry) - TRAILER_SIZE
+        view = memoryview(entry)
         view[size:] = make_trailer(int(match.group(2), 16), size, bytes.fromhex(digest))
         if not check_entry(key, entry):
             self._damaged(key, link, data_path)
@@ -210,15 +223,52 @@ class DirectoryStore:
         self._counters.add(hits=1, bytes_read=len(entry))
         return entry
 
+    def _read_data(self, data_path: str) -> bytearray | None:
+        """The content of an entry's file, with room for the trailer after it.
+
+        None when the file is not one this store could have written: not a
+        regular file (a FIFO is opened without blocking and not read), or not
+        the length its own headers declare (a larger file is not read past
+        its headers), or shorter than its size when read.
+        """
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+        handle = os.open(data_path, flags)
+        try:
+            st = os.fstat(handle)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            size = st.st_size
+            if ggsq_declared_length(lambda offset, n: os.pread(handle, n, offset)) != size:
+                return None
+            entry = bytearray(size + TRAILER_SIZE)
+            view = memoryview(entry)
+            done = 0
+            while done < size:
+                n = os.readv(handle, [view[done:size]])
+                if not n:
+                    return None   # shorter than fstat said: truncated meanwhile
+                done += n
+            # the hit makes this the most recently used entry
+            with contextlib.suppress(OSError):
+                os.utime(handle)
+            return entry
+        finally:
+            os.close(handle)
+
     def _damaged(self, key: str, link: str, data_path: str | None) -> None:
-        """Count a damaged entry and remove it, so that no process reads it again."""
+        """Count a damaged entry and remove it, so that no process reads it again.
+
+        Only files the store could have written are removed (``link`` if it is
+        a symbolic link, ``data_path`` if it is a regular file); anything else
+        named like an entry is another program's, left alone and a miss.
+        """
         self._counters.add(damaged=1, misses=1)
         log.info("DirectoryStore %s: removed a damaged entry (%s)", self.path, os.path.basename(link))
-        for path in (data_path, link):
+        for path, ours in ((data_path, stat.S_ISREG), (link, stat.S_ISLNK)):
             if path is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
-        return None
+                    if ours(os.lstat(path).st_mode):
+                        os.unlink(path)
 
     # -- writing -------------------------------------------------------------------
 
@@ -261,7 +311,9 @@ class DirectoryStore:
                             total += st.st_size
                         elif _LINK.match(item.name) and item.is_symlink():
                             links.append(item.name)
-                        elif item.name.startswith(".") and item.name.endswith((".tmp", ".lnk")):
+                        elif _TEMPORARY.match(item.name) and (
+                                item.is_symlink() if item.name.endswith(".lnk")
+                                else item.is_file(follow_symlinks=False)):
                             st = item.stat(follow_symlinks=False)
                             if now - st.st_mtime > STALE_SECONDS:
                                 os.unlink(item.path)
@@ -278,7 +330,7 @@ class DirectoryStore:
                 linked.add(os.readlink(os.path.join(self.path, name)))
         kept = []
         for mtime, size, name in data:
-            if name not in linked and now - mtime > STALE_SECONDS:
+            if name not in linked and now - mtime > STALE_SECONDS and self._still_stale(name, now):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.path, name))
                 total -= size
@@ -308,6 +360,20 @@ class DirectoryStore:
         self._last_total = total
         self._written_since_scan = 0
         return total, count
+
+    def _still_stale(self, name: str, now: float) -> bool:
+        """Whether the orphan ``name`` is still an old file no link points to, just before it is removed.
+
+        Since the scan listed it, a writer may have written it again (a fresh file under the
+        same name) and linked to it: such a file is young now, or linked, and is kept.
+        """
+        try:
+            young = now - os.lstat(os.path.join(self.path, name)).st_mtime <= STALE_SECONDS
+            return not young and os.readlink(os.path.join(self.path, name[:32] + ".ggsq")) != name
+        except FileNotFoundError:
+            return True    # gone already, or no link under its digest
+        except OSError:
+            return True    # its digest's name is not a link: nothing of the store links to it
 
     def _error(self, what: str, exc: OSError) -> None:
         self._counters.add(errors=1)

@@ -4,10 +4,11 @@ Each entry (a 'ggsq' file and its 32-byte trailer, snapshot.py) is one string
 value under ``prefix + key``.  ``get_many`` is one ``MGET``; ``get_first`` is
 one server-side script that finds the first key of the list that exists and
 one ``GET`` of that key: a lookup of every candidate prefix length is two
-round trips that carry one value (a miss: one round trip).  ``SET`` replaces a value atomically: a
-reader sees the old entry
-or the new one, and a writer killed in the middle of sending a value leaves
-nothing (the server drops an incomplete command).
+round trips that carry one value (a miss: one round trip).  ``put`` is ``SET NX``: an
+entry is written whole or not at all (a writer killed in the middle of
+sending a value leaves nothing: the server drops an incomplete command), and
+one already there is not rewritten, so a reader sees the first complete
+entry of a key until it is evicted.
 
 One server (or a primary with replicas), not Redis Cluster: the candidate
 keys of one lookup hash to different slots, which a cluster does not run in
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -70,21 +72,36 @@ def _import_redis() -> Any:
     return redis
 
 
-def _seconds(name: str, value: Any, low: float, allow_low: bool) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
-            or value < low or (value == low and not allow_low)):
-        raise ArgumentError(f"{name} must be a number of seconds {'>=' if allow_low else '>'} {low:g}, "
+# The ranges of the options, in seconds: every value inside works against a real server (a
+# timeout under 0.1 s fails on a busy machine; a ttl is whole milliseconds, at least one, and
+# Redis refuses an expiry past 2**63 ms from the epoch).
+TIMEOUT_RANGE = (0.1, 86400.0)
+RETRY_AFTER_RANGE = (0.0, 86400.0)
+TTL_RANGE = (0.001, 1e9)
+
+
+def _seconds(name: str, value: Any, bounds: tuple[float, float]) -> float:
+    """``value`` as seconds within ``bounds``, or an ArgumentError naming it."""
+    low, high = bounds
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not low <= float(value) <= high):   # NaN fails the comparison too
+        raise ArgumentError(f"RedisStore {name} must be a number of seconds in [{low:g}, {high:g}], "
                             f"got {value!r}")
+    return float(value)
 
 
 class RedisStore:
     """Snapshot entries in the Redis / Valkey server at ``url``.
 
     ``url``: ``redis://[:password@]host:port/db``, ``rediss://...`` (TLS) or
-    ``unix:///path/to/redis.sock``.  ``prefix`` is put before every key, so
-    one server can hold other data too.  ``timeout`` (seconds) bounds a
-    connection attempt and every command; a 64 MiB value moves in about
-    0.1 s over the loopback.  No connection is made until the first call.
+    ``unix:///path/to/redis.sock``.  ``prefix`` (a str) is put before every
+    key, so one server can hold other data too.  ``timeout`` (seconds, 0.1 to
+    86400) bounds a connection attempt and every command; a 64 MiB value
+    moves in about 0.1 s over the loopback.  ``ttl`` (None, or seconds from
+    0.001 to 1e9, rounded to milliseconds) gives every entry an expiry;
+    ``retry_after`` (0 to 86400 seconds): see the module docstring.  Every
+    option is checked here (``ArgumentError`` naming the value), so a store
+    that was made works.  No connection is made until the first call.
     """
 
     def __init__(self, url: str, *, prefix: str = "recurrent_cache:", ttl: float | None = None,
@@ -92,15 +109,19 @@ class RedisStore:
         redis = _import_redis()
         Retry, NoBackoff = redis.retry.Retry, redis.backoff.NoBackoff
         if not isinstance(url, str):
-            raise ArgumentError(f"url must be a str, got {type(url).__name__}")
-        _seconds("timeout", timeout, low=0.0, allow_low=False)
-        _seconds("retry_after", retry_after, low=0.0, allow_low=True)
-        if ttl is not None:
-            _seconds("ttl", ttl, low=0.0, allow_low=False)
+            raise ArgumentError(f"RedisStore url must be a str, got {url!r}")
+        if not isinstance(prefix, str):
+            raise ArgumentError(f"RedisStore prefix must be a str, got {prefix!r}")
+        try:
+            prefix.encode("utf-8")   # how the client sends keys
+        except UnicodeEncodeError:
+            raise ArgumentError(f"RedisStore prefix must be encodable as UTF-8, got {prefix!r}") from None
+        timeout = _seconds("timeout", timeout, TIMEOUT_RANGE)
         self.url = url
         self.prefix = prefix
-        self.ttl = ttl
-        self.retry_after = retry_after
+        self.ttl = None if ttl is None else _seconds("ttl", ttl, TTL_RANGE)
+        self._ttl_ms = None if self.ttl is None else max(1, round(self.ttl * 1000))
+        self.retry_after = _seconds("retry_after", retry_after, RETRY_AFTER_RANGE)
         try:
             # one retry, at once: enough for a pooled connection the server has closed; a server that
             # is down is the store's business (retry_after), not a backoff inside the serving loop
@@ -182,21 +203,25 @@ class RedisStore:
         return None
 
     def put(self, key: str, entry: Any) -> bool:
-        """Store ``entry`` (from ``encode_snapshot`` under ``key``); False if the server failed."""
+        """Store ``entry`` (from ``encode_snapshot`` under ``key``) unless the key has one already
+        (``SET NX``: an entry there is not rewritten); False if it had, or the server failed."""
         if entry_ggsq_length(key, entry) is None:
             raise ArgumentError("put() takes an entry made by encode_snapshot for the same key "
                                 "(its trailer does not name this key)")
         value = entry if isinstance(entry, bytes) else memoryview(entry).cast("B")
-        done = self._call("SET", lambda: self._client.set(self.prefix + key, value,
-                                                          px=None if self.ttl is None else int(self.ttl * 1000)))
-        if done is None:
+        written = self._call("SET", lambda: bool(self._client.set(self.prefix + key, value, px=self._ttl_ms,
+                                                                   nx=True)))
+        if written is None:
+            return False
+        if not written:
+            self._counters.add(put_skipped=1)
             return False
         self._counters.add(puts=1, bytes_written=len(value))
         return True
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process (``lookups`` calls; ``hits``, ``misses``, ``damaged`` keys;
-        ``errors``, ``puts``, ``bytes_read``, ``bytes_written``) and, when the server answers,
+        ``errors``, ``puts``, ``put_skipped``, ``bytes_read``, ``bytes_written``) and, when the server answers,
         its ``used_memory``, ``maxmemory``, ``maxmemory_policy`` and ``evicted_keys``."""
         out: dict[str, Any] = {**self._counters.snapshot(), "url": self._safe_url(), "up": False}
         info = self._call("INFO", lambda: {**self._client.info("memory"), **self._client.info("stats")})

@@ -29,14 +29,14 @@ import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..errors import ArgumentError
 
 __all__ = ["Geometry", "snapshot_key", "encode_snapshot", "decode_snapshot", "check_entry",
-           "sequence_rows", "restore_rows",
+           "sequence_rows", "restore_rows", "prefix_keys", "ggsq_declared_length",
            "entry_ggsq_length", "key_digest", "make_trailer", "TRAILER_SIZE"]
 
 SEQ_FILE_MAGIC = 0x67677371     # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
@@ -112,7 +112,8 @@ class Geometry:
         """Length of a one-cell sequence blob (SPEC §5) of this geometry."""
         return _BLOB_HEADER.size + 2 * self.n_layer * _TENSOR_HEADER.size + self.state_bytes
 
-    def _describe(self) -> bytes:
+    def key_fields(self) -> bytes:
+        """The geometry as it is hashed into a snapshot key."""
         return (f"n_layer={self.n_layer};n_embd_r={self.n_embd_r};n_embd_s={self.n_embd_s};"
                 f"dtype_r={self.dtype_r};dtype_s={self.dtype_s}").encode()
 
@@ -139,21 +140,43 @@ def snapshot_key(namespace: str, geometry: Geometry, tokens: Any) -> str:
     that mean nothing to each other.  Use something that changes whenever the
     weights do — a hash of the GGUF file, a model name with its revision (the
     demo uses the GGUF file's sha256, or the random model's seed and shape).
-    The key is ``"rc1:"`` and a sha256 of the namespace, the geometry and the
+    The key is ``"rc2:"`` and a sha256 of the namespace, the geometry and the
     tokens: safe as a file name and as a Redis key.
+    """
+    token_array = _token_array(tokens)
+    return prefix_keys(namespace, geometry, token_array, [token_array.size])[0]
+
+
+def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequence[int]) -> list[str]:
+    """``snapshot_key(namespace, geometry, tokens[:n])`` for every ``n`` of ``lengths``, in that order.
+
+    The tokens are hashed once, whatever the number of lengths: the hashed
+    message is the length-prefixed namespace and geometry, then the tokens,
+    then their byte count (last, so that the hash of every prefix is a copy
+    of one running hash; the message still parses one way only).
     """
     if not isinstance(namespace, str):
         raise ArgumentError(f"namespace must be a str, got {type(namespace).__name__}")
     if not isinstance(geometry, Geometry):
         raise ArgumentError(f"geometry must be a Geometry, got {type(geometry).__name__}")
-    token_array = _token_array(tokens)
-    name = namespace.encode("utf-8", "surrogatepass")
-    digest = hashlib.sha256()
-    # length-prefixed fields: no two (namespace, geometry, tokens) share the hashed bytes
-    for part in (name, geometry._describe(), token_array.tobytes()):   # noqa: SLF001 - this module's Geometry
-        digest.update(struct.pack("<Q", len(part)))
-        digest.update(part)
-    return "rc1:" + digest.hexdigest()
+    token_bytes = memoryview(_token_array(tokens).tobytes())
+    n_tokens = len(token_bytes) // 4
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= n_tokens:
+            raise ArgumentError(f"prefix length {n!r} is outside [0, {n_tokens}]")
+    running = hashlib.sha256()
+    for part in (namespace.encode("utf-8", "surrogatepass"), geometry.key_fields()):
+        running.update(struct.pack("<Q", len(part)))
+        running.update(part)
+    keys: dict[int, str] = {}
+    done = 0
+    for n in sorted(set(int(n) for n in lengths)):
+        running.update(token_bytes[4 * done:4 * n])
+        done = n
+        digest = running.copy()
+        digest.update(struct.pack("<Q", 4 * n))
+        keys[n] = "rc2:" + digest.hexdigest()
+    return [keys[int(n)] for n in lengths]
 
 
 def key_digest(key: str) -> bytes:
@@ -217,6 +240,39 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
             offset += row_bytes
     view[offset:] = make_trailer(zlib.crc32(view[:offset]), offset, key_digest(key))
     return entry
+
+
+def ggsq_declared_length(read_at: Callable[[int, int], bytes]) -> int | None:
+    """The length a ggsq file says it has, from its headers alone; None if they are not a snapshot's.
+
+    ``read_at(offset, n)`` returns up to ``n`` bytes of the file at ``offset``.
+    Reads the file header, the blob header and the first r and s tensor
+    headers (every layer's rows of one kind have one size in a snapshot): four
+    small reads, however large the file.  For a store that meets files it did
+    not write and must not read more than an entry can be.
+    """
+    def unpack(layout: struct.Struct, offset: int) -> tuple[Any, ...] | None:
+        data = read_at(offset, layout.size)
+        return layout.unpack(data) if len(data) == layout.size else None
+
+    file_header = unpack(_FILE_HEADER, 0)
+    if file_header is None or file_header[:2] != (SEQ_FILE_MAGIC, SEQ_FILE_VERSION):
+        return None
+    blob_at = _FILE_HEADER.size + 4 * file_header[2]
+    blob_header = unpack(_BLOB_HEADER, blob_at)
+    if blob_header is None or blob_header[0] != 1:
+        return None
+    n_layer = blob_header[4]
+    tensors_at = blob_at + _BLOB_HEADER.size
+    if n_layer == 0:
+        return int(tensors_at)
+    r_header = unpack(_TENSOR_HEADER, tensors_at)
+    if r_header is None:
+        return None
+    s_header = unpack(_TENSOR_HEADER, tensors_at + n_layer * (_TENSOR_HEADER.size + r_header[1]))
+    if s_header is None:
+        return None
+    return int(tensors_at + n_layer * (2 * _TENSOR_HEADER.size + r_header[1] + s_header[1]))
 
 
 def entry_ggsq_length(key: str, entry: Any) -> int | None:

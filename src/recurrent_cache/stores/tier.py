@@ -26,7 +26,7 @@ from ..errors import ArgumentError
 from .base import StoreCounters
 from .directory import DirectoryStore
 from .redis_store import RedisStore
-from .snapshot import Geometry, _row_dtype, decode_snapshot, encode_snapshot, snapshot_key
+from .snapshot import Geometry, _row_dtype, decode_snapshot, encode_snapshot, prefix_keys, snapshot_key
 
 __all__ = ["StoreTier"]
 
@@ -80,8 +80,9 @@ class StoreTier:
         ``(n, r_rows, s_rows)``, the rows as raw views of the entry; None for a miss.
 
         One ``get_first`` call: one lookup round trip for every candidate.
+        The keys of all the candidates hash ``tokens`` once (``prefix_keys``).
         """
-        keys = [snapshot_key(self.namespace, self.geometry, tokens[:n]) for n in lengths]
+        keys = prefix_keys(self.namespace, self.geometry, tokens, lengths)
         try:
             found = self.store.get_first(keys)
             if found is None:

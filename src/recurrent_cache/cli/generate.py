@@ -1,11 +1,12 @@
 """``python -m recurrent_cache generate "def fibonacci(n):"``: one prompt, streamed token by token.
 
-The cache as a library user drives it: one ``RecurrentCache`` cell, the prompt
-in one ``init_batch`` (split into ubatches of ``--ubatch`` tokens), then one
-``init_batch`` per generated token; the model reads and writes the sequence's
-state through ``st.r(il)`` / ``st.s(il)``.  The text goes to stdout as it is
-generated; the figures (speed, the cache's cells, positions and state size)
-go to stderr at the end, so ``generate ... > out.txt`` keeps only the text.
+The serving loop (``serving.Server``) with one client on a one-cell cache:
+the prompt in one ``init_batch`` (split into ubatches of ``--ubatch``
+tokens), then one ``init_batch`` per generated token; the model reads and
+writes the sequence's state through ``st.r(il)`` / ``st.s(il)``.  The text
+goes to stdout as it is generated; the figures (speed, the cache's cells,
+positions and state size) go to stderr at the end, so
+``generate ... > out.txt`` keeps only the text.
 
 The model is the shipped byte-level Mamba unless ``--model FILE.gguf`` names
 another (its own vocabulary encodes the prompt and decodes the tokens) or
@@ -14,52 +15,57 @@ another (its own vocabulary encodes the prompt and decodes the tokens) or
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import sys
 import time
 from typing import TextIO
 
-import numpy as np
+from ..models import MambaModel, ModelError, Sampler
+from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+from .model_options import add_model_options, build_model
+from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
+from .serving import CannotAllocate, Client, Server, new_cache
 
-import recurrent_cache as rc
-
-from ._cli import USER_ERROR, OneLineParser, float_in, int_in
-from .models import MambaModel, ModelError, Sampler, load_gguf, random_model, trained_model
-from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
+__all__ = ["EXAMPLES", "TextStream", "generate", "main", "parse_args"]
 
 STATE_DTYPES = ("f32", "f16", "bf16")
 MAX_SEED = 2**63 - 1
 
+EXAMPLES = """\
+examples:
+  python -m recurrent_cache generate "def fibonacci(n):"
+  python -m recurrent_cache generate "import os" -n 400 --temperature 0.8 --top-k 20 --seed 3
+  python -m recurrent_cache generate "class Stack:" --temperature 0 > continuation.txt
+"""
 
-def parse_args(argv: list[str]):
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options, checked: a bad value exits with one line."""
     parser = OneLineParser(
         prog="python -m recurrent_cache generate",
-        description="Continue one prompt with a Mamba model served from a recurrent cache, streaming the text.")
+        description="Continue one prompt with a Mamba model served from a recurrent cache, streaming the text.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument("-n", "--n-predict", type=int_in(1, 1_000_000), default=200,
                         help="tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
                         help=f"0 is greedy; above 0 samples softmax(logits / T) (default {DEFAULT_TEMPERATURE})")
-    parser.add_argument("--top-k", type=int_in(0, 1_000_000), default=DEFAULT_TOP_K,
+    parser.add_argument("--top-k", type=int_in(0, 1_000_000),
                         help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
-    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="seed of the sampling")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                        help="seed of the sampling and the random weights (default 0)")
     parser.add_argument("--ubatch", type=int_in(1, 65536), default=64,
                         help="n_ubatch: most prompt tokens per ubatch (default 64)")
     parser.add_argument("--dtype", choices=STATE_DTYPES, default="f32", help="state storage type")
-    parser.add_argument("--compute", choices=["f32", "f64"], default="f32", help="model arithmetic (default f32)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="GGUF", help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
-    source.add_argument("--random-weights", action="store_true", help="the seeded random model instead")
-    return parser.parse_args(argv)
-
-
-def load_model(options) -> MambaModel:
-    dtype = np.float32 if options.compute == "f32" else np.float64
-    if options.model:
-        return load_gguf(options.model, dtype=dtype)
-    if options.random_weights:
-        return random_model(options.seed, dtype=dtype)
-    return trained_model(dtype=dtype)
+    add_model_options(parser)
+    options = parser.parse_args(argv)
+    problem = greedy_refusal(options.temperature, options.top_k)
+    if problem:
+        parser.error(problem)
+    if options.top_k is None:
+        options.top_k = DEFAULT_TOP_K
+    return options
 
 
 class TextStream:
@@ -85,23 +91,21 @@ def generate(model: MambaModel, prompt: list[int], n_predict: int, sampler: Samp
     Returns the generated tokens and the figures: seconds of the prompt and of
     the generation, and the cache's state per sequence in bytes.
     """
-    cache = model.new_cache(n_seq_max=1, dtype=dtype)
+    cache = new_cache(model, 1, dtype)
     eos = model.vocab.eos if model.vocab is not None else None
+    server = Server(model, cache, n_ubatch)
+    client = Client(0, prompt, n_predict, sampler)
+    server.admit(client)
     start = time.perf_counter()
-    st = cache.init_batch(rc.Batch(token=prompt, pos=np.arange(len(prompt)), seq_id=[0] * len(prompt)), n_ubatch)
-    logits = model.forward(st)[-1]
+    server.step()
     prompt_seconds = time.perf_counter() - start
-    tokens: list[int] = []
     start = time.perf_counter()
     while True:
-        token = sampler(logits)
-        tokens.append(token)
-        if stream is not None:
-            stream.write(model.vocab.decode([token]))
-        if len(tokens) == n_predict or token == eos:
+        if stream is not None and model.vocab is not None:
+            stream.write(model.vocab.decode(client.tokens[-1:]))
+        if client.done or client.tokens[-1] == eos:
             break
-        st = cache.init_batch(rc.Batch(token=[token], pos=[len(prompt) + len(tokens) - 1], seq_id=[0]), 1)
-        logits = model.forward(st)[-1]
+        server.step()
     figures = {
         "prompt_seconds": prompt_seconds,
         "generate_seconds": time.perf_counter() - start,
@@ -110,13 +114,13 @@ def generate(model: MambaModel, prompt: list[int], n_predict: int, sampler: Samp
         "size": cache.size,
         "pos_max": cache.seq_pos_max(0),
     }
-    return tokens, figures
+    return client.tokens, figures
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        model = load_model(options)
+        model = build_model(options)
     except (ModelError, ImportError) as exc:
         print(f"generate: {exc}", file=sys.stderr)
         return USER_ERROR
@@ -136,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler(options.temperature, options.top_k, options.seed)
     stream = TextStream(sys.stdout)
     sys.stdout.write(options.prompt)
-    tokens, figures = generate(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream)
+    try:
+        tokens, figures = generate(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream)
+    except CannotAllocate as exc:
+        print(f"generate: {exc}", file=sys.stderr)
+        return USER_ERROR
     stream.write(b"", final=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -154,6 +162,3 @@ def main(argv: list[str] | None = None) -> int:
           f"whatever the length", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``python -m recurrent_cache inspect FILE``: describe a state blob or a 'ggsq' sequence file.
+
+The parsing is ``blob_report.describe_file``'s; this module is the command:
+its options, the report as text or JSON, and the one-line errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..blob_report import describe_file
+from ..errors import RecurrentCacheError
+from ..state_format import MAX_TOKENS
+from .options import OneLineParser, int_in
+
+__all__ = ["EXAMPLES", "main", "parse_args"]
+
+EXAMPLES = """\
+examples:
+  python -m recurrent_cache inspect state.bin              # cells, layers, types, row sizes, min/max/mean, sha256
+  python -m recurrent_cache inspect seq1.ggsq --json       # the full report as JSON
+  python -m recurrent_cache inspect big.bin --max-cells 0  # list every cell
+"""
+
+
+def _number(value: float | None) -> str:
+    """A statistic as the report shows it ("-": no values)."""
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
+    """``describe_file``'s report as text, at most ``max_cells`` cells listed (0: all)."""
+    print(f"{path}: {report['format']}")
+    if report["tokens"] is not None:
+        tokens = report["tokens"]
+        shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
+        print(f"tokens: {len(tokens)} [{shown}]")
+    print(f"blob: {report['blob_bytes']} bytes at byte {report['blob_offset']}, {report['kind']}"
+          f"{' (0 cells: either kind)' if report['kind'] == 'empty' else ''}")
+    cells = report["cells"]
+    print(f"cells: {len(cells)}")
+    for i, cell in enumerate(cells if max_cells <= 0 else cells[:max_cells]):
+        ids = " ".join(map(str, cell["seq_ids"])) or "- (a sequence blob's cell)"
+        print(f"  cell {i:>5}  pos {cell['pos']:>10}  seq ids {ids}")
+    if 0 < max_cells < len(cells):
+        print(f"  ... {len(cells) - max_cells} more (--max-cells 0 lists all)")
+    print(f"reads into: {_fits(report['reads_into'])}")
+    print(f"layers: {report['n_layer']} (v_trans 0)")
+    print(f"  {'tensor':<12} {'type':<6} {'row bytes':>10} {'n_embd':>7} {'min':>12} {'max':>12} "
+          f"{'mean':>12}  sha256")
+    for t in report["tensors"]:
+        extra = f"  ({t['non_finite']} non-finite values)" if t["non_finite"] else ""
+        print(f"  {t['tensor']:<12} {t['type']:<6} {t['row_bytes']:>10} "
+              f"{t['n_embd']:>7} {_number(t['min']):>12} "
+              f"{_number(t['max']):>12} {_number(t['mean']):>12}  {t['sha256'][:16]}{extra}")
+
+
+def _fits(fits: dict[str, Any]) -> str:
+    """The smallest cache that reads the blob, as a constructor call."""
+    shape = ", ".join(f"{key}={fits[key]!r}" for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
+                      if fits[key] is not None)
+    how = "seq_id -1" if fits["seq_id"] == -1 else "any seq_id"
+    return f"RecurrentCache({shape}, size >= {fits['size']}), state_read with {how}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options, checked: a bad value exits with one line."""
+    parser = OneLineParser(prog="python -m recurrent_cache inspect",
+                           description="Describe a state blob (state_write) or a 'ggsq' sequence file "
+                                       "(llama_state_seq_save_file); exit status 1 unless a cache's "
+                                       "state_read accepts it.",
+                           epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", help="the blob or sequence file")
+    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
+    parser.add_argument("--max-cells", type=int_in(0, 2**63 - 1), default=32, metavar="N",
+                        help="list at most N cells (default 32; 0 lists all)")
+    parser.add_argument("--max-tokens", type=int_in(0, 2**63 - 1), default=MAX_TOKENS, metavar="N",
+                        help=f"refuse a sequence file of more than N tokens (default {MAX_TOKENS})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Describe the file; 0, or 1 after one line on stderr when no cache would read it."""
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        with open(options.file, "rb") as file:
+            report = describe_file(file, options.max_tokens)
+    except RecurrentCacheError as exc:   # before ValueError: StateError and ArgumentError are ValueErrors
+        print(f"inspect: {options.file}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:   # ValueError: a path with a NUL character
+        print(f"inspect: cannot read {options.file!r}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"inspect: {options.file}: not enough memory to read it", file=sys.stderr)
+        return 1
+    if options.json:
+        print(json.dumps({"file": options.file, **report}, indent=1))
+    else:
+        _print_report(options.file, report, options.max_cells)
+    return 0

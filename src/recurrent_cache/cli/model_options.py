@@ -1,0 +1,79 @@
+"""The model a subcommand runs: ``--model``, ``--random-weights``, ``--compute``, read in one place.
+
+``build_model`` turns the options into a model; a model file is read by
+``_load_model`` alone, so a new kind of model file is a change of one line.
+``model_identity`` names the model for a shared state store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from ..models import MambaModel, load_gguf, random_model, trained_model
+from .options import text
+
+__all__ = ["COMPUTE_DTYPES", "add_model_options", "build_model", "model_identity", "model_name"]
+
+COMPUTE_DTYPES: dict[str, type[np.floating[Any]]] = {"f32": np.float32, "f64": np.float64}
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model`` / ``--random-weights`` (one or the other) and ``--compute``."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="GGUF", type=text("model path"),
+                        help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
+    source.add_argument("--random-weights", action="store_true", help="a random model instead, seeded by --seed")
+    parser.add_argument("--compute", choices=sorted(COMPUTE_DTYPES), default="f32",
+                        help="model arithmetic (default f32, as the model was trained)")
+
+
+def build_model(options: argparse.Namespace) -> MambaModel:
+    """The model the options name: ``--model``, ``--random-weights`` (seeded by ``--seed``) or
+    the shipped one, computing in ``--compute``.  Raises ``ModelError`` (or ``ImportError``)."""
+    dtype = COMPUTE_DTYPES[options.compute]
+    if options.model:
+        return _load_model(options.model, dtype)
+    if options.random_weights:
+        return random_model(options.seed, dtype=dtype)
+    return trained_model(dtype=dtype)
+
+
+def _load_model(path: str, dtype: type[np.floating[Any]]) -> MambaModel:
+    """The model in the file ``path``: the one place the command line reads a model file."""
+    return load_gguf(path, dtype=dtype)
+
+
+def model_name(options: argparse.Namespace) -> str:
+    """Which model the options chose, as the reports name it."""
+    if options.model:
+        return str(options.model)
+    if options.random_weights:
+        return f"random weights, seed {options.seed}"
+    return "the shipped byte-level model, trained on the standard library"
+
+
+def model_identity(options: argparse.Namespace, model: MambaModel) -> str:
+    """The store namespace: what the states depend on besides the tokens and the cache geometry.
+
+    The sha256 of the GGUF file, or (random or built-in weights) of the weights
+    themselves; and the arithmetic, which changes the states too.  Raises
+    ``OSError`` when the model file cannot be read.
+    """
+    digest = hashlib.sha256()
+    if options.model:
+        with open(options.model, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+        source = "gguf"
+    else:
+        for layer in model.layers:
+            for weights in vars(layer).values():
+                digest.update(np.ascontiguousarray(weights).tobytes())
+        for weights in (model.token_embd, model.output_norm, model.output):
+            digest.update(np.ascontiguousarray(weights).tobytes())
+        source = "weights"
+    return f"mamba1 {source}-sha256 {digest.hexdigest()} compute {options.compute}"
