@@ -261,7 +261,7 @@ class MemoryState:
             self._generation = core.generation
             head = self._placement.head
             _, n_seq_tokens, n_seqs = self._placement.shape(self._u)
-            self._m = core.steps(n_seq_tokens)
+            self._m = core.steps(n_seq_tokens) if n_seq_tokens > 1 else 0   # (a decode step keeps none)
         finally:
             self._guard.leave()
         self._rows_slice = slice(head, head + n_seqs)
