@@ -291,7 +291,7 @@ def lookup_table(lengths: list[int], counts: list[int], block_size: int) -> bool
                 keys.append(np.concatenate([prompt[:cut], rng.integers(0, VOCAB, 8, dtype=np.int32)]))
             for key in keys:
                 cache.seq_rm(0, -1, -1)
-                cache._place_sequence(0, len(key) - 1)
+                cache.seq_restore(0, len(key) - 1, [t[0] for t in cache.r], [t[0] for t in cache.s])
                 pc.save(0, key)
             assert len(pc) == count, (len(pc), count)
 
@@ -303,7 +303,7 @@ def lookup_table(lengths: list[int], counts: list[int], block_size: int) -> bool
                 cache.seq_rm(0, -1, -1)
                 pc.restore(0, prompt)
 
-            path = pc._walk(prompt.tobytes(), length)
+            path = pc._walk(prompt.tobytes(), length)   # noqa: SLF001 - times the trie walk plan memoises
 
             def cold_lookup() -> None:
                 for node in path:   # forget what plan memoised along the path: as for a new prompt
@@ -339,12 +339,12 @@ def bandwidth_table(shapes: dict[str, tuple[int, int, int]], rounds: int) -> boo
         pc = rc.PrefixCache(cache, n_layer * (n_embd_r + n_embd_s) * 4, block_size=16)
         assert pc.capacity == 1
         tokens = np.arange(100, dtype=np.int32)
-        cache._place_sequence(0, 49)
+        cache.seq_restore(0, 49, [t[1] for t in cache.r], [t[1] for t in cache.s])
         pc.save(0, tokens[:50])
         nbytes = pc.snapshot_bytes
         row = cache.cell(0)[2]
         other = 1 - row
-        pool_r, pool_s = pc._pool_r, pc._pool_s   # the same rows restore copies from
+        pool_r, pool_s = pc._pool_r, pc._pool_s   # noqa: SLF001 - the same rows restore copies from
 
         def restore() -> None:
             cache.seq_rm(1, -1, -1)

@@ -41,10 +41,9 @@ NAMESPACE = "bench/prefix_store.py"
 def place(cache, seq: int, n_tokens: int, rng: np.random.Generator) -> None:
     """Give ``seq`` a cell at position n_tokens - 1 holding random rows (a stand-in for a prefill)."""
     cache.seq_rm(seq, -1, -1)
-    row = cache._place_sequence(seq, n_tokens - 1)
-    for il in range(cache.n_layer):
-        cache.r[il][row] = rng.standard_normal(cache.n_embd_r, dtype=np.float32)
-        cache.s[il][row] = rng.standard_normal(cache.n_embd_s, dtype=np.float32)
+    cache.seq_restore(seq, n_tokens - 1,
+                      [rng.standard_normal(cache.n_embd_r, dtype=np.float32) for _ in range(cache.n_layer)],
+                      [rng.standard_normal(cache.n_embd_s, dtype=np.float32) for _ in range(cache.n_layer)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,9 @@ One run, interleaved round by round so every case sees the same machine load:
   n_rollback = 0, 4 and 16: the cache files the state each group
   starts from into its history (one row per tensor per sequence), so the cost grows with
   the sequences in the ubatch, never with the cache's size;
+- what filing the start states adds to a decode step with a realistic state (n_rollback = 16,
+  4 layers × (r 64 + s 256) f32 values, 64 sequences), against numpy copying the same rows
+  into a history array of the same layout (issue 17: at most 2x);
 - a rollback of one sequence by 1 and by k tokens (seq_rm(seq, p0, -1));
 - the memory a cell needs for its history, for a mamba-130m-shaped state.
 Rows are 1 layer of 16 floats for the step timings (bookkeeping, not bandwidth).
@@ -31,10 +34,12 @@ import numpy as np  # noqa: E402
 import recurrent_cache as rc  # noqa: E402
 
 N_SEQS, N_EMBD = 64, 16
+REALISTIC = (4, 64, 256)   # n_layer, n_embd_r, n_embd_s of the filing figure
 
 
-def decoding(n_rollback: int, steps: int, size: int) -> tuple[rc.RecurrentCache, list[rc.Batch]]:
-    cache = rc.RecurrentCache(1, N_EMBD, N_EMBD, n_seq_max=size, n_rollback=n_rollback)
+def decoding(n_rollback: int, steps: int, size: int,
+             shape: tuple[int, int, int] = (1, N_EMBD, N_EMBD)) -> tuple[rc.RecurrentCache, list[rc.Batch]]:
+    cache = rc.RecurrentCache(*shape, n_seq_max=size, n_rollback=n_rollback)
     seqs = np.arange(N_SEQS, dtype=np.int32)
     for _ in cache.init_batch(rc.Batch(token=np.zeros(N_SEQS, np.int32), seq_id=seqs,
                                        pos=np.zeros(N_SEQS, np.int32))):
@@ -52,10 +57,11 @@ def step(cache: rc.RecurrentCache, batch: rc.Batch) -> None:
             break
 
 
-def timed_c_steps(kernel, repeats: int, size: int) -> dict[int, float]:
+def timed_c_steps(kernel, repeats: int, size: int, shape: tuple[int, int, int] = (1, N_EMBD, N_EMBD),
+                  rollbacks: tuple[int, ...] = (0, 4, 16)) -> dict[int, float]:
     """µs per decode step through the C header (one call runs 200 steps, GIL released)."""
     steps = 200
-    runs = {k: decoding(k, 0, size)[0] for k in (0, 4, 16)}
+    runs = {k: decoding(k, 0, size, shape)[0] for k in rollbacks}
     samples: dict[int, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
         for k, cache in runs.items():
@@ -68,9 +74,10 @@ def timed_c_steps(kernel, repeats: int, size: int) -> dict[int, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def timed_steps(repeats: int, size: int) -> dict[int, float]:
+def timed_steps(repeats: int, size: int, shape: tuple[int, int, int] = (1, N_EMBD, N_EMBD),
+                rollbacks: tuple[int, ...] = (0, 4, 16)) -> dict[int, float]:
     steps = 200
-    runs = {k: decoding(k, steps * repeats, size) for k in (0, 4, 16)}
+    runs = {k: decoding(k, steps * repeats, size, shape) for k in rollbacks}
     samples: dict[int, list[float]] = {k: [] for k in runs}
     gc.disable()
     try:
@@ -86,6 +93,23 @@ def timed_steps(repeats: int, size: int) -> dict[int, float]:
         cache.check()
         assert cache.seq_rollback_min(0) == (-1 if k == 0 else steps * repeats - k), (k, cache.seq_rollback_min(0))
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def numpy_filing(repeats: int, n_rollback: int = 16) -> float:
+    """µs per decode step for numpy to copy each sequence's rows (every tensor) into a history of
+    the core's layout, history[k][cell, q % n_rollback]: the work filing the start states does."""
+    n_layer, n_embd_r, n_embd_s = REALISTIC
+    tensors = [np.random.default_rng(k).standard_normal((N_SEQS, n), dtype=np.float32)
+               for k, n in enumerate([n_embd_r] * n_layer + [n_embd_s] * n_layer)]
+    history = [np.zeros((N_SEQS, n_rollback, t.shape[1]), np.float32) for t in tensors]
+    cells, steps, samples = np.arange(N_SEQS), 200, []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for q in range(steps):
+            for tensor, kept in zip(tensors, history):
+                kept[:, q % n_rollback] = tensor[cells]
+        samples.append((time.perf_counter_ns() - start) / steps / 1e3)
+    return statistics.median(samples)
 
 
 def rollback_cost(k: int, back: int, repeats: int) -> float:
@@ -123,6 +147,18 @@ def main() -> None:
         if kernel is not None:
             t = timed_c_steps(kernel, options.repeats, size)
             print(f"| C header | {size} | {t[0]:.2f} | {t[4]:.2f} | {t[16]:.2f} | {t[16] / t[0]:.2f}x |")
+    n_layer, n_embd_r, n_embd_s = REALISTIC
+    print(f"\n## filing the start states: n_rollback 16, {n_layer} layers x (r {n_embd_r} + s {n_embd_s}) f32, "
+          f"{N_SEQS} sequences, µs per decode step, median of {options.repeats}")
+    print("| API | n_rollback 0 | n_rollback 16 | added by filing | numpy copying the same rows | added / numpy |")
+    print("|---|---:|---:|---:|---:|---:|")
+    baseline = numpy_filing(options.repeats)
+    timings = {"Python": timed_steps(options.repeats, N_SEQS, REALISTIC, (0, 16))}
+    if kernel is not None:
+        timings["C header"] = timed_c_steps(kernel, options.repeats, N_SEQS, REALISTIC, (0, 16))
+    for api, t in timings.items():
+        added = t[16] - t[0]
+        print(f"| {api} | {t[0]:.2f} | {t[16]:.2f} | {added:.2f} | {baseline:.2f} | {added / baseline:.2f}x |")
     print("\n## rollback of one sequence, mamba-130m-shaped state (24 layers, 2.7 MiB), µs")
     print("| n_rollback | back 1 token | back n_rollback tokens |")
     print("|---:|---:|---:|")

@@ -67,7 +67,8 @@ def capsule_pointer(capsule: object, name: bytes) -> int:
 
 
 def table() -> Table:
-    return Table.from_address(capsule_pointer(_capi._C_API, b"recurrent_cache._capi._C_API"))
+    # the capsule is the C API's published table (its underscore keeps it out of the Python API)
+    return Table.from_address(capsule_pointer(_capi._C_API, b"recurrent_cache._capi._C_API"))  # noqa: SLF001
 
 
 def header_codes() -> dict[str, int]:

@@ -8,7 +8,7 @@ Validation lets no unplaceable ubatch through, so the only way to see what
 from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport free, malloc
 
-from recurrent_cache._cells cimport CellTable, cells_copy_plan, cells_find_slot
+from recurrent_cache._core cimport MemoryCore, core_apply_ubatch
 from recurrent_cache._split cimport SPLIT_OK, Split, split_alloc, split_prepare, split_release
 
 
@@ -37,7 +37,7 @@ cdef int fill(Split* split, list ubatches, int32_t[::1] flat) except -1:
     return 0
 
 
-def prepare(CellTable table, list ubatches):
+def prepare(MemoryCore table, list ubatches):
     """split_prepare's code for hand-built ubatches (the cells must come back unchanged)."""
     cdef Split split
     flat = __import__("numpy").array([seq for _, groups in ubatches for group in groups for seq in group],
@@ -45,26 +45,23 @@ def prepare(CellTable table, list ubatches):
     cdef int32_t[::1] ids = flat
     fill(&split, ubatches, ids)
     try:
-        return split_prepare(&split, &table.cells, &ids[0])
+        return split_prepare(&split, &table.core.cells, &ids[0])
     finally:
         split_release(&split)
 
 
-def apply_first(CellTable table, list groups):
-    """find_slot + copy plan + row moves of one hand-built one-token ubatch: (code, head, copy_src, zero)."""
+def apply_first(MemoryCore table, list groups):
+    """The memory core's apply of one hand-built one-token ubatch: (code, head, copy_src, zero)."""
     cdef Split split
     flat = __import__("numpy").array([seq for group in groups for seq in group], dtype="int32")
     cdef int32_t[::1] ids = flat
     cdef int code
     fill(&split, [(1, groups)], ids)
     try:
-        code = cells_find_slot(&table.cells, len(groups), len(groups), &ids[0], split.group_seq_offset,
-                               split.group_n_seq_id, split.group_last_pos)
+        code = core_apply_ubatch(&table.core, &split, 0, &ids[0])
         if code:
             return code, -1, [], []
-        cells_copy_plan(&table.cells, table.plan_copy_src, table.plan_zero)
-        table.apply_plan_rows(table.cells.head, table.cells.n, table.plan_copy_src, table.plan_zero)
-        return (0, table.cells.head, [table.plan_copy_src[i] for i in range(table.cells.n)],
-                [bool(table.plan_zero[i]) for i in range(table.cells.n)])
+        return (0, table.core.cells.head, [table.core.plan_copy_src[i] for i in range(table.core.cells.n)],
+                [bool(table.core.plan_zero[i]) for i in range(table.core.cells.n)])
     finally:
         split_release(&split)

@@ -1,9 +1,11 @@
-"""One facade over two engines: the engines' interfaces match, mechanically.
+"""One facade over two engines: the engines implement one interface, mechanically.
 
 The public API exists once (``recurrent_cache.cache`` / ``memory_state``), so its
-parity holds by construction; what must match is the small engine interface the
-facade calls: ``CellTable``, ``Placement`` (made by ``split_batch``) and ``StateIO``.
+parity holds by construction; what must match is the engine interface the facade and
+the C API call: ``_engines.Core`` (the memory core) and ``_engines.Placement``.
 """
+
+import inspect
 
 import numpy as np
 import pytest
@@ -12,30 +14,31 @@ import recurrent_cache
 from recurrent_cache import _engines
 
 
-def public_names(obj) -> set[str]:
-    return {name for name in dir(obj) if not name.startswith("_")}
+def protocol_members(protocol: type) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("_")}
 
 
 def engine_objects(name):
-    engine = _engines.load(name)
     tensors = [np.zeros((4, 2), np.float32), np.zeros((4, 3), np.float32)]
-    table = engine.CellTable(4, tensors)
+    core, split = _engines.load(name).build(4, tensors, 2, [0, 0])
     batch = recurrent_cache.Batch(token=[1, 2], seq_id=[0, 1], pos=[0, 0])
-    placement = engine.split_batch(table, batch.seq_id_flat, batch.seq_id_offset, batch.pos, None,
-                                   False, 512, False)
-    return {"CellTable": table, "Placement": placement, "StateIO": engine.StateIO(table, [0, 0])}
+    placement = split(batch.seq_id_flat, batch.seq_id_offset, batch.pos, None, False, 512, False)
+    return {_engines.Core: core, _engines.Placement: placement}
 
 
-@pytest.mark.parametrize("kind", ["CellTable", "Placement", "StateIO"])
-def test_both_engines_offer_the_same_interface(kind):
-    compiled, reference = engine_objects("compiled")[kind], engine_objects("reference")[kind]
-    # the compiled table also keeps its C-level fields for cimport users; the reference's
-    # fields are its readable lists; what the facade calls is the same on both
-    facade_calls = public_names(reference) & public_names(compiled)
-    missing = {name for name in public_names(reference) if callable(getattr(reference, name))} - facade_calls
-    assert not missing, f"reference {kind} methods missing from the compiled engine: {sorted(missing)}"
-    missing = {name for name in public_names(compiled) if callable(getattr(compiled, name))} - facade_calls
-    assert not missing, f"compiled {kind} methods missing from the reference engine: {sorted(missing)}"
+@pytest.mark.parametrize("engine", _engines.NAMES)
+@pytest.mark.parametrize("protocol", [_engines.Core, _engines.Placement], ids=["Core", "Placement"])
+def test_each_engine_implements_the_interface(engine, protocol):
+    implementation = engine_objects(engine)[protocol]
+    for name in protocol_members(protocol):
+        assert hasattr(implementation, name), f"{engine} {protocol.__name__} lacks {name}"
+        wanted = vars(protocol)[name]
+        if inspect.isfunction(wanted):
+            got = getattr(implementation, name)
+            assert callable(got), f"{engine} {protocol.__name__}.{name} is not callable"
+            # the compiled methods carry their signatures (embedsignature): same parameters
+            n_params = len(inspect.signature(wanted).parameters) - 1
+            assert len(inspect.signature(got).parameters) == n_params, f"{engine} {protocol.__name__}.{name}"
 
 
 def test_package_exports_are_listed_once():

@@ -396,11 +396,10 @@ def test_random_operations_match_the_reference_engine(seed):
 
 # -- rollback (API version 2) -------------------------------------------------------------------
 
-def fill_steps_python(st, step):
+def fill_steps_python(st, step, n_layer):
     """The Python API's model writing its step states: deterministic values per (tensor, g, j)."""
-    cache = st._cache
-    for il in range(cache.n_layer):
-        for k, steps in ((il, st.r_steps(il)), (cache.n_layer + il, st.s_steps(il))):
+    for il in range(n_layer):
+        for k, steps in ((il, st.r_steps(il)), (n_layer + il, st.s_steps(il))):
             for g in range(steps.shape[0]):
                 for j in range(steps.shape[1]):
                     steps[g, j] = 1000 * step + 100 * k + 10 * g + j
@@ -437,7 +436,7 @@ def test_rollback_through_the_c_api_equals_the_python_api():
             T.batch_release(batch)
             st = by_python.init_batch(rc.Batch(token=[0] * len(pos), seq_id=seq_ids, pos=pos))
             for _ in st:
-                fill_steps_python(st, step)
+                fill_steps_python(st, step, by_python.n_layer)
         for seq in (0, 1):
             assert T.seq_rollback_min(handle, seq) == by_python.seq_rollback_min(seq) == 4
         # the facade has not seen the C calls: compare through the state blobs and the queries

@@ -192,7 +192,8 @@ def test_position_at_the_int32_limit_is_rejected_everywhere(rc):
     rejected(cache, lambda: cache.init_batch(rc.Batch(token=[1], seq_id=[4], pos=[2**31 - 1])),
              rc.PositionError, "2\\*\\*31 - 1")
     rejected(cache, lambda: cache.seq_add(0, -1, -1, 2**31 - 2), rc.PositionError)
-    rejected(cache, lambda: cache._place_sequence(5, 2**31 - 1), rc.PositionError)
+    zeros = [[row[0] * 0 for row in cache.r], [row[0] * 0 for row in cache.s]]
+    rejected(cache, lambda: cache.seq_restore(5, 2**31 - 1, *zeros), rc.PositionError)
     # every position a cell can hold lies inside "to the end": seq_rm(s, -1, -1) removes it
     cache.seq_add(0, -1, -1, 2**31 - 3)
     assert cache.seq_pos_max(0) == 2**31 - 2

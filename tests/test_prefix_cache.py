@@ -304,7 +304,7 @@ def test_second_tier_write_through_and_fetch(rc):
     """Every new save goes to the tier at once; a memory miss finds it there and promotes it."""
     cache = make_cache(rc)
     pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=4)
-    tier = pc._tier = DictTier()
+    tier = pc._tier = DictTier()   # noqa: SLF001 - a test tier put in place of the store's
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     serve(rc, cache, pc, a)   # saves 4, 8, 9 into one slot: each evicts the one before
     assert tier.puts == [tuple(a[:4]), tuple(a[:8]), tuple(a)]   # written through, once each
@@ -324,7 +324,7 @@ def test_second_tier_gets_unconfirmed_writes_again_on_eviction(rc):
     """A write the tier did not confirm (down, or had it already) is offered again when evicted."""
     cache = make_cache(rc)
     pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=4)
-    tier = pc._tier = DictTier(confirm=False)
+    tier = pc._tier = DictTier(confirm=False)   # noqa: SLF001 - a test tier put in place of the store's
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     serve(rc, cache, pc, a)
     assert tier.puts == [tuple(a[:4]), tuple(a[:4]), tuple(a[:8]), tuple(a[:8]), tuple(a)]
@@ -342,7 +342,7 @@ def test_a_snapshot_being_restored_is_never_evicted(rc):
     pc = PrefixCache(cache, 2 * snapshot_bytes(), block_size=100)
     serve(rc, cache, pc, [1, 2, 3])          # an "end" snapshot of 3 tokens: the lowest priority
     serve(rc, cache, pc, [5, 6, 7, 8])
-    lowest = pc._root.tails[np.array([1, 2, 3], "<i4").tobytes()]
+    lowest = pc._root.tails[np.array([1, 2, 3], "<i4").tobytes()]   # noqa: SLF001 - the trie's node
     lowest.pinned = True
     serve(rc, cache, pc, [9, 9, 9, 9, 9])    # worth more than both: evicts one
     assert pc.match([1, 2, 3, 0]) == 3 and pc.match([5, 6, 7, 8, 0]) == 0
@@ -354,7 +354,7 @@ def test_a_snapshot_being_restored_is_never_evicted(rc):
 def test_second_tier_rows_that_do_not_fit_are_a_miss(rc):
     cache = make_cache(rc)
     pc = PrefixCache(cache, 1 * snapshot_bytes(), block_size=4)
-    tier = pc._tier = DictTier()
+    tier = pc._tier = DictTier()   # noqa: SLF001 - a test tier put in place of the store's
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     serve(rc, cache, pc, a)
     r, s = tier.held[tuple(a[:4])]

@@ -50,13 +50,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def held_keys(self, ghosts: bool = False) -> set[tuple]:
         keys = set()
-        stack = [self.pc._root]
+        stack = [self.pc._root]   # noqa: SLF001 - the model check walks the trie it checks
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             for snapshot in node.tails.values():
                 if snapshot.slot >= 0 or ghosts:
-                    keys.add(tuple(self.pc._tokens_of(snapshot).tolist()))
+                    keys.add(tuple(self.pc._tokens_of(snapshot).tolist()))   # noqa: SLF001 - (the trie's keys)
         return keys
 
     def serve(self, seq: int, prompt: tuple, reply: tuple) -> None:

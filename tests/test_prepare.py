@@ -50,7 +50,7 @@ def reference_prepare(cache, ubatches):
     for _, taken in built:
         for s, (_, tokens) in enumerate(taken):
             pos[tokens[-1]] = s
-    return reference.Placement(cache._table, built, pos, [False] * n_tokens).prepare()
+    return reference.Placement(cache.memory_core, built, pos, [False] * n_tokens).prepare()
 
 
 UNPLACEABLE = [
@@ -65,7 +65,7 @@ UNPLACEABLE = [
 def test_failed_prepare_leaves_the_compiled_cache_unchanged(probe, ubatches, why):
     cache = three_sequences("compiled")
     before = snapshot(cache)
-    assert probe.prepare(cache._table, ubatches) < 0, why
+    assert probe.prepare(cache.memory_core, ubatches) < 0, why
     assert snapshot(cache) == before
     cache.check()
 
@@ -81,7 +81,7 @@ def test_failed_prepare_leaves_the_reference_cache_unchanged(ubatches, why):
 
 def test_prepare_of_placeable_hand_built_ubatches_agrees(probe):
     ubatches = [(1, [[3], [1]])]
-    assert probe.prepare(three_sequences("compiled")._table, ubatches) == 0
+    assert probe.prepare(three_sequences("compiled").memory_core, ubatches) == 0
     assert reference_prepare(three_sequences("reference"), ubatches) == 0
 
 
@@ -92,7 +92,7 @@ def test_hand_built_ubatch_places_and_moves_rows(probe):
     assert snapshot(cache)["cells"] == [[0, 0, 2, [2]], [0, 1, 1, [1]], [0, 2, 0, [0]], [-1, -1, -1, []]]
     row_of_seq_0 = cache.s[0][2].copy()
     row_of_seq_1 = cache.s[0][1].copy()
-    code, head, copy_src, zero = probe.apply_first(cache._table, [[3], [1]])
+    code, head, copy_src, zero = probe.apply_first(cache.memory_core, [[3], [1]])
     assert (code, head) == (0, 1)
     assert copy_src == [1, 1, 2] and zero == [True, False, False]
     assert cache.cell(1)[3] == (3,) and cache.cell(2)[3] == (1,) and cache.cell(3)[3] == (0,)

@@ -560,7 +560,7 @@ def test_the_geometry_of_a_cache_is_the_one_its_reads_check(dtype_r, dtype_s):
                            for engine in ENGINES)
         assert Geometry.of(core) == Geometry.of(reference)
         # what a read checks; without layers no row width or type is recorded in the tensors
-        checked = reference._state_io._shape()
+        checked = reference.memory_core.shape()
         assert (checked.size, checked.n_layer, checked.type_ids, checked.row_bytes) == \
                (core.size, n_layer, Geometry.of(core).type_ids, Geometry.of(core).row_bytes)
         if n_layer:

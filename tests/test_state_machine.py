@@ -205,9 +205,10 @@ class CoreMatchesReference(RuleBasedStateMachine):
     def compare_caches(self, what):
         reach = [[cache.seq_rollback_min(seq) for seq in range(self.size)] for cache in (self.core, self.ref)]
         assert reach[0] == reach[1], f"{what}: seq_rollback_min\n core      {reach[0]}\n reference {reach[1]}"
-        assert self.core._tags.tobytes() == self.ref._tags.tobytes(), f"{what}: history tags"
-        for k, (x, y) in enumerate(zip(self.core._history, self.ref._history)):
-            held = self.core._tags > 0
+        (tags, history), (ref_tags, ref_history) = self.core.memory_core.history(), self.ref.memory_core.history()
+        assert tags.tobytes() == ref_tags.tobytes(), f"{what}: history tags"
+        for k, (x, y) in enumerate(zip(history, ref_history)):
+            held = tags > 0
             assert x[held].tobytes() == y[held].tobytes(), f"{what}: held history states of tensor {k}"
         a, b = snapshot(self.core), snapshot(self.ref)
         for key in ("cells", "head", "used", "n"):

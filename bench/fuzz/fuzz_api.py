@@ -47,11 +47,10 @@ def hostile(rng: random.Random, size: int) -> object:
 
 
 def snapshot(cache: rc.RecurrentCache) -> tuple:
-    if cache._pending_steps is not None:
-        cache._file_steps()   # the last ubatch's step states, filed at the next change anyway
     cells = tuple(cache.cell(i) for i in range(cache.size))
     rows = tuple(t.tobytes() for t in cache.r + cache.s)
-    return cells, cache.head, cache.used, cache.n, rows, cache._tags.tobytes(), \
+    tags = cache.memory_core.history()[0]   # (files the last ubatch's step states, as the next change would)
+    return cells, cache.head, cache.used, cache.n, rows, tags.tobytes(), \
         tuple(cache.seq_rollback_min(s) for s in range(cache.size))
 
 
@@ -146,7 +145,8 @@ class Pair:
             self.both("state_write", lambda c, i: c.state_write(a), counts)
         elif op == "place":
             a, b = h(), h()
-            self.both("_place_sequence", lambda c, i: c._place_sequence(a, b), counts)
+            self.both("seq_restore", lambda c, i: c.seq_restore(a, b, [t[0] for t in c.r], [t[0] for t in c.s]),
+                      counts)
         elif op == "clear":
             if rng.random() < 0.1:
                 self.both(op, lambda c, i: c.clear(), counts)

@@ -1,10 +1,12 @@
 # cython: language_level=3
 """The C API: a memory context over a compiled ``RecurrentCache``, for C, C++ and Cython.
 
-A context (``rc_ctx``) holds the cache's C cell table and state-tensor pointers; a
-batch (``rc_batch``) is one ``init_batch``: validated and split (``_split``), proved
-to fit (``split_prepare``), then applied ubatch by ubatch (find_slot, copy plan, row
-moves) exactly as the Python facade's ``MemoryState`` drives ``_placement``.  Every
+A context (``rc_ctx``) points at the cache's memory core (``_core``); a batch
+(``rc_batch``) is one ``init_batch``: validated and split (``_split``), proved to fit
+(``split_prepare``), then applied ubatch by ubatch by the core, through the same
+``core_apply_ubatch`` as the Python facade's ``MemoryState``.  Every change goes
+through a ``core_*`` function: the core's one change counter makes a batch stale after
+a change made through Python, and a ``MemoryState`` after one made through C.  Every
 call but ``rc_ctx_new`` / ``rc_ctx_free`` is ``noexcept nogil`` and returns a code of
 ``recurrent_cache.errors``' table; the context records the detail of its last failure
 and ``rc_error_message`` formats it through that table (taking the GIL for it), so C
@@ -21,15 +23,12 @@ from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t,
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
-from ._cells cimport (CellTable, Cells, cells_check, cells_clear, cells_copy_plan, cells_find_slot,
-                      cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_pos_max,
-                      cells_seq_pos_min, cells_seq_rm, cells_tail_in_range, rows_apply_plan, History,
-                      history_apply_plan, history_expect_steps, history_forget, history_forget_all,
-                      history_keep_start_states, history_rollback, history_rollback_min, history_step_row,
-                      history_steps)
+from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
+from ._core cimport (Core, MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add,
+                     core_seq_cp, core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row,
+                     core_steps)
 from ._split cimport Split, SplitDetail, split_batch, split_prepare, split_release
-from ._state_io cimport (BLOB_OK, BlobDefect, BlobLayout, StateIO, blob_size, check_blob, restore_blob,
-                         selected_ranges, write_meta, write_rows)
+from ._state_io cimport BLOB_ERR_TRUNCATED, BlobDefect, blob_size, selected_ranges, write_meta, write_rows
 
 from . import errors
 
@@ -52,16 +51,7 @@ cdef struct Detail:                 # what the last failure of a context was abo
 
 cdef struct CtxData:                # what an rc_ctx* points to (inside its Context object)
     PyObject* owner                 # the Context; each rc_ctx_new handle holds a reference
-    Cells* cells                    # the cache's cell table
-    Py_ssize_t n_tensors            # r[0..n_layer-1], then s[0..n_layer-1]
-    char** tensor_data              # [n_tensors] base pointers (the arrays never move)
-    Py_ssize_t* row_bytes           # [n_tensors]
-    const int32_t* type_ids         # [n_tensors] ggml types, for state blobs
-    int32_t* plan_copy_src          # [size] copy-plan scratch of the cell table
-    uint8_t* plan_zero              # [size]
-    bint self_check                 # debug builds: check every invariant after each placement
-    const History* history          # the cell table's rollback history (n_rollback 0: none)
-    uint64_t generation             # bumped by every change made through the context
+    Core* core                      # the cache's memory core (cells, rows, history, change counter)
     Py_ssize_t open_batches
     Detail detail
 
@@ -73,21 +63,18 @@ cdef struct BatchData:              # what an rc_batch* points to
     int32_t* offsets                # [n_tokens + 1]
     int32_t next_ubatch
     int32_t outputs_before          # output rows of the ubatches applied so far
-    uint64_t generation             # the context's generation this batch is valid on
-    int32_t steps_head              # the last applied ubatch, for rc_batch_step_row: its head,
-    int32_t steps_n_seqs            # groups,
-    int32_t steps_m                 # step states per group,
-    const int32_t* steps_last_pos   # [steps_n_seqs] and each group's last position
+    uint64_t generation             # the core's generation this batch is valid on
+    int32_t steps_n_seqs            # the last applied ubatch, for rc_batch_step_row: its groups
+    int32_t steps_m                 # and step states per group
 
 
 @cython.final
 cdef class Context:
-    """The owner of one cache's ``CtxData``: keeps the cache, its cell table and StateIO alive."""
+    """The owner of one cache's ``CtxData``: keeps the cache and its memory core alive."""
 
     cdef CtxData data
     cdef Py_ssize_t handles         # rc_ctx_new calls not matched by rc_ctx_free yet
-    cdef CellTable table
-    cdef StateIO state_io
+    cdef MemoryCore core
     cdef object cache
 
 
@@ -97,32 +84,28 @@ _contexts = {}
 
 
 cdef Context context_for(object cache):
-    from .cache import RecurrentCache
-    if not isinstance(cache, RecurrentCache):
-        raise TypeError(f"rc_ctx_new takes a recurrent_cache.RecurrentCache, got {type(cache).__name__}")
     cdef Context context = _contexts.get(id(cache))
     if context is not None:
         return context
+    core = getattr(cache, "memory_core", None)   # the facade's public handle to its core
+    if core is None:
+        raise TypeError(f"rc_ctx_new takes a recurrent_cache.RecurrentCache, got {type(cache).__name__}")
+    if not isinstance(core, MemoryCore):
+        raise errors.ArgumentError("the C API needs the compiled engine; this cache runs on the "
+                                   f"{cache.engine} engine")
     context = Context.__new__(Context)
-    context.table = cache.cell_table   # ArgumentError on the reference engine
-    context.state_io = cache._state_io
+    context.core = core
     context.cache = cache
     memset(&context.data, 0, sizeof(CtxData))
     context.data.owner = <PyObject*>context
-    context.data.cells = &context.table.cells
-    context.data.n_tensors = context.table.n_tensors
-    context.data.tensor_data = context.table.tensor_data
-    context.data.row_bytes = context.table.row_bytes
-    context.data.type_ids = context.state_io.type_ids
-    context.data.plan_copy_src = context.table.plan_copy_src
-    context.data.plan_zero = context.table.plan_zero
-    context.data.self_check = context.table.self_check
-    context.data.history = &context.table.history
+    context.data.core = &context.core.core
     _contexts[id(cache)] = context
     return context
 
 
 cdef rc_ctx* rc_ctx_new(PyObject* cache) except NULL:
+    if cache == NULL:
+        raise TypeError("rc_ctx_new takes a recurrent_cache.RecurrentCache, got NULL")
     cdef Context context = context_for(<object>cache)
     Py_INCREF(context)
     context.handles += 1
@@ -164,7 +147,7 @@ cdef str message_for(const CtxData* ctx, int code):
     memset(&d, 0, sizeof(Detail))
     d.what = "recurrent_cache"
     if ctx != NULL:
-        size = ctx.cells.size
+        size = ctx.core.cells.size
         if ctx.detail.code == code:
             d = ctx.detail
         else:
@@ -172,7 +155,7 @@ cdef str message_for(const CtxData* ctx, int code):
     if RC_ERR_BLOB_FIRST <= code <= RC_ERR_BLOB_LAST:
         if ctx == NULL or ctx.detail.code != code:
             return f"state_read: the blob has a defect (code {code}; no detail recorded for it)"
-        return str((<Context>ctx.owner).state_io.blob_error(code, &d.blob, d.blob_length))
+        return str((<Context>ctx.owner).core.blob_error(code, &d.blob, d.blob_length))
     return str(errors.engine_error(code, what=d.what.decode("utf-8", "replace"), token=d.token, seq=d.seq,
                                    pos=d.pos, prev=d.prev, n=d.n, index=d.index, need=d.need,
                                    size=d.size if d.size else size)) + missing
@@ -208,15 +191,15 @@ cdef int rc_error_message(const rc_ctx* ctx, int code, char* buffer, size_t capa
 # -- the cache -------------------------------------------------------------------------
 
 cdef int32_t rc_size(const rc_ctx* ctx) noexcept nogil:
-    return -1 if ctx == NULL else (<const CtxData*>ctx).cells.size
+    return -1 if ctx == NULL else (<const CtxData*>ctx).core.cells.size
 
 
 cdef int32_t rc_n_layer(const rc_ctx* ctx) noexcept nogil:
-    return -1 if ctx == NULL else <int32_t>((<const CtxData*>ctx).n_tensors // 2)
+    return -1 if ctx == NULL else <int32_t>((<const CtxData*>ctx).core.n_tensors // 2)
 
 
 cdef int32_t rc_used(const rc_ctx* ctx) noexcept nogil:
-    return -1 if ctx == NULL else (<const CtxData*>ctx).cells.used
+    return -1 if ctx == NULL else (<const CtxData*>ctx).core.cells.used
 
 
 cdef int rc_tensor(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes) noexcept nogil:
@@ -226,13 +209,13 @@ cdef int rc_tensor(const rc_ctx* ctx, int32_t index, void** data, size_t* row_by
     cdef CtxData* c = <CtxData*>ctx
     if data == NULL or row_bytes == NULL:
         return record(c, RC_ERR_NULL, "rc_tensor")
-    if not 0 <= index < c.n_tensors:
+    if not 0 <= index < c.core.n_tensors:
         record(c, RC_ERR_TENSOR_INDEX, "rc_tensor")
         c.detail.index = index
-        c.detail.size = c.n_tensors
+        c.detail.size = c.core.n_tensors
         return RC_ERR_TENSOR_INDEX
-    data[0] = c.tensor_data[index]
-    row_bytes[0] = <size_t>c.row_bytes[index]
+    data[0] = c.core.tensor_data[index]
+    row_bytes[0] = <size_t>c.core.row_bytes[index]
     return RC_OK
 
 
@@ -294,11 +277,11 @@ cdef int rc_batch_init(rc_ctx* ctx, int32_t n_tokens, const int32_t* seq_ids, co
             b.offsets[t] = t
     else:
         memcpy(b.offsets, seq_id_offsets, (<size_t>n_tokens + 1) * sizeof(int32_t))
-    code = split_batch(&b.split, c.cells, n_tokens, b.seq_ids, b.offsets, pos, output,
+    code = split_batch(&b.split, &c.core.cells, n_tokens, b.seq_ids, b.offsets, pos, output,
                        (flags & RC_BATCH_LOGITS_ALL) != 0, n_ubatch, (flags & RC_BATCH_EMBD_POOLED) != 0,
                        &split_detail)
     if code == RC_OK:
-        code = split_prepare(&b.split, c.cells, b.seq_ids)
+        code = split_prepare(&b.split, &c.core.cells, b.seq_ids)
         if code != RC_OK:
             split_release(&b.split)
     if code != RC_OK:
@@ -312,7 +295,7 @@ cdef int rc_batch_init(rc_ctx* ctx, int32_t n_tokens, const int32_t* seq_ids, co
         c.detail.n = split_detail.n
         return code
     b.ctx = c
-    b.generation = c.generation
+    b.generation = c.core.generation
     c.open_batches += 1
     batch[0] = <rc_batch*>b
     return RC_OK
@@ -326,49 +309,28 @@ cdef int rc_batch_apply(rc_batch* batch, rc_ubatch* ubatch) noexcept nogil:
     cdef BatchData* b = <BatchData*>batch
     cdef CtxData* c = b.ctx
     cdef Split* s = &b.split
-    cdef int32_t u = b.next_ubatch, g0, t0, t, n, outputs = 0
+    cdef int32_t u = b.next_ubatch, g0, t0, t, outputs = 0
     cdef int code
     if ubatch == NULL:
         return record(c, RC_ERR_NULL, "rc_batch_apply")
     if u >= s.n_ubatches:
         return 0
-    if b.generation != c.generation:
+    if b.generation != c.core.generation:
         return record(c, RC_ERR_STALE, "rc_batch_apply")
     g0 = s.ub_group_start[u]
     t0 = s.ub_token_start[u]
-    code = cells_find_slot(c.cells, s.ub_group_start[u + 1] - g0, s.ub_token_start[u + 1] - t0, b.seq_ids,
-                           s.group_seq_offset + g0, s.group_n_seq_id + g0, s.group_last_pos + g0)
-    if code == RC_OK:
-        n = c.cells.n
-        cells_copy_plan(c.cells, c.plan_copy_src, c.plan_zero)
-        for t in range(c.n_tensors):
-            code = rows_apply_plan(c.tensor_data[t], c.row_bytes[t], c.row_bytes[t], c.cells.head, n,
-                                   c.plan_copy_src, c.plan_zero)
-            if code != RC_OK:
-                break
-        if code == RC_OK:
-            code = history_apply_plan(c.history, c.cells.head, n, c.plan_copy_src, c.plan_zero)
-        if code == RC_OK:
-            history_keep_start_states(c.history, c.cells.head, s.ub_group_start[u + 1] - g0, s.ub_n_seq_tokens[u],
-                                      s.group_last_pos + g0, c.plan_zero)
-            history_expect_steps(c.history, c.cells.head, s.ub_group_start[u + 1] - g0, s.ub_n_seq_tokens[u],
-                                 s.group_last_pos + g0)
-            b.steps_head = c.cells.head
-            b.steps_n_seqs = s.ub_group_start[u + 1] - g0
-            b.steps_m = history_steps(c.history, s.ub_n_seq_tokens[u])
-            b.steps_last_pos = s.group_last_pos + g0
-    if code == RC_OK and c.self_check and cells_check(c.cells) != 0:
-        code = RC_ERR_BROKEN
-    c.generation += 1
+    code = core_apply_ubatch(c.core, s, u, b.seq_ids)
     if code != RC_OK:
         b.next_ubatch = s.n_ubatches   # a failed placement ends the batch
         return record(c, code, "rc_batch_apply")
-    b.generation = c.generation
+    b.steps_n_seqs = s.ub_group_start[u + 1] - g0
+    b.steps_m = core_steps(c.core, s.ub_n_seq_tokens[u])
+    b.generation = c.core.generation
     b.next_ubatch = u + 1
     for t in range(t0, s.ub_token_start[u + 1]):
         outputs += s.output[t]
     ubatch.index = u
-    ubatch.head = c.cells.head
+    ubatch.head = c.core.cells.head
     ubatch.n_seqs = s.ub_group_start[u + 1] - g0
     ubatch.n_seq_tokens = s.ub_n_seq_tokens[u]
     ubatch.n_tokens = s.ub_token_start[u + 1] - t0
@@ -409,7 +371,6 @@ cdef void rc_batch_release(rc_batch* batch) noexcept nogil:
 # -- sequences ---------------------------------------------------------------------------
 
 cdef inline int seq_code(CtxData* c, int code, const char* what, int32_t seq) noexcept nogil:
-    c.generation += 1
     if code != RC_OK:
         record(c, code, what)
         c.detail.seq = seq
@@ -417,78 +378,58 @@ cdef inline int seq_code(CtxData* c, int code, const char* what, int32_t seq) no
 
 
 cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
-    """1 when seq's positions [p0, p1) are gone (or it had none there), 0 when refused."""
+    """1 when seq's positions [p0, p1) are gone (or it had none there, or it was rolled back to
+    the state after p0 - 1: SPEC 7), 0 when refused."""
     if ctx == NULL:
         return RC_ERR_NULL
-    cdef CtxData* c = <CtxData*>ctx
-    cdef int32_t pos = cells_seq_pos_max(c.cells, seq) if c.history.n_rollback and 0 <= seq < c.cells.size else -1
-    c.generation += 1
-    if 0 < p0 <= pos and (p1 < 0 or p1 > pos):   # SPEC 7: back to the state after p0 - 1
-        return 1 if history_rollback(c.history, c.cells, seq, p0 - 1) else 0
-    return 1 if cells_seq_rm(c.cells, seq, p0, p1) else 0
+    return 1 if core_seq_rm((<CtxData*>ctx).core, seq, p0, p1) else 0
 
 
 cdef int rc_seq_cp(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    cells_seq_cp((<CtxData*>ctx).cells, seq_src, seq_dst)
-    return seq_code(<CtxData*>ctx, RC_OK, "rc_seq_cp", seq_dst)
+    core_seq_cp((<CtxData*>ctx).core, seq_src, seq_dst)
+    return RC_OK
 
 
 cdef int rc_seq_keep(rc_ctx* ctx, int32_t seq) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    return seq_code(<CtxData*>ctx, cells_seq_keep((<CtxData*>ctx).cells, seq), "rc_seq_keep", seq)
+    return seq_code(<CtxData*>ctx, core_seq_keep((<CtxData*>ctx).core, seq), "rc_seq_keep", seq)
 
 
 cdef int rc_seq_add(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    cdef CtxData* c = <CtxData*>ctx
-    cdef int32_t cell = cells_tail_in_range(c.cells, seq, p0, p1)
-    cdef int code = cells_seq_add(c.cells, seq, p0, p1, shift)
-    if code == RC_OK and shift != 0:
-        history_forget(c.history, cell)   # its positions moved: the history no longer matches
-    return seq_code(c, code, "rc_seq_add", seq)
+    return seq_code(<CtxData*>ctx, core_seq_add((<CtxData*>ctx).core, seq, p0, p1, shift), "rc_seq_add", seq)
 
 
 cdef int rc_seq_div(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    cdef CtxData* c = <CtxData*>ctx
-    cdef int32_t cell = cells_tail_in_range(c.cells, seq, p0, p1)
-    cdef int code = cells_seq_div(c.cells, seq, p0, p1, d)
-    if code == RC_OK and d != 1:
-        history_forget(c.history, cell)
-    return seq_code(c, code, "rc_seq_div", seq)
+    return seq_code(<CtxData*>ctx, core_seq_div((<CtxData*>ctx).core, seq, p0, p1, d), "rc_seq_div", seq)
 
 
 cdef int32_t rc_seq_pos_min(const rc_ctx* ctx, int32_t seq) noexcept nogil:
-    return RC_ERR_NULL if ctx == NULL else cells_seq_pos_min((<const CtxData*>ctx).cells, seq)
+    return RC_ERR_NULL if ctx == NULL else cells_seq_pos_min(&(<const CtxData*>ctx).core.cells, seq)
 
 
 cdef int32_t rc_seq_pos_max(const rc_ctx* ctx, int32_t seq) noexcept nogil:
-    return RC_ERR_NULL if ctx == NULL else cells_seq_pos_max((<const CtxData*>ctx).cells, seq)
+    return RC_ERR_NULL if ctx == NULL else cells_seq_pos_max(&(<const CtxData*>ctx).core.cells, seq)
 
 
 cdef int rc_clear(rc_ctx* ctx) noexcept nogil:
     """Empty every cell and zero every state row."""
     if ctx == NULL:
         return RC_ERR_NULL
-    cdef CtxData* c = <CtxData*>ctx
-    cdef Py_ssize_t k
-    cells_clear(c.cells)
-    for k in range(c.n_tensors):
-        memset(c.tensor_data[k], 0, <size_t>c.cells.size * <size_t>c.row_bytes[k])
-    history_forget_all(c.history, c.cells.size)
-    c.generation += 1
+    core_clear((<CtxData*>ctx).core)
     return RC_OK
 
 
 # -- state -------------------------------------------------------------------------------
 
 cdef inline int check_state_seq(CtxData* c, int32_t seq_id, const char* what) noexcept nogil:
-    if -1 <= seq_id < c.cells.size:
+    if -1 <= seq_id < c.core.cells.size:
         return RC_OK
     record(c, RC_ERR_STATE_SEQ, what)
     c.detail.seq = seq_id
@@ -499,9 +440,9 @@ cdef bint overlaps_rows(const CtxData* c, const void* p, size_t n) noexcept nogi
     """Whether bytes [p, p + n) overlap a state tensor (the restore or write would read its own output)."""
     cdef Py_ssize_t k
     cdef uintptr_t begin = <uintptr_t>p, base
-    for k in range(c.n_tensors):
-        base = <uintptr_t>c.tensor_data[k]
-        if n > 0 and begin < base + <uintptr_t>(c.cells.size * c.row_bytes[k]) and base < begin + n:
+    for k in range(c.core.n_tensors):
+        base = <uintptr_t>c.core.tensor_data[k]
+        if n > 0 and begin < base + <uintptr_t>(c.core.cells.size * c.core.row_bytes[k]) and base < begin + n:
             return True
     return False
 
@@ -515,7 +456,7 @@ cdef int rc_state_size(const rc_ctx* ctx, int32_t seq_id, size_t* size) noexcept
         return record(c, RC_ERR_NULL, "rc_state_size")
     cdef int code = check_state_seq(c, seq_id, "rc_state_size")
     if code == RC_OK:
-        size[0] = <size_t>blob_size(c.cells, seq_id, c.n_tensors, c.row_bytes)
+        size[0] = <size_t>blob_size(&c.core.cells, seq_id, c.core.n_tensors, c.core.row_bytes)
     return code
 
 
@@ -533,7 +474,7 @@ cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capaci
     cdef int code = check_state_seq(c, seq_id, "rc_state_write")
     if code != RC_OK:
         return code
-    need = blob_size(c.cells, seq_id, c.n_tensors, c.row_bytes)
+    need = blob_size(&c.core.cells, seq_id, c.core.n_tensors, c.core.row_bytes)
     if <size_t>need > capacity:
         record(c, RC_ERR_TARGET_SIZE, "rc_state_write")
         c.detail.n = <int64_t>capacity
@@ -541,14 +482,14 @@ cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capaci
         return RC_ERR_TARGET_SIZE
     if overlaps_rows(c, target, <size_t>need):
         return record(c, RC_ERR_OVERLAP, "rc_state_write")
-    begin = <int32_t*>malloc(<size_t>(c.cells.size + 1) * sizeof(int32_t))   # runs: begin, then end
+    begin = <int32_t*>malloc(<size_t>(c.core.cells.size + 1) * sizeof(int32_t))   # runs: begin, then end
     if begin == NULL:
         return record(c, RC_ERR_NO_MEMORY, "rc_state_write")
-    n_ranges = selected_ranges(c.cells, seq_id, begin, begin + (c.cells.size + 1) // 2)
-    off = write_meta(c.cells, seq_id, <unsigned char*>target)
+    n_ranges = selected_ranges(&c.core.cells, seq_id, begin, begin + (c.core.cells.size + 1) // 2)
+    off = write_meta(&c.core.cells, seq_id, <unsigned char*>target)
     if off >= 0:
-        off += write_rows(<unsigned char*>target + off, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids,
-                          n_ranges, begin, begin + (c.cells.size + 1) // 2)
+        off += write_rows(<unsigned char*>target + off, c.core.n_tensors, c.core.tensor_data, c.core.row_bytes,
+                          c.core.type_ids, n_ranges, begin, begin + (c.core.cells.size + 1) // 2)
     free(begin)
     if off < 0:
         return record(c, RC_ERR_NO_MEMORY, "rc_state_write")
@@ -561,7 +502,6 @@ cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t len
     if ctx == NULL:
         return RC_ERR_NULL
     cdef CtxData* c = <CtxData*>ctx
-    cdef BlobLayout layout
     cdef BlobDefect defect
     if data == NULL and length > 0:
         return record(c, RC_ERR_NULL, "rc_state_read")
@@ -572,36 +512,27 @@ cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t len
         return record(c, RC_ERR_OVERLAP, "rc_state_read")
     if length > <size_t>PY_SSIZE_T_MAX:   # no buffer is that long: reported as trailing bytes
         length = <size_t>PY_SSIZE_T_MAX
-    code = check_blob(c.cells, seq_id, <const unsigned char*>data, <Py_ssize_t>length, c.n_tensors,
-                      c.type_ids, c.row_bytes, &layout, &defect)
-    if code != BLOB_OK:
-        record(c, code, "rc_state_read")
+    code = core_state_read(c.core, seq_id, <const unsigned char*>data, <Py_ssize_t>length, &defect)
+    if code == RC_OK:
+        return RC_OK
+    record(c, code, "rc_state_read")
+    if code <= BLOB_ERR_TRUNCATED:   # a defect of the blob: say where
         c.detail.blob = defect
         c.detail.blob_length = <Py_ssize_t>length
-        return code
-    code = restore_blob(c.cells, <const unsigned char*>data, &layout, seq_id, c.n_tensors, c.tensor_data,
-                        c.row_bytes)
-    c.generation += 1
-    if code != RC_OK:
-        return record(c, code, "rc_state_read")
-    if seq_id < 0:   # the blob carries no history (llama.cpp's bytes)
-        history_forget_all(c.history, c.cells.size)
-    else:
-        history_forget(c.history, c.cells.tail[seq_id])
-    return RC_OK
+    return code
 
 
 # -- rollback (API version 2) ------------------------------------------------------------
 
 cdef int32_t rc_n_rollback(const rc_ctx* ctx) noexcept nogil:
-    return RC_ERR_NULL if ctx == NULL else (<const CtxData*>ctx).history.n_rollback
+    return RC_ERR_NULL if ctx == NULL else (<const CtxData*>ctx).core.history.n_rollback
 
 
 cdef int32_t rc_seq_rollback_min(const rc_ctx* ctx, int32_t seq) noexcept nogil:
     """The smallest q that rc_seq_rm(ctx, seq, q + 1, -1) can roll seq back to, or -1."""
     if ctx == NULL:
         return RC_ERR_NULL
-    return history_rollback_min((<const CtxData*>ctx).history, (<const CtxData*>ctx).cells, seq)
+    return core_rollback_min((<const CtxData*>ctx).core, seq)
 
 
 cdef int32_t rc_batch_n_steps(const rc_batch* batch) noexcept nogil:
@@ -617,15 +548,17 @@ cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group,
         return RC_ERR_NULL
     cdef const BatchData* b = <const BatchData*>batch
     cdef CtxData* c = b.ctx
-    if not 0 <= tensor < c.n_tensors:
+    if not 0 <= tensor < c.core.n_tensors:
         record(c, RC_ERR_TENSOR_INDEX, "rc_batch_step_row")
         c.detail.index = tensor
-        c.detail.size = c.n_tensors
+        c.detail.size = c.core.n_tensors
         return RC_ERR_TENSOR_INDEX
     if not (0 <= group < b.steps_n_seqs and 0 <= j < b.steps_m):
         record(c, RC_ERR_ARGUMENT, "rc_batch_step_row")
         return RC_ERR_ARGUMENT
-    row[0] = history_step_row(c.history, tensor, b.steps_head + group, b.steps_last_pos[group], b.steps_m, j)
+    if b.generation != c.core.generation:   # the rows were filed, or the cells moved since
+        return record(c, RC_ERR_STALE, "rc_batch_step_row")
+    row[0] = core_step_row(c.core, tensor, group, j)
     return RC_OK
 
 

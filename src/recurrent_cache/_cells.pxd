@@ -116,7 +116,7 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
 cdef struct History:
     int32_t n_rollback          # 0: no history (every function below does nothing)
     Py_ssize_t n_tensors
-    char** tensor_data          # [n_tensors] the state tensors (shared with the cell table's handle)
+    char** tensor_data          # [n_tensors] the state tensors (shared with the memory core's)
     Py_ssize_t* row_bytes       # [n_tensors]
     char** hist_data            # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
     int32_t* tags               # [size * n_rollback]
@@ -127,28 +127,13 @@ cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int
 # before the model overwrites them, the states groups start from join their cells' histories
 cdef void history_keep_start_states(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
                                     const int32_t* last_pos, const uint8_t* zero) noexcept nogil
-# the model's promise for one applied ubatch: m states per group are written into these slots
+# the model's promise for one applied ubatch: m states per group (after tokens n_seq_tokens - 1 - m
+# .. n_seq_tokens - 2); history_file keeps row `row` of each tensor k's rows[k] as the state after
+# position q of cell
 cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogil
-cdef char* history_step_row(const History* h, int32_t k, int32_t cell, int32_t last_pos, int32_t m,
-                            int32_t j) noexcept nogil
-cdef void history_expect_steps(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
-                               const int32_t* last_pos) noexcept nogil
+cdef void history_file(const History* h, int32_t cell, int32_t q, char** rows, Py_ssize_t row) noexcept nogil
 cdef void history_forget(const History* h, int32_t cell) noexcept nogil       # one cell's
 cdef void history_forget_all(const History* h, int32_t size) noexcept nogil
 cdef int32_t history_rollback_min(const History* h, const Cells* c, int32_t seq) noexcept nogil
 cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) noexcept nogil
 
-
-cdef class CellTable:
-    cdef Cells cells
-    cdef Py_ssize_t n_tensors
-    cdef char** tensor_data   # [n_tensors] base pointers of r[0..], s[0..]
-    cdef Py_ssize_t* row_bytes
-    cdef object tensors       # keeps the numpy arrays alive
-    cdef int32_t* plan_copy_src  # [size] scratch for the copy plan of the ubatch being applied
-    cdef uint8_t* plan_zero      # [size]
-    cdef readonly bint self_check  # check every invariant after each placement (debug builds)
-    cdef History history
-    cdef object history_arrays   # keeps the history arrays alive
-    cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
-                             const uint8_t* zero) noexcept nogil

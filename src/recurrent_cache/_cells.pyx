@@ -5,18 +5,14 @@ Semantics are SPEC.md §1–2 (llama.cpp's ``llama_kv_cache_recurrent`` with its
 FIXes); the costs are not the reference's: a sequence is reached through its
 tail in O(1), cell membership is a linked list, and the free-cell search walks
 a bitset 64 cells at a time.  Only ``clear``, ``seq_keep`` and ``seq_rm`` of
-every sequence touch every cell.
+every sequence touch every cell.  These are primitives: ``_core`` composes them
+into the cache's operations (with the history rules) and owns the only instance.
 """
 
 from libc.stdint cimport INT32_MAX
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from . import errors
-
-
-cdef extern from "rc_debug.h":
-    const bint RC_SELF_CHECK
 
 cdef extern from "rc_bits.h":
     int rc_ctz64(uint64_t x) noexcept nogil
@@ -554,19 +550,12 @@ cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogi
     return min(h.n_rollback, n_seq_tokens - 1) if h.n_rollback else 0
 
 
-cdef char* history_step_row(const History* h, int32_t k, int32_t cell, int32_t last_pos, int32_t m,
-                            int32_t j) noexcept nogil:
-    """Where the state of tensor k after position last_pos - m + j of cell's group is kept."""
-    return h.hist_data[k] + slot_of(h, cell, last_pos - m + j) * h.row_bytes[k]
-
-
-cdef void history_expect_steps(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
-                               const int32_t* last_pos) noexcept nogil:
-    """Tag the slots the model writes its step states into (n_rollback > 0 is its promise)."""
-    cdef int32_t g, j, m = history_steps(h, n_seq_tokens)
-    for g in range(n_seqs):
-        for j in range(m):
-            h.tags[slot_of(h, head + g, last_pos[g] - m + j)] = last_pos[g] - m + j + 1
+cdef void history_file(const History* h, int32_t cell, int32_t q, char** rows, Py_ssize_t row) noexcept nogil:
+    """Keep row `row` of every rows[k] as the state after position q of cell (a step state the model wrote)."""
+    cdef Py_ssize_t k, slot = slot_of(h, cell, q)
+    for k in range(h.n_tensors):
+        memcpy(h.hist_data[k] + slot * h.row_bytes[k], rows[k] + row * h.row_bytes[k], h.row_bytes[k])
+    h.tags[slot] = q + 1
 
 
 cdef void history_forget(const History* h, int32_t cell) noexcept nogil:
@@ -667,205 +656,3 @@ cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
         where[0] = at
     return broken
 
-
-# -- the Python-facing handle --------------------------------------------------
-
-cdef class CellTable:
-    """Owner of a ``Cells`` table and of the base pointers of the state tensors.
-
-    The facade (``recurrent_cache.cache``) validates arguments; this class
-    trusts them and only guards what could corrupt memory.
-    """
-
-    def __cinit__(self, int32_t size, list tensors, list history=None, object tags=None):
-        cdef Py_ssize_t k
-        cdef char[:, ::1] view
-        cdef int32_t[:, ::1] tag_view
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
-        if cells_init(&self.cells, size) != RC_OK:
-            raise MemoryError(f"cannot allocate a cell table of {size} cells")
-        self.n_tensors = len(tensors)
-        self.tensor_data = <char**>malloc(max(1, self.n_tensors) * sizeof(char*))
-        self.row_bytes = <Py_ssize_t*>malloc(max(1, self.n_tensors) * sizeof(Py_ssize_t))
-        # allocated once: a plan covers at most every cell
-        self.plan_copy_src = <int32_t*>malloc(size * sizeof(int32_t))
-        self.plan_zero = <uint8_t*>malloc(size)
-        if (self.tensor_data == NULL or self.row_bytes == NULL or self.plan_copy_src == NULL
-                or self.plan_zero == NULL):
-            raise MemoryError("cannot allocate the tensor table")
-        for k in range(self.n_tensors):
-            array = tensors[k]
-            if not array.flags.c_contiguous or array.ndim != 2 or array.shape[0] != size:
-                raise ValueError("state tensors must be C-contiguous (size, n_embd) arrays")
-            view = array.view("u1").reshape(array.shape[0], -1)
-            self.tensor_data[k] = &view[0, 0]
-            self.row_bytes[k] = view.shape[1]
-        self.tensors = tensors
-        self.self_check = RC_SELF_CHECK
-        self.history.n_tensors = self.n_tensors
-        self.history.tensor_data = self.tensor_data
-        self.history.row_bytes = self.row_bytes
-        if history is not None:
-            tag_view = tags
-            if tag_view.shape[0] != size or tag_view.shape[1] < 1 or len(history) != self.n_tensors:
-                raise ValueError("history: one (size, n_rollback, n_embd) array per tensor and (size, n_rollback) tags")
-            self.history.hist_data = <char**>malloc(max(1, self.n_tensors) * sizeof(char*))
-            if self.history.hist_data == NULL:
-                raise MemoryError("cannot allocate the history table")
-            for k in range(self.n_tensors):
-                array = history[k]
-                if (not array.flags.c_contiguous or array.shape[0] != size
-                        or array.nbytes != size * tag_view.shape[1] * self.row_bytes[k]):
-                    raise ValueError("history arrays must be C-contiguous (size, n_rollback, n_embd)")
-                view = array.view("u1").reshape(size, -1)
-                self.history.hist_data[k] = &view[0, 0]
-            self.history.tags = &tag_view[0, 0]
-            self.history.n_rollback = <int32_t>tag_view.shape[1]
-            self.history_arrays = (history, tags)
-
-    def __dealloc__(self):
-        cells_release(&self.cells)
-        free(self.history.hist_data)
-        free(self.tensor_data)
-        free(self.row_bytes)
-        free(self.plan_copy_src)
-        free(self.plan_zero)
-
-    cdef int apply_plan_rows(self, int32_t head, int32_t n, const int32_t* copy_src,
-                             const uint8_t* zero) noexcept nogil:
-        cdef Py_ssize_t k
-        cdef int code
-        for k in range(self.n_tensors):
-            code = rows_apply_plan(self.tensor_data[k], self.row_bytes[k], self.row_bytes[k],
-                                   head, n, copy_src, zero)
-            if code != RC_OK:
-                return code
-        return history_apply_plan(&self.history, head, n, copy_src, zero)
-
-    @property
-    def n_rollback(self):
-        return self.history.n_rollback
-
-    def forget_history(self, int32_t seq):
-        """Forget the history of ``seq``'s cell (``-1``: of every cell): its state was replaced."""
-        if seq < 0:
-            history_forget_all(&self.history, self.cells.size)
-        elif seq < self.cells.size:
-            history_forget(&self.history, self.cells.tail[seq])
-
-    def rollback_min(self, int32_t seq):
-        """The smallest position q whose state a rollback of ``seq`` can reach, or -1."""
-        return history_rollback_min(&self.history, &self.cells, seq)
-
-    def rollback(self, int32_t seq, int32_t q):
-        """Make ``seq``'s state the state after ``q`` (held in its cell's history); True if done.
-
-        A sequence sharing its cell first gets a free cell of its own (copy on write), so the
-        others keep theirs; no free cell, or no state after ``q`` held: False, nothing changed.
-        """
-        return history_rollback(&self.history, &self.cells, seq, q)
-
-    @property
-    def size(self):
-        return self.cells.size
-
-    @property
-    def head(self):
-        return self.cells.head
-
-    @property
-    def used(self):
-        return self.cells.used
-
-    @property
-    def n(self):
-        return self.cells.n
-
-    def cell(self, int32_t i):
-        """(pos, src, tail, sorted seq ids) of cell i."""
-        cdef list members = []
-        cdef int32_t seq
-        if not 0 <= i < self.cells.size:
-            raise errors.engine_error(errors.CELL_INDEX, what="cell", index=i, size=self.cells.size)
-        seq = self.cells.first[i]
-        while seq >= 0:
-            members.append(seq)
-            seq = self.cells.next[seq]
-        members.sort()
-        return self.cells.pos[i], self.cells.src[i], self.cells.tail[i], tuple(members)
-
-    def clear(self):
-        cdef Py_ssize_t k
-        cells_clear(&self.cells)
-        for k in range(self.n_tensors):
-            memset(self.tensor_data[k], 0, self.cells.size * self.row_bytes[k])
-        history_forget_all(&self.history, self.cells.size)
-
-    def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
-        return cells_seq_rm(&self.cells, seq, p0, p1)
-
-    def seq_cp(self, int32_t seq_src, int32_t seq_dst):
-        cells_seq_cp(&self.cells, seq_src, seq_dst)
-
-    def seq_keep(self, int32_t seq):
-        return cells_seq_keep(&self.cells, seq)
-
-    def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
-        """seq_add; the history of the cell it moves is forgotten (its positions changed)."""
-        cdef int32_t cell = cells_tail_in_range(&self.cells, seq, p0, p1)
-        cdef int code = cells_seq_add(&self.cells, seq, p0, p1, shift)
-        if code == RC_OK and shift != 0:
-            history_forget(&self.history, cell)
-        return code
-
-    def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
-        """seq_div; the history of the cell it moves is forgotten."""
-        cdef int32_t cell = cells_tail_in_range(&self.cells, seq, p0, p1)
-        cdef int code = cells_seq_div(&self.cells, seq, p0, p1, d)
-        if code == RC_OK and d != 1:
-            history_forget(&self.history, cell)
-        return code
-
-    def place(self, int32_t seq, int32_t pos):
-        """Give ``seq`` (in range, in no cell) a cell of its own at ``pos`` whose row is kept.
-
-        Placed as a one-cell ``state_read`` places it (find_slot of one group);
-        returns the cell, whose row the caller fills, or a negative RC_ERR_* code.
-        """
-        cdef int32_t seq_offset = 0, n_seq_id = 1
-        cdef int code
-        if not 0 <= seq < self.cells.size:
-            return RC_ERR_SEQ_RANGE
-        if self.cells.tail[seq] >= 0:
-            return RC_ERR_SEQ_HAS_CELL
-        if pos < 0 or pos == INT32_MAX:
-            return RC_ERR_POSITION
-        code = cells_find_slot(&self.cells, 1, 1, &seq, &seq_offset, &n_seq_id, &pos)
-        if code != RC_OK:
-            return code
-        self.cells.src[self.cells.head] = self.cells.head
-        return self.cells.head
-
-    def seq_pos_min(self, int32_t seq):
-        return cells_seq_pos_min(&self.cells, seq)
-
-    def seq_pos_max(self, int32_t seq):
-        return cells_seq_pos_max(&self.cells, seq)
-
-    def check(self):
-        """None, or a sentence naming the first broken invariant of SPEC §1 (the facade raises it)."""
-        cdef int32_t at
-        cdef int broken = cells_check(&self.cells, &at)
-        if not broken:
-            return None
-        return {
-            CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {self.cells.size})",
-            CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
-            CHECK_LIST: f"broken member list of cell {at}",
-            CHECK_COUNT: f"cell {at} counts {self.cells.n_seq[at] if at >= 0 else 0} sequences but lists another number",
-            CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
-            CHECK_EMPTY: f"empty cell {at} has pos {self.cells.pos[at] if at >= 0 else 0} / src {self.cells.src[at] if at >= 0 else 0}",
-            CHECK_DANGLING: "a sequence has a tail but no cell holds it",
-            CHECK_USED: f"used is {self.cells.used}, but another number of cells is not empty",
-        }[broken]

@@ -1,8 +1,8 @@
-from typing import Any, final
+from typing import final
 
 import numpy as np
 
-from ._cells import CellTable
+from ._core import MemoryCore
 
 CODES: dict[str, int]
 
@@ -27,5 +27,5 @@ class Placement:
     def seq_id_arrays(self, u: int) -> tuple[np.ndarray, np.ndarray]: ...
     def out_ids(self) -> np.ndarray: ...
 
-def split_batch(table: CellTable, seq_id_flat: Any, seq_id_offset: Any, pos: Any, logits: Any,
-                logits_all: bool, n_ubatch: int, embd_pooled: bool) -> Placement: ...
+def split_batch(core: MemoryCore, seq_id_flat: np.ndarray, seq_id_offset: np.ndarray, pos: np.ndarray,
+                logits: np.ndarray | None, logits_all: bool, n_ubatch: int, embd_pooled: bool) -> Placement: ...

@@ -3,9 +3,9 @@
 
 ``split_batch`` validates the batch against the cells and splits it (``_split``);
 ``Placement.prepare`` places every ubatch on a journal of the cell table and rolls
-it back, so a prepared placement can always be applied; ``Placement.apply(u)`` runs
-find_slot, computes the copy plan once (no later mutation, SPEC §2 FIX) and moves
-the state rows.  The facade (``memory_state.MemoryState``) owns the protocol,
+it back, so a prepared placement can always be applied; ``Placement.apply(u)`` hands
+ubatch ``u`` to the memory core (``_core.core_apply_ubatch``: find_slot, the copy
+plan computed once — SPEC §2 FIX —, rows and history moved) and keeps its plan.  The facade (``memory_state.MemoryState``) owns the protocol,
 the checks and the messages; this module owns the loops and the C arrays.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 
 from ._cells cimport (RC_ERR_ARGUMENT, RC_ERR_BROKEN, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL,
                       RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
-                      RC_ERR_SEQ_RANGE, RC_OK, CellTable, cells_check, cells_copy_plan, cells_find_slot,
-                      history_keep_start_states)
+                      RC_ERR_SEQ_RANGE, RC_OK)
+from ._core cimport MemoryCore, core_apply_ubatch
 from ._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP, SPLIT_ERR_NEGATIVE_POS,
                       SPLIT_ERR_NO_MEMORY, SPLIT_ERR_POS_MAX, SPLIT_ERR_SEQ_RANGE, SPLIT_OK, Split,
                       SplitDetail, split_batch as split_cells, split_prepare, split_release)
@@ -42,7 +42,7 @@ CODES = {
 cdef class Placement:
     """The ubatches of one batch and the copy plan of the last one applied (engine object)."""
 
-    cdef CellTable table
+    cdef MemoryCore core
     cdef Split split
     cdef const int32_t[::1] seq_id_flat   # [n_entries] the batch's seq ids (kept alive here)
     cdef readonly int32_t head            # first row of the last applied ubatch
@@ -68,38 +68,23 @@ cdef class Placement:
         """Place every ubatch on a journal and roll back: RC_OK when all of them fit."""
         cdef int code
         with nogil:
-            code = split_prepare(&self.split, &self.table.cells, &self.seq_id_flat[0])
+            code = split_prepare(&self.split, &self.core.core.cells, &self.seq_id_flat[0])
         return code
 
     def apply(self, int32_t u):
-        """find_slot for ubatch ``u``, its copy plan, the row moves; an engine code."""
+        """Ubatch ``u`` placed by the memory core (find_slot, copy plan, row moves); an engine code."""
         cdef int code
-        cdef int32_t g0, n
-        cdef CellTable t = self.table
+        cdef MemoryCore core = self.core
         if not 0 <= u < self.split.n_ubatches:
             raise IndexError(f"ubatch {u} of {self.split.n_ubatches}")
-        g0 = self.split.ub_group_start[u]
         with nogil:
-            code = cells_find_slot(&t.cells, self.split.ub_group_start[u + 1] - g0,
-                                   self.split.ub_token_start[u + 1] - self.split.ub_token_start[u],
-                                   &self.seq_id_flat[0], self.split.group_seq_offset + g0,
-                                   self.split.group_n_seq_id + g0, self.split.group_last_pos + g0)
+            code = core_apply_ubatch(&core.core, &self.split, u, &self.seq_id_flat[0])
             if code == RC_OK:
-                n = t.cells.n
-                cells_copy_plan(&t.cells, t.plan_copy_src, t.plan_zero)
-                code = t.apply_plan_rows(t.cells.head, n, t.plan_copy_src, t.plan_zero)
-            if code == RC_OK:
-                history_keep_start_states(&t.history, t.cells.head, self.split.ub_group_start[u + 1] - g0,
-                                          self.split.ub_n_seq_tokens[u], self.split.group_last_pos + g0,
-                                          t.plan_zero)
-            if code == RC_OK and t.self_check and cells_check(&t.cells) != 0:
-                code = RC_ERR_BROKEN
-            if code == RC_OK:
-                code = self.keep_plan(t.cells.head, n)
+                code = self.keep_plan(core.core.cells.head, core.core.cells.n)
         return code
 
     cdef int keep_plan(self, int32_t head, int32_t n) noexcept nogil:
-        """Copy the plan out of the table's scratch, for ``copy_src()`` / ``zero()``."""
+        """Copy the plan out of the core's scratch, for ``copy_src()`` / ``zero()``."""
         cdef int32_t* grown_src
         cdef uint8_t* grown_zero
         self.head = -1
@@ -114,8 +99,8 @@ cdef class Placement:
                 return RC_ERR_NO_MEMORY
             self.zero_buf = grown_zero
             self.capacity = n
-        memcpy(self.copy_src_buf, self.table.plan_copy_src, <size_t>n * sizeof(int32_t))
-        memcpy(self.zero_buf, self.table.plan_zero, <size_t>n)
+        memcpy(self.copy_src_buf, self.core.core.plan_copy_src, <size_t>n * sizeof(int32_t))
+        memcpy(self.zero_buf, self.core.core.plan_zero, <size_t>n)
         self.head = head
         self.n_kv = n
         return RC_OK
@@ -198,7 +183,7 @@ cdef class Placement:
         return 0
 
 
-def split_batch(CellTable table, object seq_id_flat, object seq_id_offset, object pos, object logits,
+def split_batch(MemoryCore core, object seq_id_flat, object seq_id_offset, object pos, object logits,
                 bint logits_all, int32_t n_ubatch, bint embd_pooled):
     """Validate a batch's arrays against the cells and split them into a ``Placement``.
 
@@ -227,13 +212,13 @@ def split_batch(CellTable table, object seq_id_flat, object seq_id_offset, objec
             raise CoreError("split_batch: inconsistent batch arrays")
         flag_data = &flags[0]
     p = Placement.__new__(Placement)
-    p.table = table
+    p.core = core
     p.seq_id_flat = flat
     p.head = -1
     with nogil:
-        code = split_cells(&p.split, &table.cells, <int32_t>n_tokens, &flat[0], &offsets[0],
+        code = split_cells(&p.split, &core.core.cells, <int32_t>n_tokens, &flat[0], &offsets[0],
                            &positions[0], flag_data, logits_all, n_ubatch, embd_pooled, &detail)
     if code != SPLIT_OK:
         raise engine_error(code, token=detail.token, seq=detail.seq, pos=detail.pos, prev=detail.prev,
-                           n=detail.n, size=table.cells.size)
+                           n=detail.n, size=core.core.cells.size)
     return p

@@ -3,13 +3,13 @@
 
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
-``recurrent_cache._state_io.blob_error`` is the one place that turns them into
+``recurrent_cache._core.MemoryCore.blob_error`` is the one place that turns them into
 ``StateError`` messages (worded in ``recurrent_cache.state_format``).
 """
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
-from ._cells cimport Cells, CellTable
+from ._cells cimport Cells
 
 # the numbers of errors.BLOB_* (the one table; a test checks they agree)
 cdef enum:
@@ -83,9 +83,10 @@ cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssiz
                     BlobLayout* layout, BlobDefect* defect) noexcept nogil
 
 
-cdef class StateIO:
-    cdef CellTable table
-    cdef Py_ssize_t n_layer
-    cdef int32_t* type_ids           # [2*n_layer] ggml type of r[0..], s[0..]
-    cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1
-    cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length)
+# little-endian fields of the format
+cdef void put_u32(unsigned char* p, uint32_t v) noexcept nogil
+cdef void put_u64(unsigned char* p, uint64_t v) noexcept nogil
+
+# room for selected_ranges' begin and end arrays (end at begin + max_ranges(size))
+cdef Py_ssize_t max_ranges(int32_t size) noexcept nogil
+cdef int32_t* alloc_ranges(int32_t size) except NULL

@@ -1,19 +1,1 @@
-from typing import Any
-from collections.abc import Sequence
-
-from typing_extensions import Self, disjoint_base
-
-from ._cells import CellTable
-
 CODES: dict[str, int]
-
-@disjoint_base
-class StateIO:
-    """State serialisation of one cache's cell table and tensors (internal)."""
-
-    def __new__(cls, table: CellTable, type_ids: Sequence[int]) -> Self: ...
-    def size(self, seq_id: int) -> int: ...
-    def write_into(self, out: Any, seq_id: int) -> int: ...
-    def write_bytes(self, seq_id: int) -> bytes: ...
-    def write_file(self, file: Any, seq_id: int) -> int: ...
-    def read(self, data: Any, seq_id: int) -> int: ...

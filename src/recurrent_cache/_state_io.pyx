@@ -6,19 +6,16 @@ Writing goes straight from the state tensors to the target, range by range
 copies.  Reading validates the whole blob first (``check_blob``) and only
 then changes the cells and rows, so a rejected blob leaves the cache exactly
 as it was.  Integers are little-endian on every host; rows are copied as
-stored.
+stored.  The loops only: ``_core.MemoryCore`` calls them (state reads change the
+cache, so they are the core's) and turns a defect into its ``StateError``.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport INT32_MAX, uint8_t, uintptr_t
+from libc.stdint cimport INT32_MAX, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from ._cells cimport RC_OK, cells_clear, cells_find_slot, cells_join, cells_new_epoch, cells_seq_rm
 
-from . import state_format as fmt
-from . import errors
-from .errors import CoreError
 
 # The compiled blob codes by the names of ``errors``' table (a test checks they agree).
 CODES = {
@@ -31,9 +28,6 @@ CODES = {
     "BLOB_ROW_BYTES": BLOB_ERR_ROW_BYTES,
 }
 
-cdef extern from "rc_hugepages.h":
-    void rc_advise_hugepages(void* buffer, size_t n) noexcept nogil
-
 cdef enum:
     DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
     TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
@@ -41,14 +35,14 @@ cdef enum:
 
 # -- little-endian fields --------------------------------------------------------
 
-cdef inline void put_u32(unsigned char* p, uint32_t v) noexcept nogil:
+cdef void put_u32(unsigned char* p, uint32_t v) noexcept nogil:
     p[0] = <uint8_t>v
     p[1] = <uint8_t>(v >> 8)
     p[2] = <uint8_t>(v >> 16)
     p[3] = <uint8_t>(v >> 24)
 
 
-cdef inline void put_u64(unsigned char* p, uint64_t v) noexcept nogil:
+cdef void put_u64(unsigned char* p, uint64_t v) noexcept nogil:
     put_u32(p, <uint32_t>v)
     put_u32(p + 4, <uint32_t>(v >> 32))
 
@@ -89,7 +83,7 @@ cdef int32_t selected_ranges(const Cells* c, int32_t seq_id, int32_t* begin, int
     return n
 
 
-cdef inline Py_ssize_t max_ranges(int32_t size) noexcept nogil:
+cdef Py_ssize_t max_ranges(int32_t size) noexcept nogil:
     # runs of selected cells are separated by at least one other cell
     return (size + 1) // 2
 
@@ -333,164 +327,3 @@ cdef int restore_blob(Cells* c, const unsigned char* data, const BlobLayout* lay
     return RC_OK
 
 
-cdef inline int64_t as_i32(uint64_t value) noexcept nogil:
-    return <int32_t><uint32_t>value
-
-
-# -- the Python-facing handle ----------------------------------------------------
-
-cdef bint shares_rows(CellTable t, const void* p, Py_ssize_t n) noexcept:
-    """Whether bytes [p, p + n) overlap a state tensor of t (a blob or target made of the cache's rows)."""
-    cdef Py_ssize_t k
-    cdef uintptr_t begin = <uintptr_t>p, base
-    for k in range(t.n_tensors):
-        base = <uintptr_t>t.tensor_data[k]
-        if n > 0 and begin < base + <uintptr_t>(t.cells.size * t.row_bytes[k]) and base < begin + <uintptr_t>n:
-            return True
-    return False
-
-
-cdef class StateIO:
-    """Serialisation of one cache's cell table and state tensors.
-
-    The facade (``recurrent_cache.cache``) checks ``seq_id`` (``-1`` or in
-    ``[0, size)``); this class trusts it, and checks everything else.
-    """
-
-    def __cinit__(self, CellTable table, type_ids):
-        cdef Py_ssize_t k
-        if len(type_ids) != table.n_tensors:
-            raise ValueError(f"{len(type_ids)} type ids for {table.n_tensors} state tensors")
-        self.table = table
-        self.n_layer = table.n_tensors // 2
-        self.type_ids = <int32_t*>malloc(max(1, table.n_tensors) * sizeof(int32_t))
-        if self.type_ids == NULL:
-            raise MemoryError("cannot allocate the type table")
-        for k in range(table.n_tensors):
-            self.type_ids[k] = type_ids[k]
-
-    def __dealloc__(self):
-        free(self.type_ids)
-
-    def size(self, int32_t seq_id):
-        """Bytes of ``state_write(seq_id)``."""
-        return blob_size(&self.table.cells, seq_id, self.table.n_tensors, self.table.row_bytes)
-
-    # -- write -------------------------------------------------------------------
-
-    cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1:
-        """Write the blob to out, which has room for capacity bytes; returns the blob's length."""
-        cdef CellTable t = self.table
-        cdef Py_ssize_t off, n
-        cdef int32_t n_ranges
-        cdef int32_t* begin = alloc_ranges(t.cells.size)
-        cdef int32_t* end = begin + max_ranges(t.cells.size)
-        try:
-            # Ranges, size and meta are taken with the GIL held and no Python code
-            # in between; the copies then need only the ranges, so another
-            # thread cannot make the rows disagree with the meta or overflow out.
-            n_ranges = selected_ranges(&t.cells, seq_id, begin, end)
-            n = blob_size(&t.cells, seq_id, t.n_tensors, t.row_bytes)
-            if n > capacity:
-                raise fmt.target_too_small(capacity, n)
-            off = write_meta(&t.cells, seq_id, out)
-            if off < 0:
-                raise MemoryError("cannot allocate the seq-id slots")
-            with nogil:
-                off += write_rows(out + off, t.n_tensors, t.tensor_data, t.row_bytes,
-                                  self.type_ids, n_ranges, begin, end)
-        finally:
-            free(begin)
-        return off
-
-    def write_into(self, unsigned char[::1] out, int32_t seq_id):
-        """Write the blob to the start of out; returns its length."""
-        if out.shape[0] and shares_rows(self.table, &out[0], out.shape[0]):
-            raise fmt.target_aliases_cache()
-        return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
-
-    def write_bytes(self, int32_t seq_id):
-        """The blob as a new bytes object, written in place (no intermediate copy)."""
-        cdef Py_ssize_t n = self.size(seq_id)
-        cdef bytes blob = PyBytes_FromStringAndSize(NULL, n)
-        rc_advise_hugepages(PyBytes_AS_STRING(blob), n)
-        if self.write(<unsigned char*>PyBytes_AS_STRING(blob), n, seq_id) != n:
-            # only another thread changing the cache meanwhile can shrink the blob
-            raise CoreError("state_write: the cache changed while it was written")
-        return blob
-
-    def write_file(self, object file, int32_t seq_id):
-        """Write the blob to a binary file: the meta, then each range of rows straight from the tensors."""
-        cdef CellTable t = self.table
-        cdef Py_ssize_t k, n, total, n_meta = meta_size(&t.cells, seq_id)
-        cdef int32_t i, n_ranges
-        cdef unsigned char header[TENSOR_HEADER_BYTES]
-        cdef bytes meta = PyBytes_FromStringAndSize(NULL, n_meta + DATA_HEADER_BYTES)
-        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
-        cdef int32_t* begin = alloc_ranges(t.cells.size)
-        cdef int32_t* end = begin + max_ranges(t.cells.size)
-        try:
-            n_ranges = selected_ranges(&t.cells, seq_id, begin, end)
-            # the allocations above may have run Python code (a finalizer) that changed the cache
-            if meta_size(&t.cells, seq_id) != n_meta:
-                raise CoreError("state_write_into: the cache changed while it was written")
-            if write_meta(&t.cells, seq_id, p) < 0:
-                raise MemoryError("cannot allocate the seq-id slots")
-            put_u32(p + n_meta, 0)
-            put_u32(p + n_meta + 4, <uint32_t>self.n_layer)
-            fmt.write_all(file, meta)
-            total = len(meta)
-            # the ranges are fixed now: file.write may run other threads, not move these rows
-            for k in range(t.n_tensors):
-                put_u32(header, <uint32_t>self.type_ids[k])
-                put_u64(header + 4, <uint64_t>t.row_bytes[k])
-                fmt.write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
-                total += TENSOR_HEADER_BYTES
-                for i in range(n_ranges):
-                    n = (end[i] - begin[i]) * t.row_bytes[k]
-                    fmt.write_all(file, <unsigned char[:n]>(<unsigned char*>t.tensor_data[k]
-                                                            + begin[i] * t.row_bytes[k]))
-                    total += n
-        finally:
-            free(begin)
-        return total
-
-    # -- read --------------------------------------------------------------------
-
-    def read(self, const unsigned char[::1] data, int32_t seq_id):
-        """Check the whole blob, then restore it (SPEC §5); returns the bytes read."""
-        cdef CellTable t = self.table
-        cdef Cells* c = &t.cells
-        cdef Py_ssize_t length = data.shape[0]
-        cdef const unsigned char* p = &data[0] if length else NULL
-        cdef BlobLayout layout
-        cdef BlobDefect defect
-        if shares_rows(t, p, length):
-            # the blob lies in the cache's own rows, which the restore overwrites: read a
-            # copy, so the blob is read as it was when the call began
-            return self.read(bytes(data), seq_id)
-        cdef int code = check_blob(c, seq_id, p, length, t.n_tensors, self.type_ids, t.row_bytes,
-                                   &layout, &defect)
-        if code != BLOB_OK:
-            raise self.blob_error(code, &defect, length)
-        with nogil:
-            code = restore_blob(c, p, &layout, seq_id, t.n_tensors, t.tensor_data, t.row_bytes)
-        if code != RC_OK:
-            raise CoreError(f"state_read: find_slot failed (code {code}) for seq {seq_id}")
-        return length
-
-    cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
-        """The StateError for a check_blob code, from the one table (``errors.engine_error``)."""
-        cdef Py_ssize_t k = d.index
-        signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
-        expected = None
-        if code == BLOB_ERR_TYPE:
-            expected = self.type_ids[k]
-        elif code == BLOB_ERR_ROW_BYTES:
-            expected = self.table.row_bytes[k]
-        field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
-                 FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
-                 FIELD_ROWS: "rows"}.get(d.field, "")
-        return errors.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
-                                   index=k, other=d.other, value=as_i32(d.value) if signed else d.value,
-                                   size=self.table.cells.size, n_layer=self.n_layer, expected=expected)

@@ -1,8 +1,9 @@
 """`RecurrentCache`: the one facade over the two engines.
 
 This module owns every argument check, their order, every message and the
-default positions; an *engine* (``_engines``) owns the cell table, the loops and
-the state tensors' pointers: the compiled core (``_cells``, ``_split``,
+default positions; an *engine* (``_engines``) owns the memory core — the one
+owner of the cells, the state rows, the rollback history and the change counter —
+and the loops: the compiled core (``_core`` over ``_cells``, ``_split``,
 ``_placement``, ``_state_io``) or the pure-Python reference
 (``recurrent_cache.reference``).  A rejected call raises before the engine is
 touched, so the cache is left exactly as it was.
@@ -10,8 +11,8 @@ touched, so the cache is left exactly as it was.
 
 from __future__ import annotations
 
-import threading
-from typing import Literal
+from collections.abc import Sequence
+from typing import IO, Literal, cast
 
 import numpy as np
 
@@ -20,9 +21,8 @@ from . import _args
 from ._args import as_flag, as_int, state_seq_id
 from ._config import Config
 from .batch import Batch
-from .errors import (POS_MAX, ArgumentError, CoreError, OutOfRangeError, PositionError, UsageError,
-                     engine_error)
-from .memory_state import MemoryState, MemoryStatus
+from .errors import POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, engine_error
+from .memory_state import MemoryState, MemoryStatus, ThreadGuard
 from .state_format import Geometry, blob_view, read_rest, target_view
 
 __all__ = ["RecurrentCache"]
@@ -68,64 +68,19 @@ class RecurrentCache:
         r, s = self._config.allocate()
         self.r: tuple[np.ndarray, ...] = tuple(r)
         self.s: tuple[np.ndarray, ...] = tuple(s)
-        size_ = self._config.size
-        if self._n_rollback:
-            # history[k][c, q % n_rollback]: the state after position q of cell c's tensor k
-            self._history = [np.zeros((size_, self._n_rollback, t.shape[1]), dtype=t.dtype) for t in r + s]
-            self._tags = np.zeros((size_, self._n_rollback), dtype=np.int32)
-            self._table = self._engine.CellTable(size_, r + s, self._history, self._tags)
-        else:
-            self._history, self._tags = [], np.zeros((size_, 0), dtype=np.int32)
-            self._table = self._engine.CellTable(size_, r + s)
-        # where the model writes a ubatch's step states, and what the cache still has to file
-        self._steps: list[np.ndarray] = [np.zeros((0, t.shape[1]), dtype=t.dtype) for t in r + s]
-        self._pending_steps: tuple[int, int, int, np.ndarray] | None = None
-        self._state_io = self._engine.StateIO(self._table, self._config.type_ids())
-        self._lock = threading.Lock()
-        # bumped by every change of the cells: a MemoryState applies only on the generation
-        # it was prepared on (or its own previous apply left)
-        self._generation = 0
+        self._core, self._split = self._engine.build(self._config.size, r + s, self._n_rollback,
+                                                     self._config.type_ids())
+        self._guard = ThreadGuard()
 
     # -- one thread at a time ----------------------------------------------------------
 
     def _enter(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            raise UsageError("this RecurrentCache is in use by another thread: a cache belongs to one "
-                             "thread at a time (use one cache per thread, or a lock around every call)")
+        self._guard.enter()
 
-    def _enter_to_change(self) -> None:
-        """``_enter`` for a call that moves rows or reads the history: first file the step
-        states the model wrote for the last ubatch (reads during the model's forward do not)."""
-        self._enter()
-        if self._pending_steps is not None:
-            self._file_steps()
+    def _leave(self) -> None:
+        self._guard.leave()
 
     # -- rollback history (SPEC §7) -----------------------------------------------------
-
-    def _expect_steps(self, head: int, n_seqs: int, n_seq_tokens: int, last_pos: np.ndarray) -> int:
-        """After a ubatch is applied: room for the model's step states; returns m (0: none)."""
-        m = min(self._n_rollback, n_seq_tokens - 1)
-        if m > 0:
-            if self._steps and self._steps[0].shape[0] < n_seqs * m:
-                self._steps = [np.zeros((max(n_seqs * m, 2 * self._steps[0].shape[0]), t.shape[1]), dtype=t.dtype)
-                               for t in self.r + self.s]
-            self._pending_steps = (head, n_seqs, m, last_pos)
-        return m
-
-    def _step_rows(self, k: int, n_seqs: int, m: int) -> np.ndarray:
-        return self._steps[k][:n_seqs * m].reshape(n_seqs, m, self._steps[k].shape[1])
-
-    def _file_steps(self) -> None:
-        """File the states the model wrote for the last ubatch into its cells' histories."""
-        assert self._pending_steps is not None
-        head, n_seqs, m, last_pos = self._pending_steps
-        self._pending_steps = None
-        cells = np.arange(head, head + n_seqs)[:, None]
-        positions = last_pos[:, None] - m + np.arange(m)[None, :]   # states after these positions
-        slots = positions % self._n_rollback
-        for k, history in enumerate(self._history):
-            history[cells, slots] = self._step_rows(k, n_seqs, m)
-        self._tags[cells, slots] = positions + 1
 
     @property
     def n_rollback(self) -> int:
@@ -135,14 +90,11 @@ class RecurrentCache:
     def seq_rollback_min(self, seq: int) -> int:
         """The smallest position ``q`` that ``seq_rm(seq, q + 1, -1)`` can roll ``seq`` back to, or -1."""
         seq = as_int(seq, "seq")
-        self._enter_to_change()
+        self._enter()
         try:
-            return int(self._table.rollback_min(seq))
+            return self._core.rollback_min(seq)
         finally:
             self._leave()
-
-    def _leave(self) -> None:
-        self._lock.release()
 
     # -- shape -------------------------------------------------------------------------
 
@@ -187,27 +139,34 @@ class RecurrentCache:
         return self._engine.name
 
     @property
+    def memory_core(self) -> _engines.Core:
+        """The engine's memory core: the one owner of this cache's cells, rows, rollback history and
+        change counter.  The C API (``rc_ctx_new``) drives the compiled one; not for Python callers,
+        which use this facade (a change made through the core directly skips every argument check)."""
+        return self._core
+
+    @property
     def cell_table(self) -> object:
-        """The C-level handle (``recurrent_cache.core.CellTable``) for Cython code; compiled engine only."""
+        """Deprecated (``recurrent_cache.core``): the compiled engine's memory core, for Cython code."""
         if self._engine.name != "compiled":
             raise ArgumentError("cell_table is the compiled engine's C-level handle; this cache runs "
                                 "on the reference engine")
-        return self._table
+        return self._core
 
     @property
     def head(self) -> int:
         """Where the next free-cell search starts / first cell of the last placement."""
-        return int(self._table.head)
+        return int(self._core.head)
 
     @property
     def used(self) -> int:
         """Number of non-empty cells."""
-        return int(self._table.used)
+        return int(self._core.used)
 
     @property
     def n(self) -> int:
         """Cells from head touched by the last placement."""
-        return int(self._table.n)
+        return int(self._core.n)
 
     # -- cells -------------------------------------------------------------------------
 
@@ -216,7 +175,7 @@ class RecurrentCache:
         i = _args.index(i, "cell index", self.size, OutOfRangeError)
         self._enter()
         try:
-            return self._table.cell(i)  # type: ignore[no-any-return]
+            return self._core.cell(i)
         finally:
             self._leave()
 
@@ -224,7 +183,7 @@ class RecurrentCache:
         """Raise ``CoreError`` if an invariant of SPEC §1 is broken (O(size))."""
         self._enter()
         try:
-            broken = self._table.check()
+            broken = self._core.check()
         finally:
             self._leave()
         if broken is not None:
@@ -234,10 +193,9 @@ class RecurrentCache:
 
     def clear(self) -> None:
         """Empty every cell and zero every state row."""
-        self._enter_to_change()
+        self._enter()
         try:
-            self._table.clear()
-            self._generation += 1
+            self._core.clear()
         finally:
             self._leave()
 
@@ -251,18 +209,11 @@ class RecurrentCache:
         (a sequence sharing its cell first gets a cell of its own) and returns True.
         """
         seq, p0, p1 = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1")
-        self._enter_to_change()
+        self._enter()
         try:
-            pos = self._table.seq_pos_max(seq) if self._n_rollback and 0 <= seq < self.size else -1
-            if 0 < p0 <= pos and (p1 < 0 or p1 > pos):
-                removed = bool(self._table.rollback(seq, p0 - 1))   # SPEC §7: back to the state after p0 - 1
-            else:
-                removed = bool(self._table.seq_rm(seq, p0, p1))
-            if removed:
-                self._generation += 1
+            return self._core.seq_rm(seq, p0, p1)
         finally:
             self._leave()
-        return removed
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` share ``src``'s cell (a fork); the range is ignored.
@@ -271,17 +222,15 @@ class RecurrentCache:
         """
         src, dst = as_int(src, "src"), as_int(dst, "dst")
         as_int(p0, "p0"), as_int(p1, "p1")
-        self._enter_to_change()
+        self._enter()
         try:
-            self._table.seq_cp(src, dst)
-            self._generation += 1
+            self._core.seq_cp(src, dst)
         finally:
             self._leave()
 
     def _seq_op(self, op: str, code: int, seq: int, what: str) -> None:
         if code:
             raise engine_error(code, what=f"{op}: {what}", seq=seq, size=self.size)
-        self._generation += 1
 
     def seq_keep(self, seq: int) -> None:
         """Free every cell that does not hold ``seq``; its cell keeps only ``seq``.
@@ -290,9 +239,9 @@ class RecurrentCache:
         empty every cell).
         """
         seq = as_int(seq, "seq")
-        self._enter_to_change()
+        self._enter()
         try:
-            self._seq_op("seq_keep", self._table.seq_keep(seq), seq, f"seq_id {seq}")
+            self._seq_op("seq_keep", self._core.seq_keep(seq), seq, f"seq_id {seq}")
         finally:
             self._leave()
 
@@ -302,19 +251,19 @@ class RecurrentCache:
         The pos is the cell's, so sequences sharing the cell move with it.
         """
         seq, p0, p1, shift = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(shift, "shift")
-        self._enter_to_change()
+        self._enter()
         try:
-            self._seq_op("seq_add", self._table.seq_add(seq, p0, p1, shift), seq,
-                         f"seq_id {seq} at pos {self._table.seq_pos_max(seq)} shifted by {shift}")
+            self._seq_op("seq_add", self._core.seq_add(seq, p0, p1, shift), seq,
+                         f"seq_id {seq} at pos {self._core.seq_pos_max(seq)} shifted by {shift}")
         finally:
             self._leave()
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         """Divide the pos of ``seq``'s cell by ``d`` (truncating) if it lies in ``[p0, p1)``; ``d >= 1``."""
         seq, p0, p1, d = as_int(seq, "seq"), as_int(p0, "p0"), as_int(p1, "p1"), as_int(d, "d")
-        self._enter_to_change()
+        self._enter()
         try:
-            self._seq_op("seq_div", self._table.seq_div(seq, p0, p1, d), seq,
+            self._seq_op("seq_div", self._core.seq_div(seq, p0, p1, d), seq,
                          f"seq_id {seq} divided by d = {d} (d must be positive)")
         finally:
             self._leave()
@@ -324,7 +273,7 @@ class RecurrentCache:
         seq = as_int(seq, "seq")
         self._enter()
         try:
-            return int(self._table.seq_pos_min(seq))
+            return int(self._core.seq_pos_min(seq))
         finally:
             self._leave()
 
@@ -333,26 +282,82 @@ class RecurrentCache:
         seq = as_int(seq, "seq")
         self._enter()
         try:
-            return int(self._table.seq_pos_max(seq))
+            return int(self._core.seq_pos_max(seq))
         finally:
             self._leave()
 
-    def _place_sequence(self, seq: int, pos: int) -> int:
-        """Give ``seq`` (holding no cell) a cell of its own at ``pos``; returns its row.
+    def seq_cell(self, seq: int) -> int:
+        """The cell holding ``seq`` (its row in ``r[il]`` / ``s[il]``, once a ubatch or a restore
+        has filled it), or -1 when it holds none.  O(1)."""
+        seq = as_int(seq, "seq")
+        if not 0 <= seq < self.size:
+            raise engine_error(SEQ_RANGE, what=f"seq_cell: seq_id {seq}", seq=seq, size=self.size)
+        self._enter()
+        try:
+            return self._core.seq_cell(seq)
+        finally:
+            self._leave()
 
-        Placed as ``state_read`` of a one-cell blob would place it; the caller
-        fills the row (``r[il][row]``, ``s[il][row]``).  For ``PrefixCache``.
+    def seq_state(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Copies of ``seq``'s state: its r rows and s rows, one per layer (zeros while its cell
+        has no state yet: it was placed by a fork and no ubatch has run since).
+
+        Raises ``ArgumentError`` when ``seq`` holds no cell (there is no state).
+        """
+        seq = as_int(seq, "seq")
+        if not 0 <= seq < self.size:
+            raise engine_error(SEQ_RANGE, what=f"seq_state: seq_id {seq}", seq=seq, size=self.size)
+        self._enter()
+        try:
+            cell = self._core.seq_cell(seq)
+            if cell < 0:
+                raise ArgumentError(f"seq_state: sequence {seq} holds no cell, so it has no state")
+            src = self._core.cell(cell)[1]   # the row its data lives in; -1: none yet
+
+            def take(rows: np.ndarray) -> np.ndarray:
+                return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
+
+            return [take(rows) for rows in self.r], [take(rows) for rows in self.s]
+        finally:
+            self._leave()
+
+    def seq_restore(self, seq: int, pos: int, r_rows: Sequence[np.ndarray], s_rows: Sequence[np.ndarray]) -> int:
+        """Give ``seq``, which must hold no cell, a cell of its own at position ``pos`` holding
+        exactly these rows (byte for byte): ``r_rows[il]`` / ``s_rows[il]``, one per layer, each a
+        1-D array of ``n_embd_r`` / ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
+        rollback history (another sequence's past is not this one's).  Returns the cell.
+
+        Placed as ``state_read`` of a one-cell blob would place it (a sequence without a cell
+        always finds a free one: seq ids are < size).  Every row, ``seq`` and ``pos`` are
+        checked before anything changes: a call that raises (``ArgumentError``,
+        ``SeqIdError``, ``PositionError``) has changed nothing.
         """
         seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
-        self._enter_to_change()
+        rows = self._rows_of("r", r_rows, self.r) + self._rows_of("s", s_rows, self.s)
+        self._enter()
         try:
-            cell = int(self._table.place(seq, pos))
-            self._generation += 1
+            cell = self._core.restore(seq, pos, rows)
         finally:
             self._leave()
         if cell < 0:
-            raise engine_error(cell, what=f"place seq_id {seq} at pos {pos}", seq=seq, size=self.size)
+            raise engine_error(cell, what=f"seq_restore of seq_id {seq} at pos {pos}", seq=seq, size=self.size)
         return cell
+
+    def _rows_of(self, which: str, given: Sequence[np.ndarray], tensors: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+        """``given`` checked as one row per layer of ``tensors``' dtype and width, C-contiguous."""
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != len(tensors):
+            raise ArgumentError(f"seq_restore: {which}_rows must be a sequence of {len(tensors)} rows "
+                                f"(one per layer), got {type(given).__name__}"
+                                + (f" of {len(given)}" if isinstance(given, Sequence) else ""))
+        rows = []
+        for il, (row, tensor) in enumerate(zip(given, tensors)):
+            if not isinstance(row, np.ndarray) or row.dtype != tensor.dtype or row.shape != tensor.shape[1:]:
+                got = (f"{row.dtype} array of shape {row.shape}" if isinstance(row, np.ndarray)
+                       else type(row).__name__)
+                raise ArgumentError(f"seq_restore: {which}_rows[{il}] must be a {tensor.dtype} array of shape "
+                                    f"{tensor.shape[1:]}, got a {got}")
+            rows.append(np.ascontiguousarray(row))
+        return rows
 
     # -- batches -------------------------------------------------------------------------
 
@@ -376,12 +381,12 @@ class RecurrentCache:
         self._enter()
         try:
             pos = batch.pos if batch.pos is not None else self._default_positions(batch)
-            placement = self._engine.split_batch(self._table, batch.seq_id_flat, batch.seq_id_offset, pos,
-                                                 batch.logits, every, n_ubatch, pooled)
+            placement = self._split(batch.seq_id_flat, batch.seq_id_offset, pos, batch.logits, every, n_ubatch,
+                                    pooled)
             status = MemoryStatus.SUCCESS if placement.prepare() == 0 else MemoryStatus.FAILED_PREPARE
         finally:
             self._leave()
-        return MemoryState(self, placement, batch, pos, status, self._generation)
+        return MemoryState(self, self._core, self._guard, placement, batch, pos, status)
 
     def _default_positions(self, batch: Batch) -> np.ndarray:
         """llama_decode's defaults: each token continues its first sequence (seq_pos_max + 1, ...)."""
@@ -394,7 +399,7 @@ class RecurrentCache:
         for first, count in zip(starts.tolist(), counts.tolist()):
             seq = int(ranked[first])
             # an owner out of range keeps position 0: the split reports its seq id
-            base = self._table.seq_pos_max(seq) + 1 if 0 <= seq < self.size else 0
+            base = self._core.seq_pos_max(seq) + 1 if 0 <= seq < self.size else 0
             pos[order[first:first + count]] = base + np.arange(count)
         if pos.size and pos.max() >= POS_MAX:
             raise PositionError(f"default positions of sequence {int(owners[int(pos.argmax())])} reach "
@@ -403,7 +408,7 @@ class RecurrentCache:
 
     def init_full(self) -> MemoryState:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
-        return MemoryState(self, None, None, None, MemoryStatus.SUCCESS, self._generation)
+        return MemoryState(self, self._core, self._guard, None, None, None, MemoryStatus.SUCCESS)
 
     # -- state serialisation (SPEC §5) ---------------------------------------------------
 
@@ -412,7 +417,7 @@ class RecurrentCache:
         seq_id = state_seq_id(seq_id, self.size, "state_size")
         self._enter()
         try:
-            return int(self._state_io.size(seq_id))
+            return self._core.state_size(seq_id)
         finally:
             self._leave()
 
@@ -425,7 +430,7 @@ class RecurrentCache:
         seq_id = state_seq_id(seq_id, self.size, "state_write")
         self._enter()
         try:
-            return self._state_io.write_bytes(seq_id)  # type: ignore[no-any-return]
+            return self._core.state_write_bytes(seq_id)
         finally:
             self._leave()
 
@@ -442,8 +447,8 @@ class RecurrentCache:
         self._enter()
         try:
             if view is None:
-                return int(self._state_io.write_file(target, seq_id))
-            return int(self._state_io.write_into(view, seq_id))
+                return self._core.state_write_file(cast("IO[bytes]", target), seq_id)
+            return self._core.state_write_into(view, seq_id)
         finally:
             self._leave()
 
@@ -457,11 +462,9 @@ class RecurrentCache:
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
         view = blob_view(data)
-        self._enter_to_change()
+        self._enter()
         try:
-            n = int(self._state_io.read(view, seq_id))
-            self._table.forget_history(seq_id)   # the blob carries no history (llama.cpp's bytes)
-            self._generation += 1
+            n = self._core.state_read(view, seq_id)   # the blob carries no history: the core forgets it
         finally:
             self._leave()
         return n

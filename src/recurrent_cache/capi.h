@@ -152,7 +152,9 @@ typedef struct rc_capi {
      * After rc_batch_apply, the model writes the state of each tensor after each token but the
      * last of every group (m = rc_batch_n_steps of them per group) into the rows rc_batch_step_row
      * gives: group g, j in [0, m) is the state after the group's token n_seq_tokens - 1 - m + j.
-     * The cache counts on it (n_rollback > 0 is the model's promise). */
+     * The cache counts on it (n_rollback > 0 is the model's promise).  The rows are a scratch the
+     * next call that changes the cache (through C or Python) files into the history: write them
+     * before it; a row pointer is not valid after it (rc_batch_step_row then gives RC_ERR_STALE). */
     int32_t (*n_rollback)(const rc_ctx* ctx);                        /* RC_ERR_NULL for NULL */
     int32_t (*seq_rollback_min)(const rc_ctx* ctx, int32_t seq);     /* smallest reachable q, or -1 */
     int32_t (*batch_n_steps)(const rc_batch* batch);                 /* m of the last applied ubatch */

@@ -14,20 +14,22 @@ recurrent_cache's C-level API, for Cython extensions that drive a cache without 
 
     from recurrent_cache.core cimport CellTable, cells_find_slot, ...
 
-    table = cache.cell_table            # a CellTable: the C cell table + state tensor pointers
+    table = cache.cell_table            # the memory core (a CellTable here): table.core is its C struct
     with nogil:
-        code = cells_find_slot(&table.cells, ...)
+        code = cells_find_slot(&table.core.cells, ...)
 
 Build with ``include_path=[recurrent_cache.get_include()]`` (Cython also finds
 this file on ``sys.path``). Every function is ``noexcept nogil`` and reports
 failure as a negative ``RC_ERR_*`` / ``SPLIT_ERR_*`` code; nothing raises.
 
 Contract:
-- ``CellTable.cells`` is the table (see ``_cells.pxd`` for every field); read
-  it freely, change it only through these functions.
+- ``CellTable.core.cells`` is the table (see ``_cells.pxd`` for every field, and
+  ``_core.pxd`` for the core around it); read it freely, change it only through
+  these functions (a change made here bypasses the core's change counter and
+  rollback history: the reason this API is deprecated).
 - The state tensors never move: ``cache.r[il]`` / ``cache.s[il]`` are
   allocated once, C-contiguous, and live as long as the cache;
-  ``table.tensor_data[k]`` / ``table.row_bytes[k]`` are their base pointers
+  ``table.core.tensor_data[k]`` / ``table.core.row_bytes[k]`` are their base pointers
   and row sizes (k = il for r, n_layer + il for s).
 - One thread owns a cache: the functions may run with the GIL released, in
   parallel on different caches, but two threads must not use one cache at once.
@@ -36,16 +38,18 @@ Contract:
 
 A decode step, as ``init_batch`` + ``apply`` do it::
 
-    split_batch(&split, &table.cells, n_tokens, seq_ids, offsets, pos, NULL, False,
+    split_batch(&split, &table.core.cells, n_tokens, seq_ids, offsets, pos, NULL, False,
                 n_ubatch, False, &detail)              # validate + split
-    split_prepare(&split, &table.cells, seq_ids)       # prove every ubatch fits
+    split_prepare(&split, &table.core.cells, seq_ids)  # prove every ubatch fits
     for each ubatch u:                                 # groups g0 .. g1-1
-        cells_find_slot(&table.cells, g1 - g0, n_tokens_u, seq_ids,
+        cells_find_slot(&table.core.cells, g1 - g0, n_tokens_u, seq_ids,
                         split.group_seq_offset + g0, split.group_n_seq_id + g0,
                         split.group_last_pos + g0)
-        cells_copy_plan(&table.cells, copy_src, zero)  # [table.cells.n] each
-        table.apply_plan_rows(table.cells.head, table.cells.n, copy_src, zero)
-        # group s of ubatch u now lives in row table.cells.head + s
+        cells_copy_plan(&table.core.cells, copy_src, zero)  # [table.core.cells.n] each
+        for k in range(table.core.n_tensors):
+            rows_apply_plan(table.core.tensor_data[k], table.core.row_bytes[k], table.core.row_bytes[k],
+                            table.core.cells.head, table.core.cells.n, copy_src, zero)
+        # group s of ubatch u now lives in row table.core.cells.head + s
     split_release(&split)
 
 (The new API's loop: examples/capi/cython/continuous_batching.pyx.)
@@ -60,9 +64,10 @@ from recurrent_cache._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SP
                                      SPLIT_ERR_NEGATIVE_POS, SPLIT_ERR_NO_MEMORY, SPLIT_ERR_SEQ_RANGE,
                                      SPLIT_OK, Split, SplitDetail, split_batch, split_prepare,
                                      split_release)
+from recurrent_cache._core cimport MemoryCore as CellTable
 from recurrent_cache._cells cimport (RC_ERR_ARGUMENT, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL,
                                      RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT, RC_ERR_POSITION,
-                                     RC_ERR_SEQ_RANGE, RC_OK, Cells, CellTable, cells_clear,
+                                     RC_ERR_SEQ_RANGE, RC_OK, Cells, cells_clear,
                                      cells_copy_plan, cells_find_slot, cells_seq_add, cells_seq_cp,
                                      cells_seq_div, cells_seq_keep, cells_seq_pos_max,
                                      cells_seq_pos_min, cells_seq_rm, rows_apply_plan)

@@ -5,12 +5,14 @@ what is readable when, every misuse error) for both engines; an engine's
 ``Placement`` only runs the loops.  A state applies exactly what was validated,
 against the cache it was validated on: any change to the cache between
 ``init_batch`` and an ``apply`` (another state applied, a sequence operation, a
-``state_read``) makes the state stale, and using it raises ``UsageError``.
+``state_read``, through Python or the C API) moves the memory core's change
+counter, makes the state stale, and using it raises ``UsageError``.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -20,10 +22,29 @@ from ._args import index
 from .errors import OutOfRangeError, UsageError, engine_error
 
 if TYPE_CHECKING:
+    from ._engines import Core, Placement
     from .batch import Batch
     from .cache import RecurrentCache
 
-__all__ = ["MemoryState", "MemoryStatus", "Ubatch", "SeqIdLists"]
+__all__ = ["MemoryState", "MemoryStatus", "Ubatch", "SeqIdLists", "ThreadGuard"]
+
+
+class ThreadGuard:
+    """One thread at a time inside a cache: ``enter()`` raises ``UsageError`` instead of waiting
+    while another thread is inside (the cache and its states share one guard)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise UsageError("this RecurrentCache is in use by another thread: a cache belongs to one "
+                             "thread at a time (use one cache per thread, or a lock around every call)")
+
+    def leave(self) -> None:
+        self._lock.release()
 
 
 class MemoryStatus(enum.IntEnum):
@@ -45,7 +66,7 @@ class SeqIdLists:
 
     __slots__ = ("_placement", "_u", "_n_seqs", "_lists")
 
-    def __init__(self, placement: Any, u: int, n_seqs: int) -> None:
+    def __init__(self, placement: Placement, u: int, n_seqs: int) -> None:
         # the engine's placement, not the Ubatch: no reference cycle to leave to the collector
         self._placement = placement
         self._u = u
@@ -114,13 +135,13 @@ class Ubatch:
     __slots__ = ("n_tokens", "n_seq_tokens", "n_seqs", "_placement", "_u", "_batch", "_pos",
                  "_take", "_output", "_seq_arrays", "_seq_id")
 
-    def __init__(self, placement: Any, u: int, batch: Batch, pos: np.ndarray) -> None:
+    def __init__(self, placement: Placement, u: int, batch: Batch, pos: np.ndarray) -> None:
         self.n_tokens, self.n_seq_tokens, self.n_seqs = placement.shape(u)
         self._placement = placement
         self._u = u
         self._batch = batch
         self._pos = pos
-        self._take: Any = None
+        self._take: slice | np.ndarray | None = None
         self._output: np.ndarray | None = None
         self._seq_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._seq_id: SeqIdLists | None = None
@@ -134,7 +155,7 @@ class Ubatch:
     @property
     def batch_index(self) -> np.ndarray:
         """[n_tokens] int64: where each token sits in the batch."""
-        return self._placement.batch_index(self._u)  # type: ignore[no-any-return]
+        return self._placement.batch_index(self._u)
 
     @property
     def token(self) -> np.ndarray | None:
@@ -200,19 +221,21 @@ class MemoryState:
     ``for ub in cache.init_batch(batch): ...`` applies each ubatch before yielding it.
     """
 
-    __slots__ = ("_cache", "_placement", "_batch", "_pos", "status", "_u", "_applied", "_generation",
-                 "_ubatch", "_out_ids", "_rows_slice", "_m")
+    __slots__ = ("_cache", "_core", "_guard", "_placement", "_batch", "_pos", "status", "_u", "_applied",
+                 "_generation", "_ubatch", "_out_ids", "_rows_slice", "_m")
 
-    def __init__(self, cache: RecurrentCache, placement: Any, batch: Batch | None, pos: np.ndarray | None,
-                 status: MemoryStatus, generation: int) -> None:
+    def __init__(self, cache: RecurrentCache, core: Core, guard: ThreadGuard, placement: Placement | None,
+                 batch: Batch | None, pos: np.ndarray | None, status: MemoryStatus) -> None:
         self._cache = cache
+        self._core = core                # the cache's memory core: its counter says when this state is stale
+        self._guard = guard
         self._placement = placement      # None: the whole cache (init_full)
         self._batch = batch
         self._pos = pos
         self.status = status
         self._u = 0
         self._applied = placement is None
-        self._generation = generation
+        self._generation = core.generation
         self._ubatch: Ubatch | None = None
         self._out_ids: np.ndarray | None = None
         self._rows_slice = slice(0, cache.size)   # the rows of the applied ubatch
@@ -227,26 +250,21 @@ class MemoryState:
             raise UsageError(f"apply() on a state whose status is {self.status.name}")
         if self._applied:
             raise UsageError(f"ubatch {self._u} is already applied; call next() first")
-        cache = self._cache
-        cache._enter_to_change()
+        core = self._core
+        self._guard.enter()
         try:
-            if cache._generation != self._generation:
+            if core.generation != self._generation:
                 raise UsageError("the cache changed after this state was prepared (a sequence operation, "
                                  "a state_read or another state's apply): call init_batch again")
             code = self._placement.apply(self._u)
             if code:
-                raise engine_error(code, what=f"apply of ubatch {self._u}", seq=-1, size=cache.size)
-            cache._generation += 1
-            self._generation = cache._generation
+                raise engine_error(code, what=f"apply of ubatch {self._u}", seq=-1, size=core.size)
+            self._generation = core.generation
             head = self._placement.head
             _, n_seq_tokens, n_seqs = self._placement.shape(self._u)
-            if cache._n_rollback and n_seq_tokens > 1:
-                last_pos = self.ubatch.pos.reshape(n_seqs, n_seq_tokens)[:, -1].astype(np.int64)
-                self._m = cache._expect_steps(head, n_seqs, n_seq_tokens, last_pos)
-            else:
-                self._m = 0
+            self._m = core.steps(n_seq_tokens) if n_seq_tokens > 1 else 0   # (a decode step keeps none)
         finally:
-            cache._leave()
+            self._guard.leave()
         self._rows_slice = slice(head, head + n_seqs)
         self._applied = True
         return True
@@ -295,14 +313,14 @@ class MemoryState:
         """[n_kv] int32: row head+i was filled from row copy_src[i]."""
         if self._placement is None:
             return np.arange(self._cache.size, dtype=np.int32)
-        return self._placement.copy_src()  # type: ignore[no-any-return]
+        return self._placement.copy_src()
 
     @property
     def zero(self) -> np.ndarray:
         """[n_kv] bool: rows that were zeroed (no state yet)."""
         if self._placement is None:
             return np.zeros(self._cache.size, dtype=bool)
-        return self._placement.zero()  # type: ignore[no-any-return]
+        return self._placement.zero()
 
     @property
     def ubatch(self) -> Ubatch:
@@ -319,7 +337,7 @@ class MemoryState:
             il = index(il, "layer index", len(tensors), OutOfRangeError)
         if not self._applied:
             raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
-        if self._placement is not None and self._cache._generation != self._generation:
+        if self._placement is not None and self._core.generation != self._generation:
             raise UsageError("the cache changed after this ubatch was applied: its rows may hold "
                              "other sequences now")
         return tensors[il][self._rows_slice]
@@ -337,12 +355,14 @@ class MemoryState:
         il = index(il, "layer index", n_layer, OutOfRangeError)
         self._rows(self._cache.r, il)   # applied, and the cache unchanged since
         n_seqs = 0 if self._placement is None else self.ubatch.n_seqs
-        return self._cache._step_rows(first + int(il), n_seqs, self._m)
+        return self._core.step_rows(first + int(il), n_seqs, self._m)
 
     def r_steps(self, il: int) -> np.ndarray:
         """[n_seqs, m, n_embd_r] where the model writes, with ``n_rollback > 0``, layer il's r state
         after each token but the last of every group: entry ``[g, j]`` is the state after token
-        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (SPEC §7)."""
+        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (SPEC §7).
+        A scratch of the memory core: the next call that changes the cache (through this API or
+        the C API) files it into the history, so write it before that call."""
         return self._steps(0, il)
 
     def s_steps(self, il: int) -> np.ndarray:

@@ -309,11 +309,7 @@ class PrefixCache:
         if found is not None:
             found.pinned = True   # its pool rows are being read
         try:
-            row = self.cache._place_sequence(seq, length - 1)
-            for dst, src in zip(self._r, r_rows):
-                dst[row] = src
-            for dst, src in zip(self._s, s_rows):
-                dst[row] = src
+            self.cache.seq_restore(seq, length - 1, r_rows, s_rows)
         except BaseException:
             self._store_stats = counters   # the store lookup led nowhere: as if not made
             raise

@@ -3,8 +3,8 @@
 Every operation is a literal transcription of the specification: cells are
 Python lists and sets, and most operations scan every cell, exactly as
 llama.cpp's ``llama_kv_cache_recurrent`` does.  It has the compiled engine's
-interface (``CellTable``, ``split_batch`` → ``Placement``, ``StateIO``) and
-reports failures with the same codes and values, so the facade above both
+interface (``MemoryCore``, ``split_batch`` → ``Placement``; ``_engines.Engine``)
+and reports failures with the same codes and values, so the facade above both
 gives the same exceptions and messages.  It is the oracle the compiled engine
 is tested against and the baseline the benchmarks compare with; select it with
 ``RecurrentCache(..., engine="reference")`` or ``RECURRENT_CACHE_IMPL=reference``.
@@ -22,7 +22,7 @@ from .errors import engine_error
 from .state_format import (CELL, CELL_COUNT, DATA_HEADER, TENSOR_HEADER, Geometry, parse_blob, target_aliases_cache,
                            target_too_small, write_all)
 
-__all__ = ["CellTable", "Placement", "StateIO", "split_batch"]
+__all__ = ["MemoryCore", "Placement", "split_batch"]
 
 POS_INF = E.POS_MAX  # llama_pos is int32: "p1 < 0" means this
 
@@ -31,20 +31,36 @@ def _range(p0: int, p1: int) -> tuple[int, int]:
     return (0 if p0 < 0 else p0), (POS_INF if p1 < 0 else p1)
 
 
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if len(view) else 0
+
+
 # -- cells (SPEC §1, §2) ------------------------------------------------------------------------
 
-class CellTable:
-    """``size`` cells over the state tensors ``r[0..n_layer)`` then ``s[0..n_layer)``."""
+class MemoryCore:
+    """A cache's memory: ``size`` cells over the state tensors ``r[0..n_layer)`` then
+    ``s[0..n_layer)``, their rollback history, and ``generation``, bumped by every change.
 
-    def __init__(self, size: int, tensors: list[np.ndarray], history: list[np.ndarray] | None = None,
-                 tags: np.ndarray | None = None) -> None:
+    The only code that changes them: every changing method first files the step states
+    the model wrote for the last applied ubatch (``_file_steps``), then bumps ``generation``.
+    """
+
+    self_check = False   # the compiled core's debug builds check every placement; this one is read
+
+    def __init__(self, size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int]) -> None:
         self.size = size
         self.tensors = tensors
+        self.type_ids = tuple(type_ids)
+        self.generation = 0
         # rollback history (SPEC §7): history[k][c, q % n_rollback] is the state after position q
         # of cell c's tensor k, when tags[c, q % n_rollback] == q + 1 (0 = empty slot)
-        self.history = history or []
-        self.tags = tags if tags is not None else np.zeros((size, 0), dtype=np.int32)
-        self.n_rollback = self.tags.shape[1]
+        self.n_rollback = n_rollback
+        self.rollback_history = ([np.zeros((size, n_rollback, t.shape[1]), dtype=t.dtype) for t in tensors]
+                                 if n_rollback else [])
+        self.tags = np.zeros((size, n_rollback), dtype=np.int32)
+        # where the model writes a ubatch's step states, and which ubatch they are still to be filed for
+        self.step_scratch = [np.zeros((0, t.shape[1]), dtype=t.dtype) for t in tensors]
+        self.pending: tuple[int, int, list[int]] | None = None   # head, m, each group's last position
         self.pos = [-1] * size
         self.src = [-1] * size
         self.tail = [-1] * size
@@ -54,6 +70,7 @@ class CellTable:
         self.n = 0
 
     def cell(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
+        """(pos, src, tail, sorted seq ids) of cell i."""
         if not 0 <= i < self.size:
             raise engine_error(E.CELL_INDEX, what="cell", index=i, size=self.size)
         return self.pos[i], self.src[i], self.tail[i], tuple(sorted(self.seq_ids[i]))
@@ -93,9 +110,40 @@ class CellTable:
         if not self.seq_ids[c]:
             self._free(c)
 
+    # -- step states (SPEC §7)
+
+    def steps(self, n_seq_tokens: int) -> int:
+        """m: the states the model writes per group, after tokens n_seq_tokens - 1 - m .. n_seq_tokens - 2."""
+        return min(self.n_rollback, n_seq_tokens - 1) if self.n_rollback else 0
+
+    def step_rows(self, k: int, n_seqs: int, m: int) -> np.ndarray:
+        """[n_seqs, m, n_embd]: where the model writes tensor k's step states."""
+        scratch = self.step_scratch[k]
+        return scratch[:n_seqs * m].reshape(n_seqs, m, scratch.shape[1])
+
+    def _file_steps(self) -> None:
+        """File the step states of the last applied ubatch into its cells' histories."""
+        if self.pending is None:
+            return
+        head, m, last_pos = self.pending
+        self.pending = None
+        for g, last in enumerate(last_pos):
+            for j in range(m):
+                q = last - m + j                    # the state after position q
+                for k, history in enumerate(self.rollback_history):
+                    history[head + g, q % self.n_rollback] = self.step_rows(k, len(last_pos), m)[g, j]
+                self.tags[head + g, q % self.n_rollback] = q + 1
+
+    def history(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Copies of ``(tags, [history of tensor k, ...])``."""
+        self._file_steps()
+        return self.tags.copy(), [history.copy() for history in self.rollback_history]
+
     # -- operations (SPEC §1)
 
     def clear(self) -> None:
+        self.pending = None   # the rows it would file into are gone
+        self.generation += 1
         for c in range(self.size):
             self.pos[c] = self.src[c] = self.tail[c] = -1
             self.seq_ids[c].clear()
@@ -105,6 +153,17 @@ class CellTable:
         self.tags[...] = 0
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        self._file_steps()
+        pos = self.seq_pos_max(seq) if self.n_rollback and 0 <= seq < self.size else -1
+        if 0 < p0 <= pos and (p1 < 0 or p1 > pos):
+            removed = self._rollback(seq, p0 - 1)   # SPEC §7: back to the state after p0 - 1
+        else:
+            removed = self._remove(seq, p0, p1)
+        if removed:
+            self.generation += 1
+        return removed
+
+    def _remove(self, seq: int, p0: int, p1: int) -> bool:
         p0, p1 = _range(p0, p1)
         if seq >= self.size:
             return False
@@ -137,6 +196,8 @@ class CellTable:
         return True
 
     def seq_cp(self, src: int, dst: int) -> None:
+        self._file_steps()
+        self.generation += 1
         if src == dst or not (0 <= src < self.size and 0 <= dst < self.size):
             return
         self._leave(dst)
@@ -146,8 +207,10 @@ class CellTable:
             self.tail[dst] = t
 
     def seq_keep(self, seq: int) -> int:
+        self._file_steps()
         if not 0 <= seq < self.size:
             return E.SEQ_RANGE  # llama.cpp would empty every cell
+        self.generation += 1
         new_head = self.size
         for c in range(self.size):
             if c != seq:
@@ -171,22 +234,26 @@ class CellTable:
         return t
 
     def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> int:
+        self._file_steps()
         if not 0 <= seq < self.size:
             return E.SEQ_RANGE
         t = self._tail_cell_in_range(seq, p0, p1)
+        if t >= 0 and shift != 0 and not 0 <= self.pos[t] + shift < POS_INF:
+            return E.POSITION
+        self.generation += 1
         if shift == 0 or t < 0:
             return E.OK
-        if not 0 <= self.pos[t] + shift < POS_INF:
-            return E.POSITION
         self.pos[t] += shift  # the cell's pos: every sequence sharing it moves too
         self.tags[t] = 0      # and its history no longer matches its positions
         return E.OK
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> int:
+        self._file_steps()
         if not 0 <= seq < self.size:
             return E.SEQ_RANGE
         if d <= 0:
             return E.ARGUMENT
+        self.generation += 1
         t = self._tail_cell_in_range(seq, p0, p1)
         if d != 1 and t >= 0:
             self.pos[t] //= d  # pos >= 0 here, so floor division is C truncation
@@ -201,14 +268,11 @@ class CellTable:
         found = [self.pos[c] for c in range(self.size) if seq in self.seq_ids[c]]
         return max(found) if found else -1
 
-    # -- rollback (SPEC §7)
+    def seq_cell(self, seq: int) -> int:
+        """The cell holding ``seq``, or -1."""
+        return self.tail[seq]
 
-    def forget_history(self, seq: int) -> None:
-        """Forget the history of ``seq``'s cell (``-1``: of every cell): its state was replaced."""
-        if seq < 0:
-            self.tags[...] = 0
-        elif seq < self.size and self.tail[seq] >= 0:
-            self.tags[self.tail[seq]] = 0
+    # -- rollback (SPEC §7)
 
     def _held(self, cell: int) -> list[int]:
         """The positions whose states cell's history holds, within its window [pos - n, pos - 1]."""
@@ -216,12 +280,13 @@ class CellTable:
         return [q for q in (int(t) - 1 for t in self.tags[cell]) if 0 <= q and pos - self.n_rollback <= q < pos]
 
     def rollback_min(self, seq: int) -> int:
+        self._file_steps()
         if not self.n_rollback or not 0 <= seq < self.size or self.tail[seq] < 0:
             return -1
         held = self._held(self.tail[seq])
         return min(held) if held else -1
 
-    def rollback(self, seq: int, q: int) -> bool:
+    def _rollback(self, seq: int, q: int) -> bool:
         """Make ``seq``'s state the state after ``q``; a shared cell is copied first (copy on write)."""
         if not self.n_rollback or not 0 <= seq < self.size or self.tail[seq] < 0:
             return False
@@ -238,29 +303,43 @@ class CellTable:
             self.tail[seq] = target
             self.used += 1
             self.src[target] = target
-            for history in self.history:     # the branch keeps the history it had
+            for history in self.rollback_history:     # the branch keeps the history it had
                 history[target] = history[cell]
             self.tags[target] = self.tags[cell]
         slot = q % self.n_rollback
-        for tensor, history in zip(self.tensors, self.history):
+        for tensor, history in zip(self.tensors, self.rollback_history):
             tensor[target] = history[cell, slot]
         self.pos[target] = q
         self.tags[target][self.tags[target] > q] = 0   # states after q and later are gone
         return True
 
-    def place(self, seq: int, pos: int) -> int:
-        """``seq`` (in no cell) takes a cell at ``pos`` whose row is kept: a one-cell state_read."""
+    def restore(self, seq: int, pos: int, rows: list[np.ndarray]) -> int:
+        """``seq`` (in no cell) takes a cell of its own at ``pos`` holding ``rows`` (one per tensor,
+        byte for byte), its history cleared: a one-cell state_read.  Every condition is checked
+        before anything changes; the cell, or a negative code."""
+        copies = [np.ascontiguousarray(row).reshape(-1).view(np.uint8).copy() for row in rows]   # may be ours
+        if len(copies) != len(self.tensors) or any(row.nbytes != t.shape[1] * t.itemsize
+                                                   for row, t in zip(copies, self.tensors)):
+            raise ValueError("one row per tensor, of the tensor's row size")
         if not 0 <= seq < self.size:
             return E.SEQ_RANGE
         if self.tail[seq] >= 0:
             return E.SEQ_HAS_CELL
         if not 0 <= pos < POS_INF:
             return E.POSITION
+        if self.used >= self.size:
+            return E.NO_FREE_CELL
+        self._file_steps()
+        self.generation += 1
         code = self._find_slot([(seq,)], [pos], 1)
         if code:
             return code
-        self.src[self.head] = self.head
-        return self.head
+        cell = self.head
+        self.src[cell] = cell
+        for tensor, row in zip(self.tensors, copies):
+            tensor.view(np.uint8)[cell] = row
+        self.tags[cell] = 0   # another sequence's past is not this one's
+        return cell
 
     # -- find_slot (SPEC §2)
 
@@ -270,6 +349,43 @@ class CellTable:
             if not self.seq_ids[c]:
                 return c
         return -1
+
+    def prepare(self, ubatches: list[tuple[list[tuple[int, ...]], list[int], int]]) -> int:
+        """Place every ubatch ``(groups, last_pos, n_tokens)`` on a copy of the cells, then put
+        them back (SPEC §3 FIX): 0 when all of them fit."""
+        saved = (self.pos[:], self.src[:], self.tail[:], [set(ids) for ids in self.seq_ids],
+                 self.head, self.used, self.n)
+        try:
+            for groups, last_pos, n_tokens in ubatches:
+                code = self._find_slot(groups, last_pos, n_tokens)
+                if code:
+                    return code
+            return E.OK
+        finally:
+            (self.pos, self.src, self.tail, self.seq_ids, self.head, self.used, self.n) = saved
+
+    def apply_ubatch(self, groups: list[tuple[int, ...]], last_pos: list[int], n_tokens: int,
+                     n_seq_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Place one ubatch (SPEC §2), move its rows and histories, file the states its groups
+        start from, and expect the model's step states: (code, copy_src, zero)."""
+        self._file_steps()
+        m = self.steps(n_seq_tokens)
+        rows = len(groups) * m
+        if self.step_scratch and rows > self.step_scratch[0].shape[0]:
+            # new arrays: a view the model still holds of the old ones stays valid
+            rows = max(rows, 2 * self.step_scratch[0].shape[0])
+            self.step_scratch = [np.zeros((rows, t.shape[1]), dtype=t.dtype) for t in self.tensors]
+        self.generation += 1
+        code = self._find_slot(groups, last_pos, n_tokens)
+        if code:
+            return code, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=bool)
+        copy_src, zero = self._copy_plan()
+        self._apply_plan(copy_src, zero)
+        if self.n_rollback:
+            self._keep_start_states(last_pos, n_seq_tokens, zero)
+        if m > 0:
+            self.pending = (self.head, m, list(last_pos))
+        return E.OK, copy_src, zero
 
     def _find_slot(self, groups: list[tuple[int, ...]], last_pos: list[int], n_tokens: int) -> int:
         """Place one ubatch: group ``s`` (seq ids, owner first) ends at ``last_pos[s]``."""
@@ -349,7 +465,7 @@ class CellTable:
     def _apply_plan(self, copy_src: np.ndarray, zero: np.ndarray) -> None:
         rows = np.arange(self.head, self.head + copy_src.shape[0])
         # a state's history travels with it; a zeroed row has none
-        for tensor in self.tensors + self.history + ([self.tags] if self.n_rollback else []):
+        for tensor in self.tensors + self.rollback_history + ([self.tags] if self.n_rollback else []):
             tensor[rows] = tensor[copy_src]  # fancy indexing reads everything first
             tensor[rows[zero]] = 0
 
@@ -359,17 +475,104 @@ class CellTable:
             cell, q = self.head + g, last - n_seq_tokens   # the group continues the state after q
             if zero[g] or q < 0 or q < last - self.n_rollback:
                 continue
-            for tensor, history in zip(self.tensors, self.history):
+            for tensor, history in zip(self.tensors, self.rollback_history):
                 history[cell, q % self.n_rollback] = tensor[cell]
             self.tags[cell, q % self.n_rollback] = q + 1
 
-    def _snapshot(self) -> tuple[Any, ...]:
-        return (self.pos[:], self.src[:], self.tail[:], [set(ids) for ids in self.seq_ids],
-                self.head, self.used, self.n)
+    # -- state serialisation (SPEC §5)
 
-    def _restore(self, saved: tuple[Any, ...]) -> None:
-        (self.pos, self.src, self.tail, self.seq_ids, self.head, self.used, self.n) = saved
+    def _shares_rows(self, view: memoryview) -> bool:
+        """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
+        begin, end = _address(view), _address(view) + len(view)
+        bases = [(tensor.__array_interface__["data"][0], tensor.nbytes) for tensor in self.tensors]
+        return len(view) > 0 and any(begin < base + n and base < end for base, n in bases)
 
+    def shape(self) -> Geometry:
+        """The cache's geometry, as its state reads check blobs against it."""
+        return Geometry.of_tensors(self.size, self.type_ids, self.tensors)
+
+    def _parts(self, seq_id: int) -> list[Any]:
+        """The blob in pieces: headers, then the rows range by range."""
+        if seq_id == -1:
+            cells = [c for c in range(self.size) if self.seq_ids[c]]
+        else:
+            cells = [c for c in range(self.size) if seq_id in self.seq_ids[c]]
+        ranges: list[list[int]] = []   # runs of consecutive cells, [begin, end)
+        for c in cells:
+            if ranges and ranges[-1][1] == c:
+                ranges[-1][1] = c + 1
+            else:
+                ranges.append([c, c + 1])
+        parts: list[Any] = [CELL_COUNT.pack(len(cells))]
+        for c in cells:
+            ids = sorted(self.seq_ids[c]) if seq_id == -1 else []
+            parts.append(CELL.pack(self.pos[c], len(ids)) + struct.pack(f"<{len(ids)}i", *ids))
+        shape = self.shape()
+        parts.append(DATA_HEADER.pack(0, shape.n_layer))   # v_trans = 0
+        for k, tensor in enumerate(self.tensors):
+            parts.append(TENSOR_HEADER.pack(shape.type_ids[k], shape.row_bytes[k]))
+            rows = tensor.view(np.uint8)
+            parts.extend(rows[begin:end].reshape(-1) for begin, end in ranges)
+        return parts
+
+    def state_size(self, seq_id: int) -> int:
+        return sum(memoryview(part).nbytes for part in self._parts(seq_id))
+
+    def state_write_bytes(self, seq_id: int) -> bytes:
+        return b"".join(self._parts(seq_id))
+
+    def state_write_into(self, view: memoryview, seq_id: int) -> int:
+        if self._shares_rows(view):
+            raise target_aliases_cache()
+        parts = self._parts(seq_id)
+        length = sum(memoryview(part).nbytes for part in parts)
+        if len(view) < length:
+            raise target_too_small(len(view), length)
+        offset = 0
+        for part in parts:
+            part_bytes = memoryview(part).cast("B")
+            view[offset:offset + len(part_bytes)] = part_bytes
+            offset += len(part_bytes)
+        return length
+
+    def state_write_file(self, file: Any, seq_id: int) -> int:
+        parts = self._parts(seq_id)
+        for part in parts:
+            write_all(file, part)
+        return sum(memoryview(part).nbytes for part in parts)
+
+    def state_read(self, data: memoryview, seq_id: int) -> int:
+        """Check the whole blob, then replace the cache (``-1``) or sequence ``seq_id`` with it."""
+        if self._shares_rows(data):
+            # the blob lies in the cache's own rows, which the restore overwrites: read a copy
+            data = memoryview(bytes(data))
+        blob = parse_blob(data, self.shape(), seq_id)   # every check, before any change
+        self._file_steps()
+        self.generation += 1
+        if seq_id == -1:
+            # the whole cache: blob cell i becomes cell i, with its own row (clear forgets every history)
+            self.clear()
+            for i, cell in enumerate(blob.cells):
+                self.pos[i] = cell.pos
+                self.src[i] = i
+                self.seq_ids[i] = set(cell.seq_ids)
+                for seq in cell.seq_ids:
+                    self.tail[seq] = i
+            self.used = blob.cell_count
+            self.head = 0
+        else:
+            # one sequence: removed, then placed as one group by find_slot
+            self._remove(seq_id, -1, -1)
+            if blob.cell_count == 0:
+                return blob.n_bytes
+            code = self._find_slot([(seq_id,)], [blob.cells[0].pos], 1)
+            if code:   # cannot happen: the sequence left every cell, so one is free
+                raise engine_error(code, what=f"state_read of seq_id {seq_id}", seq=seq_id, size=self.size)
+            self.src[self.head] = self.head
+            self.tags[self.head] = 0   # the blob carries no history (llama.cpp's bytes)
+        for k, tensor in enumerate(self.tensors):
+            tensor.view(np.uint8)[self.head:self.head + blob.cell_count] = blob.rows(data, blob.tensors[k])
+        return blob.n_bytes
 
 # -- batches (SPEC §3, §4) ----------------------------------------------------------------------
 
@@ -385,9 +588,9 @@ class _Group:
 class Placement:
     """The ubatches of one batch: ``(n_seq_tokens, [(seq_ids, token indices), ...])`` each."""
 
-    def __init__(self, table: CellTable, ubatches: list[tuple[int, list[tuple[tuple[int, ...], list[int]]]]],
+    def __init__(self, core: MemoryCore, ubatches: list[tuple[int, list[tuple[tuple[int, ...], list[int]]]]],
                  pos: list[int], output: list[bool]) -> None:
-        self.table = table
+        self.core = core
         self.ubatches = ubatches
         self._pos = pos
         self._output = output
@@ -406,27 +609,15 @@ class Placement:
                 n_seq_tokens * len(groups))
 
     def prepare(self) -> int:
-        """Place every ubatch on a copy of the cells, then put them back (SPEC §3 FIX)."""
-        saved = self.table._snapshot()
-        try:
-            for u in range(len(self.ubatches)):
-                code = self.table._find_slot(*self._groups(u))
-                if code:
-                    return code
-            return E.OK
-        finally:
-            self.table._restore(saved)
+        """Whether every ubatch fits (SPEC §3 FIX): 0, or the first failure's code; cells unchanged."""
+        return self.core.prepare([self._groups(u) for u in range(len(self.ubatches))])
 
     def apply(self, u: int) -> int:
-        code = self.table._find_slot(*self._groups(u))
+        code, copy_src, zero = self.core.apply_ubatch(*self._groups(u), self.ubatches[u][0])
         if code:
             return code
-        self._copy_src, self._zero = self.table._copy_plan()
-        self.table._apply_plan(self._copy_src, self._zero)
-        if self.table.n_rollback:
-            _, last_pos, _ = self._groups(u)
-            self.table._keep_start_states(last_pos, self.ubatches[u][0], self._zero)
-        self.head, self.n_kv = self.table.head, self.table.n
+        self._copy_src, self._zero = copy_src, zero
+        self.head, self.n_kv = self.core.head, self.core.n
         return E.OK
 
     def copy_src(self) -> np.ndarray:
@@ -462,7 +653,7 @@ class Placement:
                          if self._output[i]], dtype=np.int64)
 
 
-def split_batch(table: CellTable, seq_id_flat: np.ndarray, seq_id_offset: np.ndarray, pos: np.ndarray,
+def split_batch(core: MemoryCore, seq_id_flat: np.ndarray, seq_id_offset: np.ndarray, pos: np.ndarray,
                 logits: np.ndarray | None, logits_all: bool, n_ubatch: int, embd_pooled: bool) -> Placement:
     """Validate a batch against the cells (SPEC §4) and split it into ubatches (SPEC §3)."""
     n = pos.shape[0]
@@ -470,7 +661,7 @@ def split_batch(table: CellTable, seq_id_flat: np.ndarray, seq_id_offset: np.nda
     lists = [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(n)]
 
     def fail(code: int, **detail: int) -> Exception:
-        values = dict(token=-1, seq=-1, pos=-1, prev=-1, n=0, size=table.size)
+        values = dict(token=-1, seq=-1, pos=-1, prev=-1, n=0, size=core.size)
         values.update(detail)
         return engine_error(code, **values)
 
@@ -481,13 +672,13 @@ def split_batch(table: CellTable, seq_id_flat: np.ndarray, seq_id_offset: np.nda
         if positions[i] == POS_INF:
             raise fail(E.SPLIT_POS_MAX, token=i, pos=positions[i])
         for seq in lists[i]:
-            if not 0 <= seq < table.size:
+            if not 0 <= seq < core.size:
                 raise fail(E.SPLIT_SEQ_RANGE, token=i, seq=seq)
     # each sequence's positions are consecutive, distinct, and continue its cell
     previous_seq = previous_pos = -1
     for seq, p in sorted((seq, positions[i]) for i in range(n) for seq in lists[i]):
         if seq != previous_seq:
-            previous_pos = table.seq_pos_max(seq)
+            previous_pos = core.seq_pos_max(seq)
             if previous_pos >= 0 and p != previous_pos + 1:
                 raise fail(E.SPLIT_CONTINUE, seq=seq, pos=p, prev=previous_pos)
         elif p != previous_pos + 1:
@@ -532,7 +723,7 @@ def split_batch(table: CellTable, seq_id_flat: np.ndarray, seq_id_offset: np.nda
         for seq_ids, tokens in taken:
             owner, last = seq_ids[0], positions[tokens[-1]]
             if owner not in known:
-                known[owner] = table.seq_pos_max(owner)
+                known[owner] = core.seq_pos_max(owner)
             if known[owner] >= 0 and last != known[owner] + n_seq_tokens:
                 raise fail(E.SPLIT_FIND_SLOT, seq=owner, pos=last, prev=known[owner], n=n_seq_tokens)
             for seq in seq_ids:
@@ -545,108 +736,4 @@ def split_batch(table: CellTable, seq_id_flat: np.ndarray, seq_id_offset: np.nda
         output = [bool(flag) for flag in logits.tolist()]
     else:
         output = [i == n - 1 for i in range(n)]
-    return Placement(table, ubatches, positions, output)
-
-
-# -- state serialisation (SPEC §5) --------------------------------------------------------------
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if len(view) else 0
-
-
-class StateIO:
-    """llama.cpp's recurrent state_write / state_read over one cell table."""
-
-    def _shares_rows(self, view: memoryview) -> bool:
-        """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
-        begin, end = _address(view), _address(view) + len(view)
-        bases = [(tensor.__array_interface__["data"][0], tensor.nbytes) for tensor in self.table.tensors]
-        return len(view) > 0 and any(begin < base + n and base < end for base, n in bases)
-
-    def __init__(self, table: CellTable, type_ids: list[int]) -> None:
-        self.table = table
-        self.type_ids = tuple(type_ids)
-
-    def _shape(self) -> Geometry:
-        return Geometry.of_tensors(self.table.size, self.type_ids, self.table.tensors)
-
-    def _parts(self, seq_id: int) -> list[Any]:
-        """The blob in pieces: headers, then the rows range by range."""
-        t = self.table
-        if seq_id == -1:
-            cells = [c for c in range(t.size) if t.seq_ids[c]]
-        else:
-            cells = [c for c in range(t.size) if seq_id in t.seq_ids[c]]
-        ranges: list[list[int]] = []   # runs of consecutive cells, [begin, end)
-        for c in cells:
-            if ranges and ranges[-1][1] == c:
-                ranges[-1][1] = c + 1
-            else:
-                ranges.append([c, c + 1])
-        parts: list[Any] = [CELL_COUNT.pack(len(cells))]
-        for c in cells:
-            ids = sorted(t.seq_ids[c]) if seq_id == -1 else []
-            parts.append(CELL.pack(t.pos[c], len(ids)) + struct.pack(f"<{len(ids)}i", *ids))
-        shape = self._shape()
-        parts.append(DATA_HEADER.pack(0, shape.n_layer))   # v_trans = 0
-        for k, tensor in enumerate(t.tensors):
-            parts.append(TENSOR_HEADER.pack(shape.type_ids[k], shape.row_bytes[k]))
-            rows = tensor.view(np.uint8)
-            parts.extend(rows[begin:end].reshape(-1) for begin, end in ranges)
-        return parts
-
-    def size(self, seq_id: int) -> int:
-        return sum(memoryview(part).nbytes for part in self._parts(seq_id))
-
-    def write_bytes(self, seq_id: int) -> bytes:
-        return b"".join(self._parts(seq_id))
-
-    def write_into(self, view: memoryview, seq_id: int) -> int:
-        if self._shares_rows(view):
-            raise target_aliases_cache()
-        parts = self._parts(seq_id)
-        length = sum(memoryview(part).nbytes for part in parts)
-        if len(view) < length:
-            raise target_too_small(len(view), length)
-        offset = 0
-        for part in parts:
-            part_bytes = memoryview(part).cast("B")
-            view[offset:offset + len(part_bytes)] = part_bytes
-            offset += len(part_bytes)
-        return length
-
-    def write_file(self, file: Any, seq_id: int) -> int:
-        parts = self._parts(seq_id)
-        for part in parts:
-            write_all(file, part)
-        return sum(memoryview(part).nbytes for part in parts)
-
-    def read(self, data: memoryview, seq_id: int) -> int:
-        """Check the whole blob, then replace the cache (``-1``) or sequence ``seq_id`` with it."""
-        t = self.table
-        if self._shares_rows(data):
-            # the blob lies in the cache's own rows, which the restore overwrites: read a copy
-            data = memoryview(bytes(data))
-        blob = parse_blob(data, self._shape(), seq_id)   # every check, before any change
-        if seq_id == -1:
-            # the whole cache: blob cell i becomes cell i, with its own row
-            t.clear()
-            for i, cell in enumerate(blob.cells):
-                t.pos[i] = cell.pos
-                t.src[i] = i
-                t.seq_ids[i] = set(cell.seq_ids)
-                for seq in cell.seq_ids:
-                    t.tail[seq] = i
-            t.used = blob.cell_count
-            t.head = 0
-        else:
-            # one sequence: removed, then placed as one group by find_slot
-            t.seq_rm(seq_id, -1, -1)
-            if blob.cell_count == 0:
-                return blob.n_bytes
-            code = t.place(seq_id, blob.cells[0].pos)
-            if code < 0:   # cannot happen: the sequence left every cell, so one is free
-                raise engine_error(code, what=f"state_read of seq_id {seq_id}", seq=seq_id, size=t.size)
-        for k, tensor in enumerate(t.tensors):
-            tensor.view(np.uint8)[t.head:t.head + blob.cell_count] = blob.rows(data, blob.tensors[k])
-        return blob.n_bytes
+    return Placement(core, ubatches, positions, output)

@@ -259,26 +259,17 @@ def sequence_rows(cache: Any, seq: int) -> tuple[list[np.ndarray], list[np.ndarr
     Reads the row of the sequence's cell (``src``: where its data lives; a
     cell that has none yet means zeros).  ``seq`` must hold a cell.
     """
-    tail = cache.cell(seq)[2]
-    if tail < 0:
+    if cache.seq_cell(seq) < 0:
         raise ArgumentError(f"sequence {seq} holds no cell: there is no state to snapshot")
-    src = cache.cell(tail)[1]
-    def take(rows: np.ndarray) -> np.ndarray:
-        return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
-
-    return ([take(cache.r[il]) for il in range(cache.n_layer)],
-            [take(cache.s[il]) for il in range(cache.n_layer)])
+    r_rows, s_rows = cache.seq_state(seq)
+    return r_rows, s_rows
 
 
 def restore_rows(cache: Any, seq: int, n_tokens: int, r_rows: Sequence[np.ndarray],
                  s_rows: Sequence[np.ndarray]) -> int:
     """Give ``seq`` (holding no cell) the state after ``n_tokens`` tokens; returns its row.
 
-    Placed as ``state_read`` of the one-cell blob would place it
-    (``cache._place_sequence``), then the rows are copied in byte for byte.
+    Placed as ``state_read`` of the one-cell blob would place it, holding the rows byte
+    for byte (``cache.seq_restore``: every row is checked before anything changes).
     """
-    row = cache._place_sequence(seq, n_tokens - 1)
-    for il in range(cache.n_layer):
-        cache.r[il][row].view(np.uint8)[...] = np.asarray(r_rows[il]).view(np.uint8)
-        cache.s[il][row].view(np.uint8)[...] = np.asarray(s_rows[il]).view(np.uint8)
-    return int(row)
+    return int(cache.seq_restore(seq, n_tokens - 1, r_rows, s_rows))

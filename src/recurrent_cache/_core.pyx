@@ -1,0 +1,612 @@
+# cython: language_level=3
+"""The memory core in C: the only code that changes a cache's cells, rows and rollback history.
+
+``_cells`` holds the primitives (the cell table, find_slot, copy plans, the history
+slots); this module composes them into the operations of SPEC.md §1, §2, §5 and §7 with
+their rules in one place: a ubatch applied (placement, copy plan, rows and history moved,
+start states filed), the model's step states filed, every sequence operation with its
+history rule, rollback, a sequence placed with given rows, and state reads.  The Python
+facade (through ``_placement`` and ``MemoryCore``) and the C API (``_capi``) both call
+these functions, so they share one change counter and file step states at one point:
+the start of the next changing call, whichever API makes it.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.ref cimport PyObject
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+import numpy as np
+
+from ._cells cimport (CHECK_COUNT, CHECK_DANGLING, CHECK_EMPTY, CHECK_FREE_BIT, CHECK_LIST, CHECK_SEQ_RANGE,
+                      CHECK_TAIL, CHECK_USED, RC_ERR_BROKEN, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY,
+                      RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL, RC_ERR_SEQ_RANGE, RC_OK, cells_check, cells_clear,
+                      cells_copy_plan, cells_find_slot, cells_init, cells_next_free, cells_release,
+                      cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_pos_max,
+                      cells_seq_pos_min, cells_seq_rm, cells_tail_in_range, history_apply_plan, history_file,
+                      history_forget, history_forget_all, history_keep_start_states, history_rollback,
+                      history_rollback_min, history_steps, rows_apply_plan)
+from ._split cimport Split
+from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW_BYTES, BLOB_ERR_SEQ_ID_RANGE,
+                         BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE, BLOB_OK, FIELD_CELL, FIELD_CELL_COUNT,
+                         FIELD_DATA_HEADER, FIELD_ROWS, FIELD_SEQ_IDS, FIELD_TENSOR_HEADER, BlobDefect,
+                         BlobLayout, alloc_ranges, blob_size, check_blob, max_ranges, meta_size, put_u32,
+                         put_u64, restore_blob, selected_ranges, write_meta, write_rows)
+
+from . import errors
+from . import state_format as fmt
+from .errors import CoreError
+
+cdef extern from "rc_debug.h":
+    const bint RC_SELF_CHECK
+
+cdef extern from "rc_hugepages.h":
+    void rc_advise_hugepages(void* buffer, size_t n) noexcept nogil
+
+cdef enum:
+    DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
+    TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
+
+
+# -- step states (SPEC §7) ---------------------------------------------------------------
+
+cdef int32_t core_steps(const Core* core, int32_t n_seq_tokens) noexcept nogil:
+    """m: the states the model writes per group of a ubatch of n_seq_tokens tokens per group."""
+    return history_steps(&core.history, n_seq_tokens)
+
+
+cdef char* core_step_row(const Core* core, Py_ssize_t k, int32_t group, int32_t j) noexcept nogil:
+    """Where the model writes tensor k's state after token n_seq_tokens - 1 - m + j of group."""
+    return core.step_data[k] + (<Py_ssize_t>group * core.pending_m + j) * core.row_bytes[k]
+
+
+cdef void core_file_steps(Core* core) noexcept nogil:
+    """File the step states of the last applied ubatch (if any) into its cells' histories."""
+    cdef int32_t g, j, m = core.pending_m
+    if core.pending_n_seqs == 0:
+        return
+    for g in range(core.pending_n_seqs):
+        for j in range(m):   # step row g * m + j: the state after position last_pos - m + j
+            history_file(&core.history, core.pending_head + g, core.pending_last_pos[g] - m + j,
+                         core.step_data, <Py_ssize_t>g * m + j)
+    core.pending_n_seqs = 0
+
+
+cdef int grow_steps(Core* core, Py_ssize_t rows) noexcept with gil:
+    try:
+        (<MemoryCore>core.owner).reserve_steps(rows)
+    except MemoryError:
+        return RC_ERR_NO_MEMORY
+    return RC_OK
+
+
+# -- ubatches ----------------------------------------------------------------------------
+
+cdef int core_apply_ubatch(Core* core, const Split* split, int32_t u, const int32_t* seq_ids) noexcept nogil:
+    cdef int32_t g0 = split.ub_group_start[u], n_seqs = split.ub_group_start[u + 1] - g0
+    cdef int32_t n_seq_tokens = split.ub_n_seq_tokens[u], m = core_steps(core, n_seq_tokens), n
+    cdef const int32_t* last_pos = split.group_last_pos + g0
+    cdef int code
+    core_file_steps(core)
+    if <Py_ssize_t>n_seqs * m > core.step_capacity:   # before any change: failing leaves all as it was
+        code = grow_steps(core, <Py_ssize_t>n_seqs * m)
+        if code != RC_OK:
+            return code
+    core.generation += 1
+    code = cells_find_slot(&core.cells, n_seqs, split.ub_token_start[u + 1] - split.ub_token_start[u], seq_ids,
+                           split.group_seq_offset + g0, split.group_n_seq_id + g0, last_pos)
+    if code != RC_OK:
+        return code
+    n = core.cells.n
+    cells_copy_plan(&core.cells, core.plan_copy_src, core.plan_zero)
+    code = apply_plan(core, core.cells.head, n)
+    if code != RC_OK:
+        return code
+    history_keep_start_states(&core.history, core.cells.head, n_seqs, n_seq_tokens, last_pos, core.plan_zero)
+    if m > 0:
+        core.pending_head = core.cells.head
+        core.pending_n_seqs = n_seqs
+        core.pending_m = m
+        memcpy(core.pending_last_pos, last_pos, <size_t>n_seqs * sizeof(int32_t))
+    if core.self_check and cells_check(&core.cells) != 0:
+        return RC_ERR_BROKEN
+    return RC_OK
+
+
+cdef int apply_plan(Core* core, int32_t head, int32_t n) noexcept nogil:
+    """Move the rows and their histories as the copy plan in the core's scratch says."""
+    cdef Py_ssize_t k
+    cdef int code
+    for k in range(core.n_tensors):
+        code = rows_apply_plan(core.tensor_data[k], core.row_bytes[k], core.row_bytes[k], head, n,
+                               core.plan_copy_src, core.plan_zero)
+        if code != RC_OK:
+            return code
+    return history_apply_plan(&core.history, head, n, core.plan_copy_src, core.plan_zero)
+
+
+# -- sequence operations with their history rules --------------------------------------------
+
+cdef bint core_seq_rm(Core* core, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
+    """seq_rm; with a history, [p0, inf) inside the sequence rolls it back to the state after p0 - 1."""
+    cdef int32_t pos = -1
+    cdef bint removed
+    core_file_steps(core)
+    if core.history.n_rollback and 0 <= seq < core.cells.size:
+        pos = cells_seq_pos_max(&core.cells, seq)
+    if 0 < p0 <= pos and (p1 < 0 or p1 > pos):
+        removed = history_rollback(&core.history, &core.cells, seq, p0 - 1)
+    else:
+        removed = cells_seq_rm(&core.cells, seq, p0, p1)
+    if removed:
+        core.generation += 1
+    return removed
+
+
+cdef void core_seq_cp(Core* core, int32_t seq_src, int32_t seq_dst) noexcept nogil:
+    core_file_steps(core)
+    cells_seq_cp(&core.cells, seq_src, seq_dst)
+    core.generation += 1
+
+
+cdef int core_seq_keep(Core* core, int32_t seq) noexcept nogil:
+    cdef int code
+    core_file_steps(core)
+    code = cells_seq_keep(&core.cells, seq)
+    if code == RC_OK:
+        core.generation += 1
+    return code
+
+
+cdef int core_seq_add(Core* core, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
+    """seq_add; the history of the cell it moves is forgotten (its positions no longer match)."""
+    cdef int32_t cell
+    cdef int code
+    core_file_steps(core)
+    cell = cells_tail_in_range(&core.cells, seq, p0, p1) if 0 <= seq < core.cells.size else -1
+    code = cells_seq_add(&core.cells, seq, p0, p1, shift)
+    if code == RC_OK:
+        if shift != 0:
+            history_forget(&core.history, cell)
+        core.generation += 1
+    return code
+
+
+cdef int core_seq_div(Core* core, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
+    """seq_div; the history of the cell it moves is forgotten."""
+    cdef int32_t cell
+    cdef int code
+    core_file_steps(core)
+    cell = cells_tail_in_range(&core.cells, seq, p0, p1) if 0 <= seq < core.cells.size else -1
+    code = cells_seq_div(&core.cells, seq, p0, p1, d)
+    if code == RC_OK:
+        if d != 1:
+            history_forget(&core.history, cell)
+        core.generation += 1
+    return code
+
+
+cdef void core_clear(Core* core) noexcept nogil:
+    """Empty every cell, zero every row, forget every history."""
+    cdef Py_ssize_t k
+    core.pending_n_seqs = 0   # the rows it would file into are gone
+    cells_clear(&core.cells)
+    for k in range(core.n_tensors):
+        memset(core.tensor_data[k], 0, <size_t>core.cells.size * <size_t>core.row_bytes[k])
+    history_forget_all(&core.history, core.cells.size)
+    core.generation += 1
+
+
+cdef int32_t core_rollback_min(Core* core, int32_t seq) noexcept nogil:
+    """The smallest q whose state a rollback of seq reaches, or -1 (files pending steps first)."""
+    core_file_steps(core)
+    return history_rollback_min(&core.history, &core.cells, seq)
+
+
+# -- placing a sequence with given rows, and state reads ------------------------------------
+
+cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* const* rows) noexcept nogil:
+    cdef int32_t seq_offset = 0, n_seq_id = 1, cell
+    cdef Py_ssize_t k
+    cdef int code
+    if not 0 <= seq < core.cells.size:
+        return RC_ERR_SEQ_RANGE
+    if core.cells.tail[seq] >= 0:
+        return RC_ERR_SEQ_HAS_CELL
+    if pos < 0 or pos == INT32_MAX:
+        return RC_ERR_POSITION
+    if core.cells.used >= core.cells.size:   # (cannot be: seq, < size, holds no cell) checked, not assumed
+        return RC_ERR_NO_FREE_CELL
+    core_file_steps(core)
+    core.generation += 1
+    code = cells_find_slot(&core.cells, 1, 1, &seq, &seq_offset, &n_seq_id, &pos)
+    if code != RC_OK:   # cannot happen after the checks above (a bug: reported, not hidden)
+        return code
+    cell = core.cells.head
+    core.cells.src[cell] = cell
+    for k in range(core.n_tensors):
+        memcpy(core.tensor_data[k] + <Py_ssize_t>cell * core.row_bytes[k], rows[k], core.row_bytes[k])
+    history_forget(&core.history, cell)   # another sequence's past is not this one's
+    return cell
+
+
+cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
+                         BlobDefect* defect) noexcept nogil:
+    cdef BlobLayout layout
+    cdef int code = check_blob(&core.cells, seq_id, data, length, core.n_tensors, core.type_ids,
+                               core.row_bytes, &layout, defect)
+    if code != BLOB_OK:
+        return code
+    core_file_steps(core)
+    core.generation += 1
+    code = restore_blob(&core.cells, data, &layout, seq_id, core.n_tensors, core.tensor_data, core.row_bytes)
+    if code != RC_OK:
+        return code
+    # the blob carries no history (llama.cpp's bytes)
+    if seq_id < 0:
+        history_forget_all(&core.history, core.cells.size)
+    else:
+        history_forget(&core.history, core.cells.tail[seq_id])
+    return RC_OK
+
+
+# -- the Python-facing handle ---------------------------------------------------------------
+
+cdef bint shares_rows(const Core* core, const void* p, Py_ssize_t n) noexcept:
+    """Whether bytes [p, p + n) overlap a state tensor (a blob or target made of the cache's rows)."""
+    cdef Py_ssize_t k
+    cdef uintptr_t begin = <uintptr_t>p, base
+    for k in range(core.n_tensors):
+        base = <uintptr_t>core.tensor_data[k]
+        if n > 0 and begin < base + <uintptr_t>(core.cells.size * core.row_bytes[k]) and base < begin + <uintptr_t>n:
+            return True
+    return False
+
+
+cdef class MemoryCore:
+    """A cache's memory core: the cells, the state tensors' rows, the rollback history and the
+    change counter (compiled engine object; ``_engines.MemoryCoreEngine`` is its interface).
+
+    The facade (``recurrent_cache.cache``) validates arguments; this class trusts them and
+    only guards what could corrupt memory.
+    """
+
+    def __cinit__(self, int32_t size, list tensors, int32_t n_rollback, type_ids):
+        cdef Py_ssize_t k, n, n_tensors = len(tensors)
+        cdef char[:, ::1] view
+        cdef int32_t[:, ::1] tag_view
+        if size < 1 or n_rollback < 0 or len(type_ids) != n_tensors:
+            raise ValueError(f"size {size}, n_rollback {n_rollback}, {len(type_ids)} type ids "
+                             f"for {n_tensors} tensors")
+        memset(&self.core, 0, sizeof(Core))
+        self.core.owner = <PyObject*>self
+        if cells_init(&self.core.cells, size) != RC_OK:
+            raise MemoryError(f"cannot allocate a cell table of {size} cells")
+        self.core.n_tensors = n_tensors
+        n = max(1, n_tensors)
+        self.core.tensor_data = <char**>malloc(n * sizeof(char*))
+        self.core.row_bytes = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
+        self.core.type_ids = <int32_t*>malloc(n * sizeof(int32_t))
+        self.core.step_data = <char**>malloc(n * sizeof(char*))
+        self.core.history.hist_data = <char**>malloc(n * sizeof(char*))
+        # allocated once: a plan covers at most every cell, a ubatch at most size groups
+        self.core.plan_copy_src = <int32_t*>malloc(size * sizeof(int32_t))
+        self.core.plan_zero = <uint8_t*>malloc(size)
+        self.core.pending_last_pos = <int32_t*>malloc(size * sizeof(int32_t))
+        if (self.core.tensor_data == NULL or self.core.row_bytes == NULL or self.core.type_ids == NULL
+                or self.core.step_data == NULL or self.core.history.hist_data == NULL
+                or self.core.plan_copy_src == NULL or self.core.plan_zero == NULL
+                or self.core.pending_last_pos == NULL):
+            raise MemoryError("cannot allocate the tensor table")
+        for k in range(n_tensors):
+            array = tensors[k]
+            if not array.flags.c_contiguous or array.ndim != 2 or array.shape[0] != size:
+                raise ValueError("state tensors must be C-contiguous (size, n_embd) arrays")
+            view = array.view("u1").reshape(array.shape[0], -1)
+            self.core.tensor_data[k] = &view[0, 0]
+            self.core.row_bytes[k] = view.shape[1]
+            self.core.type_ids[k] = type_ids[k]
+        self.tensors = tensors
+        self.core.self_check = RC_SELF_CHECK
+        self.core.history.n_tensors = n_tensors
+        self.core.history.tensor_data = self.core.tensor_data
+        self.core.history.row_bytes = self.core.row_bytes
+        # history[k][c, q % n_rollback]: the state after position q of cell c's tensor k
+        history = [np.zeros((size, n_rollback, t.shape[1]), dtype=t.dtype) for t in tensors] if n_rollback else []
+        tags = np.zeros((size, max(1, n_rollback)), dtype=np.int32)
+        tag_view = tags
+        for k in range(len(history)):
+            view = history[k].view("u1").reshape(size, -1)
+            self.core.history.hist_data[k] = &view[0, 0]
+        self.core.history.tags = &tag_view[0, 0]
+        self.core.history.n_rollback = n_rollback
+        self.history_arrays = (history, tags[:, :n_rollback])
+        self.step_arrays = []
+        self.reserve_steps(0)
+
+    def __dealloc__(self):
+        cells_release(&self.core.cells)
+        free(self.core.history.hist_data)
+        free(self.core.tensor_data)
+        free(self.core.row_bytes)
+        free(self.core.type_ids)
+        free(self.core.step_data)
+        free(self.core.plan_copy_src)
+        free(self.core.plan_zero)
+        free(self.core.pending_last_pos)
+
+    cdef int reserve_steps(self, Py_ssize_t rows) except -1:
+        """Room for ``rows`` step states per tensor.  Grown as new arrays: a view the model
+        still holds of the old scratch keeps its memory (its writes are then lost, never stray)."""
+        cdef Py_ssize_t k
+        cdef char[:, ::1] view
+        if rows <= self.core.step_capacity and self.step_arrays:
+            return 0
+        rows = max(rows, 2 * self.core.step_capacity, 1)
+        arrays = [np.zeros((rows, t.shape[1]), dtype=t.dtype) for t in self.tensors]
+        for k in range(self.core.n_tensors):
+            view = arrays[k].view("u1").reshape(rows, -1)
+            self.core.step_data[k] = &view[0, 0]
+        self.step_arrays = arrays
+        self.core.step_capacity = rows
+        return 0
+
+    # -- what the facade reads -----------------------------------------------------------
+
+    @property
+    def size(self):
+        return self.core.cells.size
+
+    @property
+    def head(self):
+        return self.core.cells.head
+
+    @property
+    def used(self):
+        return self.core.cells.used
+
+    @property
+    def n(self):
+        return self.core.cells.n
+
+    @property
+    def n_rollback(self):
+        return self.core.history.n_rollback
+
+    @property
+    def generation(self):
+        """Bumped by every change of the cells, rows or history, made through any API."""
+        return self.core.generation
+
+    @property
+    def self_check(self):
+        return self.core.self_check
+
+    def cell(self, int32_t i):
+        """(pos, src, tail, sorted seq ids) of cell i."""
+        cdef list members = []
+        cdef int32_t seq
+        if not 0 <= i < self.core.cells.size:
+            raise errors.engine_error(errors.CELL_INDEX, what="cell", index=i, size=self.core.cells.size)
+        seq = self.core.cells.first[i]
+        while seq >= 0:
+            members.append(seq)
+            seq = self.core.cells.next[seq]
+        members.sort()
+        return self.core.cells.pos[i], self.core.cells.src[i], self.core.cells.tail[i], tuple(members)
+
+    def seq_cell(self, int32_t seq):
+        """The cell holding ``seq`` (in range), or -1."""
+        return self.core.cells.tail[seq]
+
+    def seq_pos_min(self, int32_t seq):
+        return cells_seq_pos_min(&self.core.cells, seq)
+
+    def seq_pos_max(self, int32_t seq):
+        return cells_seq_pos_max(&self.core.cells, seq)
+
+    def check(self):
+        """None, or a sentence naming the first broken invariant of SPEC §1 (the facade raises it)."""
+        cdef Cells* c = &self.core.cells
+        cdef int32_t at
+        cdef int broken = cells_check(c, &at)
+        if not broken:
+            return None
+        return {
+            CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {c.size})",
+            CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
+            CHECK_LIST: f"broken member list of cell {at}",
+            CHECK_COUNT: f"cell {at} counts {c.n_seq[at] if at >= 0 else 0} sequences but lists another number",
+            CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
+            CHECK_EMPTY: f"empty cell {at} has pos {c.pos[at] if at >= 0 else 0} / src {c.src[at] if at >= 0 else 0}",
+            CHECK_DANGLING: "a sequence has a tail but no cell holds it",
+            CHECK_USED: f"used is {c.used}, but another number of cells is not empty",
+        }[broken]
+
+    def history(self):
+        """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (SPEC §7);
+        ``tags[c, q % n_rollback] == q + 1`` marks the state after ``q`` as held in cell c."""
+        core_file_steps(&self.core)
+        history, tags = self.history_arrays
+        return tags.copy(), [array.copy() for array in history]
+
+    def step_rows(self, int32_t k, int32_t n_seqs, int32_t m):
+        """[n_seqs, m, n_embd] view of the scratch the model writes tensor k's step states into."""
+        array = self.step_arrays[k]
+        return array[:n_seqs * m].reshape(n_seqs, m, array.shape[1])
+
+    def steps(self, int32_t n_seq_tokens):
+        """m: step states per group the model writes for a ubatch of n_seq_tokens tokens per group."""
+        return core_steps(&self.core, n_seq_tokens)
+
+    # -- changes -------------------------------------------------------------------------
+
+    def clear(self):
+        core_clear(&self.core)
+
+    def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
+        return core_seq_rm(&self.core, seq, p0, p1)
+
+    def seq_cp(self, int32_t seq_src, int32_t seq_dst):
+        core_seq_cp(&self.core, seq_src, seq_dst)
+
+    def seq_keep(self, int32_t seq):
+        return core_seq_keep(&self.core, seq)
+
+    def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
+        return core_seq_add(&self.core, seq, p0, p1, shift)
+
+    def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
+        return core_seq_div(&self.core, seq, p0, p1, d)
+
+    def rollback_min(self, int32_t seq):
+        return core_rollback_min(&self.core, seq)
+
+    def restore(self, int32_t seq, int32_t pos, list rows):
+        """``seq`` (in no cell) gets a cell at ``pos`` holding ``rows`` (one C-contiguous row per
+        tensor, of its row size), history cleared; the cell, or a negative code (nothing changed)."""
+        cdef Py_ssize_t k
+        cdef const unsigned char[::1] row
+        cdef const char** pointers
+        cdef list views = []
+        if len(rows) != self.core.n_tensors:
+            raise ValueError(f"{len(rows)} rows for {self.core.n_tensors} tensors")
+        for k in range(self.core.n_tensors):
+            row = np.ascontiguousarray(rows[k]).reshape(-1).view(np.uint8)
+            if row.shape[0] != self.core.row_bytes[k]:
+                raise ValueError(f"row {k} has {row.shape[0]} bytes, the tensor's rows {self.core.row_bytes[k]}")
+            views.append(row)
+        pointers = <const char**>malloc(max(1, self.core.n_tensors) * sizeof(char*))
+        if pointers == NULL:
+            raise MemoryError("cannot allocate the row table")
+        try:
+            for k in range(self.core.n_tensors):
+                row = views[k]
+                if shares_rows(&self.core, &row[0], row.shape[0]):   # a row of this cache: copy it first
+                    row = bytes(row)
+                    views[k] = row
+                pointers[k] = <const char*>&row[0]
+            return core_restore(&self.core, seq, pos, pointers)
+        finally:
+            free(pointers)
+
+    # -- state serialisation (SPEC §5) ---------------------------------------------------
+
+    def state_size(self, int32_t seq_id):
+        """Bytes of ``state_write(seq_id)``."""
+        return blob_size(&self.core.cells, seq_id, self.core.n_tensors, self.core.row_bytes)
+
+    cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1:
+        """Write the blob to out, which has room for capacity bytes; returns the blob's length."""
+        cdef Core* c = &self.core
+        cdef Py_ssize_t off, n
+        cdef int32_t n_ranges
+        cdef int32_t* begin = alloc_ranges(c.cells.size)
+        cdef int32_t* end = begin + max_ranges(c.cells.size)
+        try:
+            # Ranges, size and meta are taken with the GIL held and no Python code
+            # in between; the copies then need only the ranges, so another
+            # thread cannot make the rows disagree with the meta or overflow out.
+            n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
+            n = blob_size(&c.cells, seq_id, c.n_tensors, c.row_bytes)
+            if n > capacity:
+                raise fmt.target_too_small(capacity, n)
+            off = write_meta(&c.cells, seq_id, out)
+            if off < 0:
+                raise MemoryError("cannot allocate the seq-id slots")
+            with nogil:
+                off += write_rows(out + off, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids, n_ranges,
+                                  begin, end)
+        finally:
+            free(begin)
+        return off
+
+    def state_write_into(self, unsigned char[::1] out, int32_t seq_id):
+        """Write the blob to the start of out; returns its length."""
+        if out.shape[0] and shares_rows(&self.core, &out[0], out.shape[0]):
+            raise fmt.target_aliases_cache()
+        return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
+
+    def state_write_bytes(self, int32_t seq_id):
+        """The blob as a new bytes object, written in place (no intermediate copy)."""
+        cdef Py_ssize_t n = self.state_size(seq_id)
+        cdef bytes blob = PyBytes_FromStringAndSize(NULL, n)
+        rc_advise_hugepages(PyBytes_AS_STRING(blob), n)
+        if self.write(<unsigned char*>PyBytes_AS_STRING(blob), n, seq_id) != n:
+            # only another thread changing the cache meanwhile can shrink the blob
+            raise CoreError("state_write: the cache changed while it was written")
+        return blob
+
+    def state_write_file(self, object file, int32_t seq_id):
+        """Write the blob to a binary file: the meta, then each range of rows straight from the tensors."""
+        cdef Core* c = &self.core
+        cdef Py_ssize_t k, n, total, n_meta = meta_size(&c.cells, seq_id)
+        cdef int32_t i, n_ranges
+        cdef unsigned char header[TENSOR_HEADER_BYTES]
+        cdef bytes meta = PyBytes_FromStringAndSize(NULL, n_meta + DATA_HEADER_BYTES)
+        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
+        cdef int32_t* begin = alloc_ranges(c.cells.size)
+        cdef int32_t* end = begin + max_ranges(c.cells.size)
+        try:
+            n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
+            # the allocations above may have run Python code (a finalizer) that changed the cache
+            if meta_size(&c.cells, seq_id) != n_meta:
+                raise CoreError("state_write_into: the cache changed while it was written")
+            if write_meta(&c.cells, seq_id, p) < 0:
+                raise MemoryError("cannot allocate the seq-id slots")
+            put_u32(p + n_meta, 0)
+            put_u32(p + n_meta + 4, <uint32_t>(c.n_tensors // 2))
+            fmt.write_all(file, meta)
+            total = len(meta)
+            # the ranges are fixed now: file.write may run other threads, not move these rows
+            for k in range(c.n_tensors):
+                put_u32(header, <uint32_t>c.type_ids[k])
+                put_u64(header + 4, <uint64_t>c.row_bytes[k])
+                fmt.write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
+                total += TENSOR_HEADER_BYTES
+                for i in range(n_ranges):
+                    n = (end[i] - begin[i]) * c.row_bytes[k]
+                    fmt.write_all(file, <unsigned char[:n]>(<unsigned char*>c.tensor_data[k]
+                                                            + begin[i] * c.row_bytes[k]))
+                    total += n
+        finally:
+            free(begin)
+        return total
+
+    def state_read(self, const unsigned char[::1] data, int32_t seq_id):
+        """Check the whole blob, then restore it (SPEC §5); returns the bytes read."""
+        cdef Py_ssize_t length = data.shape[0]
+        cdef const unsigned char* p = &data[0] if length else NULL
+        cdef BlobDefect defect
+        cdef int code
+        if shares_rows(&self.core, p, length):
+            # the blob lies in the cache's own rows, which the restore overwrites: read a
+            # copy, so the blob is read as it was when the call began
+            return self.state_read(bytes(data), seq_id)
+        with nogil:
+            code = core_state_read(&self.core, seq_id, p, length, &defect)
+        if code != RC_OK:
+            if code <= BLOB_ERR_TRUNCATED:   # the blob codes are -30 and below
+                raise self.blob_error(code, &defect, length)
+            raise CoreError(f"state_read: find_slot failed (code {code}) for seq {seq_id}")
+        return length
+
+    cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
+        """The StateError for a check_blob code, from the one table (``errors.engine_error``)."""
+        cdef Py_ssize_t k = d.index
+        signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
+        expected = None
+        if code == BLOB_ERR_TYPE:
+            expected = self.core.type_ids[k]
+        elif code == BLOB_ERR_ROW_BYTES:
+            expected = self.core.row_bytes[k]
+        field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
+                 FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
+                 FIELD_ROWS: "rows"}.get(d.field, "")
+        value = d.value
+        if signed:
+            value = int(<int32_t><uint32_t>d.value)
+        return errors.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
+                                   index=k, other=d.other, value=value, size=self.core.cells.size,
+                                   n_layer=self.core.n_tensors // 2, expected=expected)
