@@ -1,0 +1,530 @@
+"""Where the features meet: no sequence ever holds another sequence's state (issue 17).
+
+Rollback, the prefix cache, the stores, ``state_read`` and the C API each pass their
+own tests; this suite drives them *together* on one cache, through their public
+interfaces only, against an oracle model whose every state is a function of the
+sequence's history: after a sequence has consumed tokens t_0..t_p, tensor k of its
+cell holds ``history_row(k, (t_0, .., t_p))`` — small integers from a hash, exact in
+f32, f16 and bf16, never 0 — and the step states of a ubatch hold the value of the
+history up to their step.  The oracle knows, after every operation, the token
+history each live sequence must hold (a fork shares its parent's, a rollback
+truncates it, a restore takes the restored prompt's) and which earlier states a
+rollback may reach (SPEC §7: the states the cache filed for *this* history within
+the last ``n_rollback`` positions, never those of a cell's previous occupant).  So
+a sequence that holds anything else — a stale row, zeros, the previous occupant's
+state or history — is caught at the operation that caused it.
+
+Both engines run the Python-only interleavings; the C API (through ctypes on the
+capsule's function table, ``capi_table.py``) exists on the compiled engine only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import random
+from collections.abc import Callable, Sequence
+from functools import cache
+
+import numpy as np
+import pytest
+
+import recurrent_cache
+from capi_table import P, Ubatch, ints, message, table
+from conftest import ENGINES, package_on
+from recurrent_cache import errors, stores
+
+T = table()
+N_LAYER, N_EMBD_R, N_EMBD_S = 2, 3, 4
+SIZE = 5
+DTYPES = ("f32", "f16", "bf16")
+VOCAB = 4             # few distinct tokens: different sequences often share prefixes
+NO_ROOM = (errors.NO_FREE_CELL,)
+
+
+# -- the oracle ------------------------------------------------------------------------
+
+@cache
+def history_values(tensor: int, history: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """The state of tensor ``tensor`` after ``history``: integers in [1, 251], exact in every dtype."""
+    digest = hashlib.blake2b(repr((tensor, history)).encode(), digest_size=16).digest()
+    return tuple(b % 251 + 1 for b in digest[:width])
+
+
+def encode(values: Sequence[float], dtype: np.dtype) -> np.ndarray:
+    """``values`` stored as a row of ``dtype`` (bf16 without ml_dtypes: the upper half of each f32)."""
+    as_f32 = np.asarray(values, dtype=np.float32)
+    if dtype == np.uint16:
+        return (as_f32.view(np.uint32) >> 16).astype(np.uint16)
+    return as_f32.astype(dtype)
+
+
+def tensors(cache) -> list[np.ndarray]:
+    """r[0..n_layer) then s[0..n_layer): the C API's tensor numbering."""
+    return list(cache.r) + list(cache.s)
+
+
+def history_row(cache, k: int, history: tuple[int, ...]) -> np.ndarray:
+    """What row ``k`` of a cell holding ``history`` must be (zeros for no history: a fresh cell)."""
+    tensor = tensors(cache)[k]
+    if not history:
+        return np.zeros(tensor.shape[1], dtype=tensor.dtype)
+    return encode(history_values(k, history, tensor.shape[1]), tensor.dtype)
+
+
+class Oracle:
+    """Each live sequence's token history and the positions its rollback may reach (SPEC §7)."""
+
+    def __init__(self, n_rollback: int) -> None:
+        self.n_rollback = n_rollback
+        self.history: dict[int, tuple[int, ...]] = {}
+        self.window: dict[int, set[int]] = {}    # q: the state after position q is held for rollback
+
+    def pos(self, seq: int) -> int:
+        return len(self.history.get(seq, ())) - 1
+
+    def advance(self, members: Sequence[int], before: tuple[int, ...], tokens: Sequence[int], m: int) -> None:
+        """A ubatch group of ``members`` (owner first) continued ``before`` by ``tokens``: the cache
+        filed the state it started from, the model wrote the states after the ``m`` tokens
+        before its last one (SPEC §7)."""
+        owner = members[0]
+        last = len(before) + len(tokens) - 1
+        held = set(self.window.get(owner, ())) if before else set()
+        if before:
+            held.add(len(before) - 1)                     # the state the group started from
+        held.update(range(last - m, last))                # the step states the model wrote
+        held = {q for q in held if last - self.n_rollback <= q < last}
+        for seq in members:
+            self.history[seq] = before + tuple(tokens)
+            self.window[seq] = set(held)
+
+    def drop(self, seq: int) -> None:
+        self.history.pop(seq, None)
+        self.window.pop(seq, None)
+
+    def place(self, seq: int, history: tuple[int, ...]) -> None:
+        """``seq`` now holds ``history``'s state, placed from outside: nothing to roll back to."""
+        self.history[seq] = history
+        self.window[seq] = set()
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool | None:
+        """Apply ``seq_rm(seq, p0, p1)`` of a live ``seq``; its result (None: the oracle lets the
+        cache choose, which never happens with the ranges this suite uses)."""
+        pos = self.pos(seq)
+        p0 = max(p0, 0)
+        p1 = p1 if p1 >= 0 else 2**31 - 1
+        if 0 < p0 <= pos and p1 > pos:                    # a rollback to the state after p0 - 1
+            q = p0 - 1
+            if q not in self.window[seq]:
+                return False
+            self.history[seq] = self.history[seq][:p0]
+            self.window[seq] = {x for x in self.window[seq] if x < q}
+            return True
+        if 0 < p0 <= pos or 0 < p1 <= pos:               # would cut the state
+            return False
+        if p0 <= pos < p1:
+            self.drop(seq)
+        return True
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        self.drop(dst)
+        if src in self.history:
+            self.history[dst] = self.history[src]
+            self.window[dst] = set(self.window[src])      # a fork shares the cell's history
+
+    def seq_keep(self, seq: int) -> None:
+        for other in list(self.history):
+            if other != seq:
+                self.drop(other)
+
+    def clear(self) -> None:
+        self.history.clear()
+        self.window.clear()
+
+
+# -- one cache driven through Python and C ------------------------------------------------
+
+class Harness:
+    """One cache, the oracle, and every surface that changes the cache, each checked after use."""
+
+    def __init__(self, cache, n_rollback: int, with_c: bool) -> None:
+        self.cache = cache
+        self.oracle = Oracle(n_rollback)
+        self.ctx = T.ctx_new(cache) if with_c else None
+        self.prefix_cache = recurrent_cache.PrefixCache(cache, 1 << 20, block_size=4)
+        self.saved: set[tuple[int, ...]] = set()
+        self.log: list[str] = []
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            assert T.ctx_free(self.ctx) == 0
+            self.ctx = None
+
+    def where(self) -> str:
+        return "after: " + "; ".join(self.log[-12:])
+
+    def cells(self) -> list[tuple]:
+        return [self.cache.cell(i) for i in range(self.cache.size)]
+
+    def everything(self) -> tuple:
+        """The cells and every byte of every row: what a refused call must leave as it was."""
+        return self.cells(), self.cache.state_write(), [t.copy() for t in tensors(self.cache)]
+
+    def expect_unchanged(self, before: tuple, what: str) -> None:
+        after = self.everything()
+        assert after[0] == before[0], f"{what} changed the cells; {self.where()}"
+        assert after[1] == before[1], f"{what} changed the state; {self.where()}"
+        for a, b in zip(after[2], before[2]):
+            assert a.tobytes() == b.tobytes(), f"{what} changed the rows; {self.where()}"
+
+    # -- the model: writes the oracle's states, checks the state each group starts from
+
+    def group(self, rows: Callable[[int], np.ndarray], steps: Callable[[int, int, np.ndarray], None],
+              members: Sequence[int], tokens: Sequence[int], first_pos: int, m: int, api: str) -> None:
+        owner = members[0]
+        known = self.oracle.history.get(owner, ())
+        assert len(known) == first_pos, f"{api}: seq {owner} continues at {first_pos}, oracle at {len(known)}"
+        for k in range(2 * self.cache.n_layer):
+            start = rows(k)
+            expected = history_row(self.cache, k, known)
+            assert start.tobytes() == expected.tobytes(), (
+                f"{api}: seq {owner} starts from {start.tolist()}, not the state of its history {known} "
+                f"({expected.tolist()}); {self.where()}")
+            start[...] = history_row(self.cache, k, known + tuple(tokens))
+            for j in range(m):
+                steps(k, j, history_row(self.cache, k, known + tuple(tokens[:len(tokens) - m + j])))
+        self.oracle.advance(members, known, tokens, m)
+
+    def batch_entries(self, entries: list[tuple[tuple[int, ...], list[int]]]):
+        """Per token: its seq ids (owner first), token, position."""
+        flat = []
+        for seqs, new in entries:
+            start = self.oracle.pos(seqs[0]) + 1
+            flat += [(seqs, t, start + i) for i, t in enumerate(new)]
+        return flat
+
+    def feed_python(self, entries, n_ubatch: int) -> bool:
+        """One ``init_batch`` through the Python API, the model run on every ubatch."""
+        flat = self.batch_entries(entries)
+        seq_id = [list(s) for s, _, _ in flat] if any(len(s) > 1 for s, _, _ in flat) else [s[0] for s, _, _ in flat]
+        batch = recurrent_cache.Batch(token=[t for _, t, _ in flat], pos=[p for _, _, p in flat], seq_id=seq_id)
+        before = self.everything()
+        st = self.cache.init_batch(batch, n_ubatch=n_ubatch)
+        if st.status != recurrent_cache.MemoryStatus.SUCCESS:
+            self.expect_unchanged(before, "a batch that does not fit")
+            return False
+        for ub in st:
+            n = ub.n_seq_tokens
+            m = st.r_steps(0).shape[1]
+            for g in range(ub.n_seqs):
+                def rows(k, g=g):
+                    il = k % self.cache.n_layer
+                    return (st.r(il) if k < self.cache.n_layer else st.s(il))[g]
+
+                def steps(k, j, value, g=g):
+                    il = k % self.cache.n_layer
+                    (st.r_steps(il) if k < self.cache.n_layer else st.s_steps(il))[g, j] = value
+
+                self.group(rows, steps, ub.seq_id[g], ub.token[g * n:(g + 1) * n].tolist(),
+                           int(ub.pos[g * n]), m, "python batch")
+        return True
+
+    def feed_c(self, entries, n_ubatch: int) -> bool:
+        """The same through ``rc_batch_init`` / ``rc_batch_apply`` / ``rc_batch_step_row``."""
+        flat = self.batch_entries(entries)
+        seq_ids = [s for seqs, _, _ in flat for s in seqs]
+        offsets = np.cumsum([0] + [len(seqs) for seqs, _, _ in flat]).tolist()
+        tokens = [t for _, t, _ in flat]
+        before = self.everything()
+        batch = P()
+        code = T.batch_init(self.ctx, len(flat), ints(seq_ids), ints(offsets), ints([p for _, _, p in flat]),
+                            None, n_ubatch, 0, ctypes.byref(batch))
+        if code in NO_ROOM:
+            self.expect_unchanged(before, "a C batch that does not fit")
+            return False
+        assert code == 0, message(T, self.ctx, code)
+        try:
+            ub = Ubatch()
+            while (code := T.batch_apply(batch, ctypes.byref(ub))) == 1:
+                n, m = ub.n_seq_tokens, T.batch_n_steps(batch)
+                for g in range(ub.n_seqs):
+                    order = [ub.token_order[g * n + i] for i in range(n)]
+                    members = flat[order[0]][0]
+
+                    def rows(k, g=g, head=ub.head):
+                        return tensors(self.cache)[k][head + g]
+
+                    def steps(k, j, value, g=g):
+                        row = P()
+                        assert T.batch_step_row(batch, k, g, j, ctypes.byref(row)) == 0
+                        ctypes.memmove(row, value.tobytes(), value.nbytes)
+
+                    self.group(rows, steps, members, [tokens[i] for i in order], flat[order[0]][2], m, "C batch")
+            assert code == 0, message(T, self.ctx, code)
+        finally:
+            T.batch_release(batch)
+        return True
+
+    # -- sequence operations through either API
+
+    def seq_rm(self, seq: int, p0: int, p1: int, api: str) -> None:
+        expected = self.oracle.seq_rm(seq, p0, p1) if seq in self.oracle.history else True
+        if api == "C":
+            done = T.seq_rm(self.ctx, seq, p0, p1)
+            assert done in (0, 1), message(T, self.ctx, done)
+        else:
+            done = self.cache.seq_rm(seq, p0, p1)
+        assert bool(done) == expected, (
+            f"{api} seq_rm({seq}, {p0}, {p1}) returned {bool(done)}; the oracle says {expected} "
+            f"(its window: {sorted(self.oracle.window.get(seq, ()))}); {self.where()}")
+
+    def seq_cp(self, src: int, dst: int, api: str) -> None:
+        if api == "C":
+            assert T.seq_cp(self.ctx, src, dst) == 0
+        else:
+            self.cache.seq_cp(src, dst)
+        self.oracle.seq_cp(src, dst)
+
+    def seq_keep(self, seq: int, api: str) -> None:
+        if api == "C":
+            assert T.seq_keep(self.ctx, seq) == 0
+        else:
+            self.cache.seq_keep(seq)
+        self.oracle.seq_keep(seq)
+
+    def clear(self, api: str) -> None:
+        if api == "C":
+            assert T.clear(self.ctx) == 0
+        else:
+            self.cache.clear()
+        self.oracle.clear()
+
+    def state_write(self, seq: int, api: str) -> bytes:
+        if api == "C":
+            n = ctypes.c_size_t()
+            assert T.state_size(self.ctx, seq, ctypes.byref(n)) == 0
+            buffer = ctypes.create_string_buffer(max(1, n.value))
+            written = ctypes.c_size_t()
+            assert T.state_write(self.ctx, seq, buffer, n.value, ctypes.byref(written)) == 0
+            return buffer.raw[:written.value]
+        return self.cache.state_write(seq)
+
+    def state_read(self, blob: bytes, seq: int, api: str) -> None:
+        if api == "C":
+            code = T.state_read(self.ctx, seq, blob, len(blob))
+            assert code == 0, message(T, self.ctx, code)
+        else:
+            self.cache.state_read(blob, seq)
+
+    def copy_by_state(self, src: int, dst: int, api_write: str, api_read: str) -> None:
+        """``state_write(src)`` read into ``dst``: dst holds src's state and no history."""
+        blob = self.state_write(src, api_write)
+        self.state_read(blob, dst, api_read)
+        if src in self.oracle.history:
+            self.oracle.place(dst, self.oracle.history[src])
+        else:
+            self.oracle.drop(dst)
+
+    def round_trip(self, api_write: str, api_read: str) -> None:
+        """The whole cache through a blob: every state kept, every history forgotten."""
+        self.state_read(self.state_write(-1, api_write), -1, api_read)
+        for seq in self.oracle.window:
+            self.oracle.window[seq] = set()
+
+    # -- the prefix cache and the stores (Python only)
+
+    def save(self, seq: int) -> None:
+        tokens = self.oracle.history[seq]
+        assert self.prefix_cache.save(seq, list(tokens)), f"save of {tokens} not let in; {self.where()}"
+        self.saved.add(tokens)
+
+    def restore(self, seq: int, tokens: tuple[int, ...]) -> None:
+        n = self.prefix_cache.restore(seq, list(tokens))
+        held = [len(p) for p in self.saved if len(p) < len(tokens) and tokens[:len(p)] == p]
+        assert n == max(held, default=0), f"restore of {tokens} matched {n}, saved {held}; {self.where()}"
+        if n:
+            self.oracle.place(seq, tokens[:n])
+
+    def restore_rows(self, src: int, dst: int) -> None:
+        r_rows, s_rows = stores.sequence_rows(self.cache, src)
+        history = self.oracle.history[src]
+        stores.restore_rows(self.cache, dst, len(history), r_rows, s_rows)
+        self.oracle.place(dst, history)
+
+    # -- the check after every operation
+
+    def verify(self, rollback_min: Callable[[int], int]) -> None:
+        cache, oracle = self.cache, self.oracle
+        cache.check()
+        tails = set()
+        for seq in range(cache.size):
+            tail = cache.cell(seq)[2]
+            if seq not in oracle.history:
+                assert tail == -1 and cache.seq_pos_max(seq) == -1, (
+                    f"seq {seq} should hold nothing but is in cell {tail}; {self.where()}")
+                continue
+            history = oracle.history[seq]
+            assert tail >= 0, f"seq {seq} lost its cell (history {history}); {self.where()}"
+            tails.add(tail)
+            pos, src, _, seq_ids = cache.cell(tail)
+            assert seq in seq_ids and pos == cache.seq_pos_max(seq) == len(history) - 1, (
+                f"seq {seq}: cell {tail} at pos {pos} with {seq_ids}, history {history}; {self.where()}")
+            for k, tensor in enumerate(tensors(cache)):
+                row = tensor[src] if src >= 0 else np.zeros_like(tensor[0])
+                expected = history_row(cache, k, history)
+                assert row.tobytes() == expected.tobytes(), (
+                    f"seq {seq} (cell {tail}, row {src}) tensor {k} holds {row.tolist()}, not the state of its "
+                    f"history {history} {expected.tolist()}; {self.where()}")
+            window = oracle.window[seq]
+            got = rollback_min(seq)
+            assert got == (min(window) if window else -1), (
+                f"seq_rollback_min({seq}) is {got}; it holds the states after {sorted(window)} "
+                f"(history {history}); {self.where()}")
+        assert cache.used == len(tails), f"used {cache.used}, {len(tails)} cells hold sequences; {self.where()}"
+
+
+# -- random interleavings ----------------------------------------------------------------
+
+def new_cache(engine: str, dtype: str, n_rollback: int, size: int = SIZE):
+    return package_on(engine).RecurrentCache(N_LAYER, N_EMBD_R, N_EMBD_S, n_seq_max=size, dtype_r=dtype,
+                                             dtype_s=dtype, n_rollback=n_rollback)
+
+
+def free_cells(h: Harness) -> int:
+    return h.cache.size - h.cache.used
+
+
+def random_batch(h: Harness, rng: random.Random):
+    """Prompts of new sequences (some shared by two new sequences) and steps of live ones,
+    never needing more cells than are free (a shared cell's owner needs its own)."""
+    live = sorted(h.oracle.history)
+    tails = [h.cache.cell(s)[2] for s in live]
+    shared = {s for s, tail in zip(live, tails) if tails.count(tail) > 1}
+    room = free_cells(h)
+    entries = []
+    for seq in rng.sample(live, rng.randint(0, len(live))):
+        if seq in shared:
+            if room == 0:
+                continue
+            room -= 1
+        entries.append(((seq,), [rng.randrange(VOCAB) for _ in range(rng.choice((1, 1, 2, 3)))]))
+    free_seqs = [s for s in range(h.cache.size) if s not in h.oracle.history]
+    rng.shuffle(free_seqs)
+    while room and free_seqs and rng.random() < 0.7:
+        owners = (free_seqs.pop(),)
+        if free_seqs and rng.random() < 0.25:
+            owners += (free_seqs.pop(),)      # one prompt for two new sequences: one shared cell
+        room -= 1
+        entries.append((owners, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]))
+    return entries
+
+
+def run_script(h: Harness, rng: random.Random, n_ops: int, use_c: bool, use_snapshots: bool) -> None:
+    """``n_ops`` random operations, each through a random API, the oracle checked after each."""
+    cache = h.cache
+
+    def api() -> str:
+        return "C" if use_c and rng.random() < 0.5 else "Python"
+
+    def rollback_min(seq: int) -> int:
+        if use_c and rng.random() < 0.5:
+            return int(T.seq_rollback_min(h.ctx, seq))
+        return cache.seq_rollback_min(seq)
+
+    ops = ["batch"] * 6 + ["rollback"] * 4 + ["drop", "cut", "fork", "state_one", "whole"]
+    ops += ["keep", "clear"] if rng.random() < 0.5 else []
+    ops += ["save", "save", "restore", "restore", "restore_rows"] if use_snapshots else []
+    for _ in range(n_ops):
+        live = sorted(h.oracle.history)
+        op = rng.choice(ops)
+        seq = rng.choice(live) if live else None
+        free_seq = [s for s in range(cache.size) if s not in h.oracle.history]
+        if op == "batch":
+            entries = random_batch(h, rng)
+            if not entries:
+                continue
+            via, n_ubatch = api(), rng.choice((1, 2, 3, 4, 8))
+            h.log.append(f"{via} batch {entries} n_ubatch {n_ubatch}")
+            (h.feed_c if via == "C" else h.feed_python)(entries, n_ubatch)
+        elif op == "rollback" and seq is not None and h.oracle.pos(seq) > 0:
+            p0, via = rng.randint(1, h.oracle.pos(seq)), api()
+            h.log.append(f"{via} seq_rm({seq}, {p0}, -1)")
+            h.seq_rm(seq, p0, -1, via)
+        elif op == "drop" and seq is not None:
+            via, p0 = api(), rng.choice((-1, 0))
+            h.log.append(f"{via} seq_rm({seq}, {p0}, -1)")
+            h.seq_rm(seq, p0, -1, via)
+        elif op == "cut" and seq is not None and h.oracle.pos(seq) > 1:
+            p1, via = rng.randint(1, h.oracle.pos(seq)), api()
+            h.log.append(f"{via} seq_rm({seq}, 0, {p1})")
+            h.seq_rm(seq, 0, p1, via)
+        elif op == "fork" and seq is not None:
+            dst, via = rng.randrange(cache.size), api()
+            h.log.append(f"{via} seq_cp({seq}, {dst})")
+            h.seq_cp(seq, dst, via)
+        elif op == "keep" and seq is not None:
+            via = api()
+            h.log.append(f"{via} seq_keep({seq})")
+            h.seq_keep(seq, via)
+        elif op == "clear":
+            via = api()
+            h.log.append(f"{via} clear")
+            h.clear(via)
+        elif op == "state_one" and seq is not None and free_seq and free_cells(h):
+            dst, write, read = rng.choice(free_seq), api(), api()
+            h.log.append(f"{write} state_write({seq}) -> {read} state_read(seq {dst})")
+            h.copy_by_state(seq, dst, write, read)
+        elif op == "whole":
+            write, read = api(), api()
+            h.log.append(f"{write} state_write() -> {read} state_read()")
+            h.round_trip(write, read)
+        elif op == "save" and seq is not None:
+            h.log.append(f"save({seq})")
+            h.save(seq)
+        elif op == "restore" and h.saved and free_seq and free_cells(h):
+            dst = rng.choice(free_seq)
+            tokens = rng.choice(sorted(h.saved)) + (rng.randrange(VOCAB),) * rng.randint(1, 2)
+            h.log.append(f"restore(seq {dst}, {tokens})")
+            h.restore(dst, tokens)
+        elif op == "restore_rows" and seq is not None and free_seq and free_cells(h):
+            dst = rng.choice(free_seq)
+            h.log.append(f"restore_rows({seq} -> {dst})")
+            h.restore_rows(seq, dst)
+        else:
+            continue
+        h.verify(rollback_min)
+
+
+@pytest.mark.parametrize("n_rollback", [0, 3])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_python_interleavings_of_batches_sequences_and_state_io(engine, n_rollback):
+    """Batches, rollbacks, drops, forks, keeps, clears and state blobs in random order."""
+    for seed in range(10 if engine == "compiled" else 5):
+        rng = random.Random(seed)
+        h = Harness(new_cache(engine, DTYPES[seed % 3], n_rollback), n_rollback, with_c=False)
+        run_script(h, rng, 100, use_c=False, use_snapshots=False)
+
+
+@pytest.mark.parametrize("n_rollback", [0, 3])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_python_interleavings_with_prefix_cache_and_stores(engine, n_rollback):
+    """The same with ``PrefixCache.save`` / ``restore`` and ``stores.restore_rows`` mixed in."""
+    for seed in range(10 if engine == "compiled" else 5):
+        rng = random.Random(1000 + seed)
+        h = Harness(new_cache(engine, DTYPES[seed % 3], n_rollback), n_rollback, with_c=False)
+        run_script(h, rng, 100, use_c=False, use_snapshots=True)
+
+
+@pytest.mark.parametrize("use_snapshots", [False, True], ids=["cells", "snapshots"])
+@pytest.mark.parametrize("n_rollback", [0, 3])
+def test_python_and_c_interleavings_on_one_cache(n_rollback, use_snapshots):
+    """Every operation through the Python API or the C API at random, on one compiled cache."""
+    for seed in range(8):
+        rng = random.Random(2000 + seed)
+        h = Harness(new_cache("compiled", DTYPES[seed % 3], n_rollback), n_rollback, with_c=True)
+        try:
+            run_script(h, rng, 100, use_c=True, use_snapshots=use_snapshots)
+        finally:
+            h.close()
