@@ -528,3 +528,169 @@ def test_python_and_c_interleavings_on_one_cache(n_rollback, use_snapshots):
             run_script(h, rng, 100, use_c=True, use_snapshots=use_snapshots)
         finally:
             h.close()
+
+
+# -- a restored sequence never inherits the previous occupant's history --------------------
+
+def feed(h: Harness, seq: int, tokens: Sequence[int], via: str = "Python") -> None:
+    assert (h.feed_c if via == "C" else h.feed_python)([((seq,), list(tokens))], 512)
+
+
+def drop_leaving_its_history(h: Harness, seq: int, others: Sequence[int]) -> int:
+    """Give each of ``others`` a one-token prompt, then drop ``seq``: its cell, with its rollback
+    history, is free again and the first a placement finds.  Returns that cell."""
+    for other in others:
+        feed(h, other, [other % VOCAB])
+    cell = h.cache.cell(seq)[2]
+    h.seq_rm(seq, -1, -1, "Python")
+    return cell
+
+
+def expect_no_rollback_into_the_past(h: Harness, seq: int) -> None:
+    """``seq`` was placed from outside: no rollback may reach behind its position, and any that
+    claims to must at least leave ``seq``'s own state, not the previous occupant's."""
+    history = h.oracle.history[seq]
+    for p0 in range(len(history) - 1, 0, -1):
+        done = h.cache.seq_rm(seq, p0, -1)
+        if done:
+            tail = h.cache.cell(seq)[2]
+            for k, tensor in enumerate(tensors(h.cache)):
+                assert tensor[tail].tobytes() == history_row(h.cache, k, history[:p0]).tobytes(), (
+                    f"seq_rm({seq}, {p0}, -1) rolled the restored sequence back to another sequence's state: "
+                    f"tensor {k} holds {tensor[tail].tolist()}")
+        assert not done, f"seq_rm({seq}, {p0}, -1) rolled back a sequence restored at {len(history) - 1}"
+    h.verify(h.cache.seq_rollback_min)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("via", ["PrefixCache.restore", "stores.restore_rows", "state_read"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sequence_restored_into_a_freed_cell_has_no_rollback_history(engine, via, dtype):
+    h = Harness(new_cache(engine, dtype, 3, size=3), 3, with_c=False)
+    prompt, other = (1, 2, 3, 0, 1, 2), (3, 3, 1, 0, 2, 2)
+    feed(h, 1, prompt)
+    blob, rows = h.cache.state_write(1), stores.sequence_rows(h.cache, 1)
+    h.save(1)
+    h.seq_rm(1, -1, -1, "Python")
+    feed(h, 0, other)                       # same positions, another conversation: its window is 2..4
+    feed(h, 0, [1])
+    h.verify(h.cache.seq_rollback_min)
+    cell = drop_leaving_its_history(h, 0, [2])
+    if via == "PrefixCache.restore":
+        h.restore(1, prompt + (0,))
+    elif via == "stores.restore_rows":
+        stores.restore_rows(h.cache, 1, len(prompt), *rows)
+        h.oracle.place(1, prompt)
+    else:
+        h.cache.state_read(blob, 1)
+        h.oracle.place(1, prompt)
+    assert h.cache.cell(1)[2] == cell
+    expect_no_rollback_into_the_past(h, 1)
+    feed(h, 1, [2])                          # from here on the window is its own
+    h.seq_rm(1, len(prompt), -1, "Python")
+    h.verify(h.cache.seq_rollback_min)
+    assert h.oracle.history[1] == prompt
+
+
+# -- Python then C, C then Python ----------------------------------------------------------------
+
+@pytest.fixture
+def mixed():
+    h = Harness(new_cache("compiled", "f32", 3, size=2), 3, with_c=True)
+    yield h
+    h.close()
+
+
+def c_rollback_min(h: Harness) -> Callable[[int], int]:
+    return lambda seq: int(T.seq_rollback_min(h.ctx, seq))
+
+
+def test_python_step_states_never_land_in_a_cell_c_gave_to_another_sequence(mixed):
+    # the model writes seq 0's step states through Python; C drops seq 0 and gives its cell to
+    # seq 1 at the same positions; whatever Python does next must not file seq 0's states there
+    h = mixed
+    feed(h, 0, [1, 2, 3, 0])
+    h.seq_rm(0, -1, -1, "C")
+    feed(h, 1, [3, 3, 2, 1], via="C")
+    h.seq_rm(1, 2, -1, "Python")                 # back to the state after position 1: seq 1's own
+    h.verify(h.cache.seq_rollback_min)
+    h.verify(c_rollback_min(h))
+
+
+def test_c_rolls_back_to_step_states_written_through_python(mixed):
+    h = mixed
+    feed(h, 0, [1, 2, 3, 0])
+    h.verify(c_rollback_min(h))
+    h.seq_rm(0, 2, -1, "C")
+    h.verify(c_rollback_min(h))
+
+
+def test_python_rolls_back_to_step_states_written_through_c(mixed):
+    h = mixed
+    feed(h, 0, [1, 2, 3, 0], via="C")
+    h.verify(h.cache.seq_rollback_min)
+    h.seq_rm(0, 2, -1, "Python")
+    h.verify(h.cache.seq_rollback_min)
+
+
+def test_a_memory_state_is_stale_once_c_changed_the_cache(mixed):
+    h = mixed
+    feed(h, 0, [1, 2])
+    st = h.cache.init_batch(recurrent_cache.Batch(token=[3], pos=[2], seq_id=[0]))
+    h.seq_rm(0, -1, -1, "C")
+    feed(h, 1, [2, 2, 2], via="C")
+    before = h.everything()
+    with pytest.raises(recurrent_cache.UsageError):
+        st.apply()
+    h.expect_unchanged(before, "a stale MemoryState")
+    h.verify(h.cache.seq_rollback_min)
+
+
+def test_a_c_batch_is_stale_once_python_changed_the_cache(mixed):
+    h = mixed
+    feed(h, 0, [1, 2])
+    batch = P()
+    assert T.batch_init(h.ctx, 1, ints([0]), None, ints([2]), None, 512, 0, ctypes.byref(batch)) == 0
+    try:
+        h.seq_rm(0, -1, -1, "Python")
+        feed(h, 1, [2, 2, 2])
+        before = h.everything()
+        assert T.batch_apply(batch, ctypes.byref(Ubatch())) == errors.CAPI_STALE
+        h.expect_unchanged(before, "a stale C batch")
+    finally:
+        T.batch_release(batch)
+    h.verify(h.cache.seq_rollback_min)
+
+
+# -- restore_rows with rows that do not fit ------------------------------------------------------
+
+def misfits(cache) -> dict[str, tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Rows for a state of ``cache`` that are wrong in one way each."""
+    r = [tensor[0].copy() for tensor in cache.r]
+    s = [tensor[0].copy() for tensor in cache.s]
+    other = np.float16 if cache.s[0].dtype != np.float16 else np.float32
+    return {
+        "r one wider": ([np.zeros(cache.n_embd_r + 1, cache.r[0].dtype)] * cache.n_layer, s),
+        "last layer's s narrower": (r, s[:-1] + [np.zeros(cache.n_embd_s - 1, cache.s[0].dtype)]),
+        "f64 rows": ([row.astype(np.float64) for row in r], [row.astype(np.float64) for row in s]),
+        "s rows of another dtype": (r, [np.zeros(cache.n_embd_s, other) for _ in s]),
+        "a layer short": (r[:-1], s[:-1]),
+        "a layer too many": (r + r[:1], s + s[:1]),
+        "2-D rows": ([row[None] for row in r], s),
+    }
+
+
+@pytest.mark.parametrize("case", list(misfits(new_cache("compiled", "f32", 0))))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_restore_rows_that_do_not_fit_change_nothing(engine, dtype, case):
+    h = Harness(new_cache(engine, dtype, 3, size=3), 3, with_c=False)
+    feed(h, 0, [1, 2, 3, 0])
+    feed(h, 1, [2, 1, 0, 3, 3])
+    drop_leaving_its_history(h, 1, [2])
+    r_rows, s_rows = misfits(h.cache)[case]
+    before = h.everything()
+    with pytest.raises(recurrent_cache.RecurrentCacheError):
+        stores.restore_rows(h.cache, 1, 5, r_rows, s_rows)
+    h.expect_unchanged(before, f"restore_rows with {case}")
+    h.verify(h.cache.seq_rollback_min)
