@@ -23,6 +23,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import random
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import cache
 
@@ -694,3 +697,259 @@ def test_restore_rows_that_do_not_fit_change_nothing(engine, dtype, case):
         stores.restore_rows(h.cache, 1, 5, r_rows, s_rows)
     h.expect_unchanged(before, f"restore_rows with {case}")
     h.verify(h.cache.seq_rollback_min)
+
+
+# -- saves and restores racing a decoding thread -----------------------------------------------
+
+RACE_SECONDS = 1.0
+STUCK_SECONDS = 20.0
+
+
+class Contended:
+    """Calls into a cache another thread uses: ``UsageError`` (the one-thread rule) is counted
+    and the call repeated, since a call that raised has changed nothing."""
+
+    def __init__(self) -> None:
+        self.refused = 0
+
+    def __call__(self, call: Callable[[], object]):
+        give_up = time.monotonic() + STUCK_SECONDS
+        while True:
+            try:
+                return call()
+            except recurrent_cache.UsageError:
+                self.refused += 1
+                assert time.monotonic() < give_up, "a call was refused for 20 s"
+                time.sleep(0)
+
+
+def decode_step(cache, oracle: Oracle, seqs: Sequence[int], rng: random.Random, contended: Contended) -> None:
+    """One token for each of ``seqs`` (one ubatch; one-token groups have no step states), the model
+    writing the oracle's states into the sequences' cells.  A refused or stale ``apply`` is a retry
+    of the whole step: it changed nothing."""
+    tokens = [rng.randrange(VOCAB) for _ in seqs]
+    batch = recurrent_cache.Batch(token=tokens, pos=[oracle.pos(s) + 1 for s in seqs], seq_id=list(seqs))
+    while True:
+        st = contended(lambda: cache.init_batch(batch, n_ubatch=8))
+        assert st.status == recurrent_cache.MemoryStatus.SUCCESS
+        try:
+            st.apply()
+            break
+        except recurrent_cache.UsageError:
+            contended.refused += 1
+    for seq, token in zip(seqs, tokens):
+        cell = contended(lambda seq=seq: cache.cell(seq)[2])
+        before = oracle.history[seq]
+        for k, tensor in enumerate(tensors(cache)):
+            assert tensor[cell].tobytes() == history_row(cache, k, before).tobytes(), (
+                f"decoding seq {seq} starts from a state that is not its own")
+            tensor[cell] = history_row(cache, k, before + (token,))
+        oracle.advance([seq], before, [token], 0)
+
+
+def expect_state(cache, seq: int, history: tuple[int, ...], contended: Contended, what: str) -> None:
+    cell = contended(lambda: cache.cell(seq)[2])
+    src = contended(lambda: cache.cell(cell)[1])
+    for k, tensor in enumerate(tensors(cache)):
+        assert tensor[src].tobytes() == history_row(cache, k, history).tobytes(), (
+            f"{what}: seq {seq} tensor {k} holds {tensor[src].tolist()}, not the state of {history}")
+
+
+def snapshots_held(pc) -> tuple[int, int]:
+    stats = pc.stats()
+    return stats["snapshots"], stats["bytes"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_saves_and_restores_racing_a_decoding_thread(engine):
+    cache = new_cache(engine, "bf16", 3)
+    pc = recurrent_cache.PrefixCache(cache, 1 << 20, block_size=4)
+    decoding, saving = Oracle(3), Oracle(3)
+    saved: set[tuple[int, ...]] = set()
+    refused_saves: set[tuple[int, ...]] = set()
+    contended_decode, contended_save = Contended(), Contended()
+    failures: list[BaseException] = []
+    deadline = time.monotonic() + RACE_SECONDS
+
+    def decoder() -> None:
+        rng = random.Random(1)
+        for seq in (0, 1):
+            decoding.place(seq, ())
+        for step in range(5000):
+            if time.monotonic() > deadline:
+                return
+            decode_step(cache, decoding, (0, 1), rng, contended_decode)
+            if step % 7 == 6:    # undo the last token: the state the cache filed when it was applied
+                seq = step % 2
+                assert contended_decode(lambda seq=seq: cache.seq_rm(seq, decoding.pos(seq), -1))
+                assert decoding.seq_rm(seq, decoding.pos(seq), -1)
+                expect_state(cache, seq, decoding.history[seq], contended_decode, "after a rollback")
+
+    def saver() -> None:
+        rng = random.Random(2)
+        for step in range(5000):
+            if time.monotonic() > deadline:
+                return
+            if saving.pos(2) >= 9:
+                assert contended_save(lambda: cache.seq_rm(2, -1, -1))
+                saving.drop(2)
+            if 2 not in saving.history:
+                saving.place(2, ())
+            decode_step(cache, saving, (2,), rng, contended_save)
+            key = saving.history[2]
+            held = snapshots_held(pc)
+            try:
+                assert pc.save(2, list(key))
+                saved.add(key)
+            except recurrent_cache.UsageError:
+                refused_saves.add(key)
+                assert snapshots_held(pc) == held, "a refused save changed the snapshots held"
+            if step % 3 == 2 and saved:
+                tokens = rng.choice(sorted(saved | refused_saves)) + (rng.randrange(VOCAB),)
+                try:
+                    n = pc.restore(3, list(tokens))
+                except recurrent_cache.UsageError:
+                    assert contended_save(lambda: cache.seq_pos_max(3)) == -1, "a refused restore placed seq 3"
+                    continue
+                if n:
+                    expect_state(cache, 3, tokens[:n], contended_save, f"restore of {tokens}")
+                    assert contended_save(lambda: cache.seq_rm(3, -1, -1))
+
+    def run(body: Callable[[], None]) -> None:
+        try:
+            body()
+        except BaseException as exc:   # re-raised in the test's thread
+            failures.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)        # switch threads often: inside the cache, not only between calls
+    try:
+        threads = [threading.Thread(target=run, args=(body,)) for body in (decoder, saver)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(RACE_SECONDS + 2 * STUCK_SECONDS)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads), "a thread is stuck"
+    if failures:
+        raise failures[0]
+    assert contended_decode.refused + contended_save.refused + len(refused_saves) > 0, "the threads never met"
+
+    # every snapshot the prefix cache holds restores to the state of its own prompt
+    assert pc.stats()["evictions"] == 0
+    for key in sorted(saved | refused_saves):
+        n = pc.restore(4, list(key) + [0])
+        longest = max((len(p) for p in saved if key[:len(p)] == p), default=0)
+        assert n == longest, f"restore of {key} matched {n} tokens; the longest saved prefix has {longest}"
+        if n:
+            expect_state(cache, 4, key[:n], Contended(), f"restore of {key} after the race")
+            assert cache.seq_rm(4, -1, -1)
+    for seq in (0, 1):
+        expect_state(cache, seq, decoding.history[seq], Contended(), "the decoding thread's sequence")
+    cache.check()
+
+
+class Occupant:
+    """Another thread inside the cache: it stays in a ``state_write_into`` until released."""
+
+    def __init__(self, cache) -> None:
+        self.inside, self.released = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=cache.state_write_into, args=(self,))
+
+    def write(self, data) -> None:     # the file object the cache writes to: None means all written
+        self.inside.set()
+        self.released.wait(STUCK_SECONDS)
+
+    def enter(self) -> None:
+        self.thread.start()
+        assert self.inside.wait(STUCK_SECONDS), "the other thread never entered the cache"
+
+    def leave(self) -> None:
+        self.released.set()
+        if self.thread.ident is not None:
+            self.thread.join(STUCK_SECONDS)
+
+
+class LetsAnotherThreadIn(int):
+    """A seq id whose ``use``-th use (a conversion, comparison or hash) lets ``occupant`` into the
+    cache: whatever the call does at that point, another thread is inside from then on."""
+
+    def __new__(cls, value: int, use: int, occupant: Occupant) -> LetsAnotherThreadIn:
+        seq = super().__new__(cls, value)
+        seq.use, seq.uses, seq.occupant = use, 0, occupant
+        return seq
+
+    def used(self) -> None:
+        self.uses += 1
+        if self.uses == self.use:
+            self.occupant.enter()
+
+    def __int__(self) -> int:
+        self.used()
+        return int.__int__(self)
+
+    def __index__(self) -> int:
+        self.used()
+        return int.__index__(self)
+
+    def __hash__(self) -> int:
+        self.used()
+        return int.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        self.used()
+        return int.__eq__(self, other)
+
+    def __lt__(self, other: int) -> bool:
+        self.used()
+        return int.__lt__(self, other)
+
+    def __le__(self, other: int) -> bool:
+        self.used()
+        return int.__le__(self, other)
+
+    def __gt__(self, other: int) -> bool:
+        self.used()
+        return int.__gt__(self, other)
+
+    def __ge__(self, other: int) -> bool:
+        self.used()
+        return int.__ge__(self, other)
+
+
+@pytest.mark.parametrize("call", ["save", "restore"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefix_cache_call_that_meets_another_thread_changes_nothing(engine, call):
+    """Another thread enters the cache at every point of a ``save`` / ``restore`` in turn: the call
+    either completes or raises ``UsageError`` having changed nothing — and every snapshot held
+    afterwards restores to the state of its own prompt, never to a pool slot nobody filled."""
+    prompt = (1, 2, 3, 0, 1)
+    for use in range(1, 40):
+        h = Harness(new_cache(engine, "f16", 3, size=3), 3, with_c=False)
+        feed(h, 0, prompt)
+        if call == "restore":
+            h.save(0)
+        occupant = Occupant(h.cache)
+        held, before = snapshots_held(h.prefix_cache), h.everything()
+        seq = LetsAnotherThreadIn(0 if call == "save" else 1, use, occupant)
+        try:
+            if call == "save":
+                h.save(seq)
+            else:
+                h.restore(seq, prompt + (2,))
+            raised = False
+        except recurrent_cache.UsageError:
+            raised = True
+        finally:
+            occupant.leave()
+        if raised:
+            assert snapshots_held(h.prefix_cache) == held, f"a {call} refused at use {use} changed the snapshots"
+            h.expect_unchanged(before, f"a {call} refused at use {use}")
+        h.verify(h.cache.seq_rollback_min)
+        if call == "save" or raised:
+            h.restore(2, prompt + (3,))       # what is held is the prompt's state, or nothing
+            h.verify(h.cache.seq_rollback_min)
+        if seq.uses < use:                    # the call finished before its use-th use: every point met
+            return
+    raise AssertionError("a call used its seq id 40 times")
