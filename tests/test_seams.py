@@ -23,26 +23,28 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import random
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import recurrent_cache
-from capi_table import P, Ubatch, ints, message, table
+from capi_table import P, Ubatch, header_codes, ints, message, table
 from conftest import ENGINES, package_on
-from recurrent_cache import errors, stores
+from recurrent_cache import stores
 
 T = table()
 N_LAYER, N_EMBD_R, N_EMBD_S = 2, 3, 4
 SIZE = 5
 DTYPES = ("f32", "f16", "bf16")
 VOCAB = 4             # few distinct tokens: different sequences often share prefixes
-NO_ROOM = (errors.NO_FREE_CELL,)
+CODES = header_codes()    # capi.h's RC_ERR_* names: the C API's contract
 
 
 # -- the oracle ------------------------------------------------------------------------
@@ -159,6 +161,7 @@ class Harness:
         self.prefix_cache = recurrent_cache.PrefixCache(cache, 1 << 20, block_size=4)
         self.saved: set[tuple[int, ...]] = set()
         self.log: list[str] = []
+        self.rollbacks = 0     # seq_rm calls that rolled a sequence back: the scripts must make some
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -244,7 +247,7 @@ class Harness:
         batch = P()
         code = T.batch_init(self.ctx, len(flat), ints(seq_ids), ints(offsets), ints([p for _, _, p in flat]),
                             None, n_ubatch, 0, ctypes.byref(batch))
-        if code in NO_ROOM:
+        if code == CODES["RC_ERR_NO_FREE_CELL"]:
             self.expect_unchanged(before, "a C batch that does not fit")
             return False
         assert code == 0, message(T, self.ctx, code)
@@ -273,6 +276,7 @@ class Harness:
     # -- sequence operations through either API
 
     def seq_rm(self, seq: int, p0: int, p1: int, api: str) -> None:
+        length = len(self.oracle.history.get(seq, ()))
         expected = self.oracle.seq_rm(seq, p0, p1) if seq in self.oracle.history else True
         if api == "C":
             done = T.seq_rm(self.ctx, seq, p0, p1)
@@ -282,6 +286,7 @@ class Harness:
         assert bool(done) == expected, (
             f"{api} seq_rm({seq}, {p0}, {p1}) returned {bool(done)}; the oracle says {expected} "
             f"(its window: {sorted(self.oracle.window.get(seq, ()))}); {self.where()}")
+        self.rollbacks += 0 < len(self.oracle.history.get(seq, ())) < length
 
     def seq_cp(self, src: int, dst: int, api: str) -> None:
         if api == "C":
@@ -500,37 +505,39 @@ def run_script(h: Harness, rng: random.Random, n_ops: int, use_c: bool, use_snap
         h.verify(rollback_min)
 
 
+def run_scripts(engine: str, n_rollback: int, seeds: range, use_c: bool, use_snapshots: bool) -> None:
+    """One script of 100 operations per seed, the dtype changing with the seed."""
+    rollbacks = 0
+    for seed in seeds:
+        h = Harness(new_cache(engine, DTYPES[seed % 3], n_rollback), n_rollback, with_c=use_c)
+        try:
+            run_script(h, random.Random(seed), 100, use_c=use_c, use_snapshots=use_snapshots)
+        finally:
+            h.close()
+        rollbacks += h.rollbacks
+    assert rollbacks > 0 if n_rollback else rollbacks == 0, f"{rollbacks} rollbacks in {len(seeds)} scripts"
+
+
 @pytest.mark.parametrize("n_rollback", [0, 3])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_python_interleavings_of_batches_sequences_and_state_io(engine, n_rollback):
     """Batches, rollbacks, drops, forks, keeps, clears and state blobs in random order."""
-    for seed in range(10 if engine == "compiled" else 5):
-        rng = random.Random(seed)
-        h = Harness(new_cache(engine, DTYPES[seed % 3], n_rollback), n_rollback, with_c=False)
-        run_script(h, rng, 100, use_c=False, use_snapshots=False)
+    run_scripts(engine, n_rollback, range(10 if engine == "compiled" else 5), use_c=False, use_snapshots=False)
 
 
 @pytest.mark.parametrize("n_rollback", [0, 3])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_python_interleavings_with_prefix_cache_and_stores(engine, n_rollback):
     """The same with ``PrefixCache.save`` / ``restore`` and ``stores.restore_rows`` mixed in."""
-    for seed in range(10 if engine == "compiled" else 5):
-        rng = random.Random(1000 + seed)
-        h = Harness(new_cache(engine, DTYPES[seed % 3], n_rollback), n_rollback, with_c=False)
-        run_script(h, rng, 100, use_c=False, use_snapshots=True)
+    run_scripts(engine, n_rollback, range(1000, 1010 if engine == "compiled" else 1005), use_c=False,
+                use_snapshots=True)
 
 
 @pytest.mark.parametrize("use_snapshots", [False, True], ids=["cells", "snapshots"])
 @pytest.mark.parametrize("n_rollback", [0, 3])
 def test_python_and_c_interleavings_on_one_cache(n_rollback, use_snapshots):
     """Every operation through the Python API or the C API at random, on one compiled cache."""
-    for seed in range(8):
-        rng = random.Random(2000 + seed)
-        h = Harness(new_cache("compiled", DTYPES[seed % 3], n_rollback), n_rollback, with_c=True)
-        try:
-            run_script(h, rng, 100, use_c=True, use_snapshots=use_snapshots)
-        finally:
-            h.close()
+    run_scripts("compiled", n_rollback, range(2000, 2010), use_c=True, use_snapshots=use_snapshots)
 
 
 # -- a restored sequence never inherits the previous occupant's history --------------------
@@ -658,7 +665,7 @@ def test_a_c_batch_is_stale_once_python_changed_the_cache(mixed):
         h.seq_rm(0, -1, -1, "Python")
         feed(h, 1, [2, 2, 2])
         before = h.everything()
-        assert T.batch_apply(batch, ctypes.byref(Ubatch())) == errors.CAPI_STALE
+        assert T.batch_apply(batch, ctypes.byref(Ubatch())) == CODES["RC_ERR_STALE"]
         h.expect_unchanged(before, "a stale C batch")
     finally:
         T.batch_release(batch)
@@ -701,7 +708,7 @@ def test_restore_rows_that_do_not_fit_change_nothing(engine, dtype, case):
 
 # -- saves and restores racing a decoding thread -----------------------------------------------
 
-RACE_SECONDS = 1.0
+RACE_SECONDS = 1.0       # the threads race this long, and up to 3x longer while they have not met
 STUCK_SECONDS = 20.0
 
 
@@ -769,14 +776,19 @@ def test_saves_and_restores_racing_a_decoding_thread(engine):
     refused_saves: set[tuple[int, ...]] = set()
     contended_decode, contended_save = Contended(), Contended()
     failures: list[BaseException] = []
-    deadline = time.monotonic() + RACE_SECONDS
+    start = time.monotonic()
+
+    def racing() -> bool:
+        elapsed = time.monotonic() - start
+        met = contended_decode.refused + contended_save.refused + len(refused_saves)
+        return elapsed < RACE_SECONDS or (not met and elapsed < 3 * RACE_SECONDS)
 
     def decoder() -> None:
         rng = random.Random(1)
         for seq in (0, 1):
             decoding.place(seq, ())
         for step in range(5000):
-            if time.monotonic() > deadline:
+            if not racing():
                 return
             decode_step(cache, decoding, (0, 1), rng, contended_decode)
             if step % 7 == 6:    # undo the last token: the state the cache filed when it was applied
@@ -788,7 +800,7 @@ def test_saves_and_restores_racing_a_decoding_thread(engine):
     def saver() -> None:
         rng = random.Random(2)
         for step in range(5000):
-            if time.monotonic() > deadline:
+            if not racing():
                 return
             if saving.pos(2) >= 9:
                 assert contended_save(lambda: cache.seq_rm(2, -1, -1))
@@ -828,7 +840,7 @@ def test_saves_and_restores_racing_a_decoding_thread(engine):
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(RACE_SECONDS + 2 * STUCK_SECONDS)
+            thread.join(3 * RACE_SECONDS + 2 * STUCK_SECONDS)
     finally:
         sys.setswitchinterval(interval)
     assert not any(thread.is_alive() for thread in threads), "a thread is stuck"
@@ -925,6 +937,14 @@ def test_a_prefix_cache_call_that_meets_another_thread_changes_nothing(engine, c
     either completes or raises ``UsageError`` having changed nothing — and every snapshot held
     afterwards restores to the state of its own prompt, never to a pool slot nobody filled."""
     prompt = (1, 2, 3, 0, 1)
+    occupied = new_cache(engine, "f16", 0)
+    occupant = Occupant(occupied)
+    occupant.enter()
+    try:
+        with pytest.raises(recurrent_cache.UsageError):
+            occupied.seq_pos_max(0)             # the occupant really holds the cache
+    finally:
+        occupant.leave()
     for use in range(1, 40):
         h = Harness(new_cache(engine, "f16", 3, size=3), 3, with_c=False)
         feed(h, 0, prompt)
@@ -953,3 +973,21 @@ def test_a_prefix_cache_call_that_meets_another_thread_changes_nothing(engine, c
         if seq.uses < use:                    # the call finished before its use-th use: every point met
             return
     raise AssertionError("a call used its seq id 40 times")
+
+
+def test_a_c_context_over_null_is_refused_not_a_crash():
+    """``rc_ctx_new(NULL)`` (a C caller's mistake) raises in the caller, in a child interpreter so
+    that a crash fails this test instead of the suite."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import ctypes, sys\n"
+         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+         "from capi_table import table\n"
+         "try:\n"
+         "    table().ctx_new(ctypes.py_object())\n"
+         "except Exception as exc:\n"
+         "    print(type(exc).__name__, exc)\n"
+         "else:\n"
+         "    print('accepted')\n"],
+        capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, f"rc_ctx_new(NULL) killed the interpreter: status {child.returncode}"
+    assert "accepted" not in child.stdout and child.stdout.strip(), child.stdout + child.stderr
