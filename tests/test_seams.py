@@ -112,9 +112,8 @@ class Oracle:
         self.history[seq] = history
         self.window[seq] = set()
 
-    def seq_rm(self, seq: int, p0: int, p1: int) -> bool | None:
-        """Apply ``seq_rm(seq, p0, p1)`` of a live ``seq``; its result (None: the oracle lets the
-        cache choose, which never happens with the ranges this suite uses)."""
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """Apply ``seq_rm(seq, p0, p1)`` to a live ``seq`` (SPEC §1 and §7); what it must return."""
         pos = self.pos(seq)
         p0 = max(p0, 0)
         p1 = p1 if p1 >= 0 else 2**31 - 1
@@ -189,6 +188,9 @@ class Harness:
 
     def group(self, rows: Callable[[int], np.ndarray], steps: Callable[[int, int, np.ndarray], None],
               members: Sequence[int], tokens: Sequence[int], first_pos: int, m: int, api: str) -> None:
+        """The model on one group of an applied ubatch: its row ``rows(k)`` of tensor k must hold the
+        state of the owner's history (zeros for a new sequence); it writes the state after
+        ``tokens`` there and the ``m`` step states through ``steps(k, j, value)``."""
         owner = members[0]
         known = self.oracle.history.get(owner, ())
         assert len(known) == first_pos, f"{api}: seq {owner} continues at {first_pos}, oracle at {len(known)}"
@@ -582,8 +584,8 @@ def test_a_sequence_restored_into_a_freed_cell_has_no_rollback_history(engine, v
     blob, rows = h.cache.state_write(1), stores.sequence_rows(h.cache, 1)
     h.save(1)
     h.seq_rm(1, -1, -1, "Python")
-    feed(h, 0, other)                       # same positions, another conversation: its window is 2..4
-    feed(h, 0, [1])
+    feed(h, 0, other)                       # same positions, another conversation
+    feed(h, 0, [1])                         # its cell holds its states after 3, 4 and 5
     h.verify(h.cache.seq_rollback_min)
     cell = drop_leaving_its_history(h, 0, [2])
     if via == "PrefixCache.restore":
