@@ -865,11 +865,19 @@ def test_saves_and_restores_racing_a_decoding_thread(engine):
 
 
 class Occupant:
-    """Another thread inside the cache: it stays in a ``state_write_into`` until released."""
+    """Another thread inside the cache: it stays in a ``state_write_into`` until released.  If the
+    cache is busy when it tries (the call that lets it in is inside the cache itself), it stays out."""
 
     def __init__(self, cache) -> None:
-        self.inside, self.released = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=cache.state_write_into, args=(self,))
+        self.cache = cache
+        self.inside, self.kept_out, self.released = threading.Event(), threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.occupy)
+
+    def occupy(self) -> None:
+        try:
+            self.cache.state_write_into(self)
+        except recurrent_cache.UsageError:
+            self.kept_out.set()
 
     def write(self, data) -> None:     # the file object the cache writes to: None means all written
         self.inside.set()
@@ -877,7 +885,9 @@ class Occupant:
 
     def enter(self) -> None:
         self.thread.start()
-        assert self.inside.wait(STUCK_SECONDS), "the other thread never entered the cache"
+        give_up = time.monotonic() + STUCK_SECONDS
+        while not (self.inside.wait(0.001) or self.kept_out.is_set()):
+            assert time.monotonic() < give_up, "the other thread neither entered the cache nor was refused"
 
     def leave(self) -> None:
         self.released.set()
@@ -943,6 +953,7 @@ def test_a_prefix_cache_call_that_meets_another_thread_changes_nothing(engine, c
     occupant = Occupant(occupied)
     occupant.enter()
     try:
+        assert occupant.inside.is_set()
         with pytest.raises(recurrent_cache.UsageError):
             occupied.seq_pos_max(0)             # the occupant really holds the cache
     finally:
