@@ -574,11 +574,17 @@ def expect_no_rollback_into_the_past(h: Harness, seq: int) -> None:
     h.verify(h.cache.seq_rollback_min)
 
 
+RESTORES = [(engine, via) for engine in ENGINES for via in ("PrefixCache.restore", "stores.restore_rows", "state_read")]
+RESTORES.append(("compiled", "rc_state_read"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("via", ["PrefixCache.restore", "stores.restore_rows", "state_read"])
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine, via", RESTORES)
 def test_a_sequence_restored_into_a_freed_cell_has_no_rollback_history(engine, via, dtype):
-    h = Harness(new_cache(engine, dtype, 3, size=3), 3, with_c=False)
+    """Restored into the cell of a dropped sequence whose window covers the same positions: the
+    restored sequence can roll back to nothing before its own next step (SPEC §7: a placed state
+    has no history), never to the dropped sequence's states."""
+    h = Harness(new_cache(engine, dtype, 3, size=3), 3, with_c=via == "rc_state_read")
     prompt, other = (1, 2, 3, 0, 1, 2), (3, 3, 1, 0, 2, 2)
     feed(h, 1, prompt)
     blob, rows = h.cache.state_write(1), stores.sequence_rows(h.cache, 1)
@@ -594,14 +600,17 @@ def test_a_sequence_restored_into_a_freed_cell_has_no_rollback_history(engine, v
         stores.restore_rows(h.cache, 1, len(prompt), *rows)
         h.oracle.place(1, prompt)
     else:
-        h.cache.state_read(blob, 1)
+        h.state_read(blob, 1, "C" if via == "rc_state_read" else "Python")
         h.oracle.place(1, prompt)
-    assert h.cache.cell(1)[2] == cell
-    expect_no_rollback_into_the_past(h, 1)
-    feed(h, 1, [2])                          # from here on the window is its own
-    h.seq_rm(1, len(prompt), -1, "Python")
-    h.verify(h.cache.seq_rollback_min)
-    assert h.oracle.history[1] == prompt
+    try:
+        assert h.cache.cell(1)[2] == cell
+        expect_no_rollback_into_the_past(h, 1)
+        feed(h, 1, [2])                          # from here on the window is its own
+        h.seq_rm(1, len(prompt), -1, "Python")
+        h.verify(h.cache.seq_rollback_min)
+        assert h.oracle.history[1] == prompt
+    finally:
+        h.close()
 
 
 # -- Python then C, C then Python ----------------------------------------------------------------
@@ -618,6 +627,8 @@ def c_rollback_min(h: Harness) -> Callable[[int], int]:
 
 
 def test_python_step_states_never_land_in_a_cell_c_gave_to_another_sequence(mixed):
+    """The step states a model wrote through Python are filed for their own sequence, whichever API
+    changes the cache next."""
     # the model writes seq 0's step states through Python; C drops seq 0 and gives its cell to
     # seq 1 at the same positions; whatever Python does next must not file seq 0's states there
     h = mixed
@@ -630,6 +641,7 @@ def test_python_step_states_never_land_in_a_cell_c_gave_to_another_sequence(mixe
 
 
 def test_c_rolls_back_to_step_states_written_through_python(mixed):
+    """Step states written through Python are held when C asks, as when Python asks."""
     h = mixed
     feed(h, 0, [1, 2, 3, 0])
     h.verify(c_rollback_min(h))
@@ -638,6 +650,7 @@ def test_c_rolls_back_to_step_states_written_through_python(mixed):
 
 
 def test_python_rolls_back_to_step_states_written_through_c(mixed):
+    """And the other way round."""
     h = mixed
     feed(h, 0, [1, 2, 3, 0], via="C")
     h.verify(h.cache.seq_rollback_min)
@@ -646,6 +659,7 @@ def test_python_rolls_back_to_step_states_written_through_c(mixed):
 
 
 def test_a_memory_state_is_stale_once_c_changed_the_cache(mixed):
+    """A ``MemoryState`` prepared before a C call changed the cells must not apply on them."""
     h = mixed
     feed(h, 0, [1, 2])
     st = h.cache.init_batch(recurrent_cache.Batch(token=[3], pos=[2], seq_id=[0]))
@@ -659,6 +673,7 @@ def test_a_memory_state_is_stale_once_c_changed_the_cache(mixed):
 
 
 def test_a_c_batch_is_stale_once_python_changed_the_cache(mixed):
+    """A C batch prepared before a Python call changed the cells reports ``RC_ERR_STALE``."""
     h = mixed
     feed(h, 0, [1, 2])
     batch = P()
@@ -696,6 +711,8 @@ def misfits(cache) -> dict[str, tuple[list[np.ndarray], list[np.ndarray]]]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_restore_rows_that_do_not_fit_change_nothing(engine, dtype, case):
+    """Rows of the wrong width, dtype or layer count raise the package's error before anything
+    changes: the cells, every row (the free cell's too) and every rollback window as they were."""
     h = Harness(new_cache(engine, dtype, 3, size=3), 3, with_c=False)
     feed(h, 0, [1, 2, 3, 0])
     feed(h, 1, [2, 1, 0, 3, 3])
@@ -771,6 +788,9 @@ def snapshots_held(pc) -> tuple[int, int]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_saves_and_restores_racing_a_decoding_thread(engine):
+    """One thread decodes (and rolls back) sequences 0 and 1 while another grows sequence 2,
+    saves each of its prefixes and restores them into sequence 3: a call refused by the
+    one-thread rule changes nothing, and every snapshot held restores to its own prompt's state."""
     cache = new_cache(engine, "bf16", 3)
     pc = recurrent_cache.PrefixCache(cache, 1 << 20, block_size=4)
     decoding, saving = Oracle(3), Oracle(3)
