@@ -78,39 +78,53 @@ def history_row(cache, k: int, history: tuple[int, ...]) -> np.ndarray:
 
 
 class Oracle:
-    """Each live sequence's token history and the positions its rollback may reach (SPEC §7)."""
+    """Each live sequence's token history, its position (the history's length - 1 until
+    ``seq_add`` / ``seq_div`` move it: ``offset``) and the positions its rollback may reach (SPEC §7)."""
 
     def __init__(self, n_rollback: int) -> None:
         self.n_rollback = n_rollback
         self.history: dict[int, tuple[int, ...]] = {}
+        self.offset: dict[int, int] = {}         # position - (len(history) - 1)
         self.window: dict[int, set[int]] = {}    # q: the state after position q is held for rollback
 
     def pos(self, seq: int) -> int:
-        return len(self.history.get(seq, ())) - 1
+        return len(self.history.get(seq, ())) - 1 + self.offset.get(seq, 0)
 
     def advance(self, members: Sequence[int], before: tuple[int, ...], tokens: Sequence[int], m: int) -> None:
         """A ubatch group of ``members`` (owner first) continued ``before`` by ``tokens``: the cache
         filed the state it started from, the model wrote the states after the ``m`` tokens
         before its last one (SPEC §7)."""
         owner = members[0]
-        last = len(before) + len(tokens) - 1
+        start = self.pos(owner) if before else -1         # the position the group continues
+        offset = self.offset.get(owner, 0) if before else 0
+        last = start + len(tokens)
         held = set(self.window.get(owner, ())) if before else set()
         if before:
-            held.add(len(before) - 1)                     # the state the group started from
+            held.add(start)                               # the state the group started from
         held.update(range(last - m, last))                # the step states the model wrote
         held = {q for q in held if last - self.n_rollback <= q < last}
         for seq in members:
             self.history[seq] = before + tuple(tokens)
+            self.offset[seq] = offset
             self.window[seq] = set(held)
 
     def drop(self, seq: int) -> None:
         self.history.pop(seq, None)
+        self.offset.pop(seq, None)
         self.window.pop(seq, None)
 
-    def place(self, seq: int, history: tuple[int, ...]) -> None:
-        """``seq`` now holds ``history``'s state, placed from outside: nothing to roll back to."""
+    def place(self, seq: int, history: tuple[int, ...], pos: int | None = None) -> None:
+        """``seq`` now holds ``history``'s state at ``pos`` (default: its length - 1), placed from
+        outside: nothing to roll back to."""
         self.history[seq] = history
+        self.offset[seq] = 0 if pos is None else pos - (len(history) - 1)
         self.window[seq] = set()
+
+    def move(self, sharers: Sequence[int], pos: int) -> None:
+        """``seq_add`` / ``seq_div`` moved the cell of ``sharers`` to ``pos``: its history is forgotten."""
+        for seq in sharers:
+            self.offset[seq] = pos - (len(self.history[seq]) - 1)
+            self.window[seq] = set()
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
         """Apply ``seq_rm(seq, p0, p1)`` to a live ``seq`` (SPEC §1 and §7); what it must return."""
@@ -121,7 +135,7 @@ class Oracle:
             q = p0 - 1
             if q not in self.window[seq]:
                 return False
-            self.history[seq] = self.history[seq][:p0]
+            self.history[seq] = self.history[seq][:p0 - self.offset[seq]]
             self.window[seq] = {x for x in self.window[seq] if x < q}
             return True
         if 0 < p0 <= pos or 0 < p1 <= pos:               # would cut the state
@@ -136,6 +150,7 @@ class Oracle:
         self.drop(dst)
         if src in self.history:
             self.history[dst] = self.history[src]
+            self.offset[dst] = self.offset[src]
             self.window[dst] = set(self.window[src])      # a fork shares the cell's history
 
     def seq_keep(self, seq: int) -> None:
@@ -145,6 +160,7 @@ class Oracle:
 
     def clear(self) -> None:
         self.history.clear()
+        self.offset.clear()
         self.window.clear()
 
 
@@ -193,7 +209,8 @@ class Harness:
         ``tokens`` there and the ``m`` step states through ``steps(k, j, value)``."""
         owner = members[0]
         known = self.oracle.history.get(owner, ())
-        assert len(known) == first_pos, f"{api}: seq {owner} continues at {first_pos}, oracle at {len(known)}"
+        assert self.oracle.pos(owner) + 1 == first_pos, (
+            f"{api}: seq {owner} continues at {first_pos}, the oracle's at {self.oracle.pos(owner)}")
         for k in range(2 * self.cache.n_layer):
             start = rows(k)
             expected = history_row(self.cache, k, known)
@@ -304,6 +321,18 @@ class Harness:
             self.cache.seq_keep(seq)
         self.oracle.seq_keep(seq)
 
+    def move(self, seq: int, op: str, amount: int, api: str) -> None:
+        """``seq_add(seq, 0, -1, amount)`` or ``seq_div(seq, 0, -1, amount)``: every sequence
+        sharing ``seq``'s cell moves with it, and the cell's history is forgotten (SPEC §7)."""
+        cell = self.cache.cell(seq)[2]
+        sharers = [s for s in self.oracle.history if self.cache.cell(s)[2] == cell]
+        pos = self.oracle.pos(seq)
+        if api == "C":
+            assert getattr(T, op)(self.ctx, seq, 0, -1, amount) == 0
+        else:
+            getattr(self.cache, op)(seq, 0, -1, amount)
+        self.oracle.move(sharers, pos + amount if op == "seq_add" else pos // amount)
+
     def clear(self, api: str) -> None:
         if api == "C":
             assert T.clear(self.ctx) == 0
@@ -333,7 +362,7 @@ class Harness:
         blob = self.state_write(src, api_write)
         self.state_read(blob, dst, api_read)
         if src in self.oracle.history:
-            self.oracle.place(dst, self.oracle.history[src])
+            self.oracle.place(dst, self.oracle.history[src], self.oracle.pos(src))
         else:
             self.oracle.drop(dst)
 
@@ -346,6 +375,7 @@ class Harness:
     # -- the prefix cache and the stores (Python only)
 
     def save(self, seq: int) -> None:
+        """``PrefixCache.save`` of a sequence whose position is its history's length - 1."""
         tokens = self.oracle.history[seq]
         assert self.prefix_cache.save(seq, list(tokens)), f"save of {tokens} not let in; {self.where()}"
         self.saved.add(tokens)
@@ -379,7 +409,7 @@ class Harness:
             assert tail >= 0, f"seq {seq} lost its cell (history {history}); {self.where()}"
             tails.add(tail)
             pos, src, _, seq_ids = cache.cell(tail)
-            assert seq in seq_ids and pos == cache.seq_pos_max(seq) == len(history) - 1, (
+            assert seq in seq_ids and pos == cache.seq_pos_max(seq) == oracle.pos(seq), (
                 f"seq {seq}: cell {tail} at pos {pos} with {seq_ids}, history {history}; {self.where()}")
             for k, tensor in enumerate(tensors(cache)):
                 row = tensor[src] if src >= 0 else np.zeros_like(tensor[0])
@@ -443,7 +473,7 @@ def run_script(h: Harness, rng: random.Random, n_ops: int, use_c: bool, use_snap
             return int(T.seq_rollback_min(h.ctx, seq))
         return cache.seq_rollback_min(seq)
 
-    ops = ["batch"] * 6 + ["rollback"] * 4 + ["drop", "cut", "fork", "state_one", "whole"]
+    ops = ["batch"] * 6 + ["rollback"] * 4 + ["drop", "cut", "fork", "state_one", "whole", "move"]
     ops += ["keep", "clear"] if rng.random() < 0.5 else []
     ops += ["save", "save", "restore", "restore", "restore_rows"] if use_snapshots else []
     for _ in range(n_ops):
@@ -474,6 +504,12 @@ def run_script(h: Harness, rng: random.Random, n_ops: int, use_c: bool, use_snap
             dst, via = rng.randrange(cache.size), api()
             h.log.append(f"{via} seq_cp({seq}, {dst})")
             h.seq_cp(seq, dst, via)
+        elif op == "move" and seq is not None:
+            via, how = api(), rng.choice((("seq_add", 1), ("seq_add", 2), ("seq_add", -1), ("seq_div", 2)))
+            if h.oracle.pos(seq) + how[1] < 0:
+                continue
+            h.log.append(f"{via} {how[0]}({seq}, 0, -1, {how[1]})")
+            h.move(seq, *how, via)
         elif op == "keep" and seq is not None:
             via = api()
             h.log.append(f"{via} seq_keep({seq})")
@@ -490,7 +526,7 @@ def run_script(h: Harness, rng: random.Random, n_ops: int, use_c: bool, use_snap
             write, read = api(), api()
             h.log.append(f"{write} state_write() -> {read} state_read()")
             h.round_trip(write, read)
-        elif op == "save" and seq is not None:
+        elif op == "save" and seq is not None and h.oracle.offset[seq] == 0:
             h.log.append(f"save({seq})")
             h.save(seq)
         elif op == "restore" and h.saved and free_seq and free_cells(h):
