@@ -849,6 +849,8 @@ def test_saves_and_restores_racing_a_decoding_thread(engine):
             if not racing():
                 return
             decode_step(cache, decoding, (0, 1), rng, contended_decode)
+            for seq in (0, 1):     # (its calls keep the cache busy for the other thread, too)
+                expect_state(cache, seq, decoding.history[seq], contended_decode, "after a step")
             if step % 7 == 6:    # undo the last token: the state the cache filed when it was applied
                 seq = step % 2
                 assert contended_decode(lambda seq=seq: cache.seq_rm(seq, decoding.pos(seq), -1))
