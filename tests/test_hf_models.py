@@ -262,8 +262,9 @@ def test_tokenizer_json_gives_the_vocabulary(tmp_path):
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    tokenizer.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer)
     n_vocab = tokenizer.get_vocab_size()
     build_checkpoint(tmp_path, "mamba", dict(vocab_size=n_vocab + 3, eos_token_id=0), "f32", None)
     tokenizer.save(str(tmp_path / "tokenizer.json"))

@@ -180,7 +180,8 @@ class _Checkpoint:
         except SafetensorsError as exc:
             raise ModelError(f"{path}: {exc}") from None
         if values.shape != shape:
-            if values.size != int(np.prod(shape)) or [d for d in values.shape if d != 1] != [d for d in shape if d != 1]:
+            # transformers keeps unit axes llama.cpp drops (conv1d.weight [channels, 1, d_conv])
+            if [d for d in values.shape if d != 1] != [d for d in shape if d != 1]:
                 raise ModelError(f"{path}: tensor {name} has shape {values.shape}; the config makes it {shape}")
             values = values.reshape(shape)
         bad = int(np.size(values) - np.isfinite(values).sum())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -146,7 +146,7 @@ class RecurrentModel(ABC):
         return self.output is self.token_embd
 
     def new_cache(self, n_seq_max: int = 1, size: int | None = None, dtype: str = "f32", n_rollback: int = 0,
-                  engine: str | None = None) -> RecurrentCache:
+                  engine: Literal["compiled", "reference"] | None = None) -> RecurrentCache:
         """A ``RecurrentCache`` shaped for this model, with ``dtype`` states ("f32", "f16", "bf16");
         ``n_rollback`` past states per cell for speculative decoding (the model writes them)."""
         from .. import RecurrentCache

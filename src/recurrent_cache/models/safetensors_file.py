@@ -21,7 +21,9 @@ import numpy as np
 __all__ = ["SafetensorsError", "SafetensorsFile", "TensorEntry"]
 
 # safetensors dtype -> numpy dtype of one stored element
-_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_DTYPES: dict[str, np.dtype[Any]] = {"F64": np.dtype("<f8"),
+                                     "F32": np.dtype("<f4"),
+                                     "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _MAX_HEADER = 100 * 2**20   # the format's own limit on the JSON header
 
 
@@ -91,7 +93,9 @@ class SafetensorsFile:
         if entry.dtype not in _DTYPES:
             raise SafetensorsError(f"tensor {name} is {entry.dtype}; this reader reads F64, F32, F16 and BF16")
         values = self._data[entry.offset:entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).reshape(entry.shape)
+        widened: np.ndarray
         if entry.dtype == "BF16":
-            widened: np.ndarray = (values.astype(np.uint32) << 16).view(np.float32)
-            return widened
-        return values.astype(np.float64 if entry.dtype == "F64" else np.float32)
+            widened = (values.astype(np.uint32) << 16).view(np.float32)
+        else:
+            widened = values.astype(np.float64 if entry.dtype == "F64" else np.float32)
+        return widened
