@@ -26,8 +26,9 @@ transformers = pytest.importorskip("transformers", reason="the comparison is aga
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="the error cases rewrite safetensors files")
 
 import recurrent_cache as rc  # noqa: E402
-from recurrent_cache.models import (Mamba2Model, MambaModel, ModelError, convert_hf_to_gguf, load_gguf,  # noqa: E402
-                                    load_hf, load_model)
+from recurrent_cache.__main__ import main as command_line  # noqa: E402
+from recurrent_cache.models import (Mamba2Model, MambaModel, ModelError, ReferenceRun,  # noqa: E402
+                                    convert_hf_to_gguf, load_gguf, load_hf, load_model)
 
 N_VOCAB = 100
 TOLERANCE = 1e-4   # every logit, relative to the largest logit of its row
@@ -256,7 +257,7 @@ def test_a_directory_without_weights_or_config_is_refused(tmp_path):
 # -- the vocabulary of tokenizer.json -------------------------------------------------------
 
 
-def test_tokenizer_json_gives_the_vocabulary(tmp_path):
+def test_tokenizer_json_gives_the_vocabulary(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     text = "def add(x, y):\n    return x + y\n" * 20 + "héllo wörld 🙂 "
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
@@ -277,6 +278,12 @@ def test_tokenizer_json_gives_the_vocabulary(tmp_path):
     assert model.vocab.eos == 0 and len(model.vocab) == n_vocab + 3
 
     out = tmp_path / "with_vocab.gguf"
-    convert_hf_to_gguf(tmp_path, out)
+    assert command_line(["convert", str(tmp_path), str(out)]) == 0       # python -m recurrent_cache convert
     from_gguf = load_gguf(out)
     assert from_gguf.vocab.pieces == model.vocab.pieces and from_gguf.vocab.eos == 0
+    np.testing.assert_allclose(ReferenceRun(from_gguf).feed([5, 9, 40]), ReferenceRun(model).feed([5, 9, 40]),
+                               rtol=0, atol=1e-5)
+
+    capsys.readouterr()
+    assert command_line(["generate", "--model", str(tmp_path), "-n", "5", "--temperature", "0", "def f(x"]) == 0
+    assert "def f(x" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Command line: ``python -m recurrent_cache {demo,generate,inspect} ...``."""
+"""Command line: ``python -m recurrent_cache {demo,generate,inspect,convert} ...``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "demo": ("recurrent_cache.demo", "run a recurrent model on the cache with continuous batching"),
     "generate": ("recurrent_cache.generate", "continue one prompt with the model, streaming the text"),
     "inspect": ("recurrent_cache.blob_report", "describe a state blob or a 'ggsq' sequence file"),
+    "convert": ("recurrent_cache.models.convert", "write a Hugging Face Mamba / Mamba-2 directory as GGUF"),
 }
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import recurrent_cache as rc
 
 from ._cli import USER_ERROR, OneLineParser, float_in, int_in
-from .models import (MambaModel, ModelError, ReferenceRun, Sampler, held_out_prompts, load_gguf,
+from .models import (MambaModel, ModelError, ReferenceRun, Sampler, held_out_prompts, load_model as load_model_path,
                      random_model, trained_model, write_gguf)
 from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .models._storage import StateStorage
@@ -352,7 +352,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Serve clients with a Mamba model from one recurrent cache (continuous batching), "
                     "then check every client against a solo run.")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="GGUF", help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
+    source.add_argument("--model", metavar="GGUF|DIR",
+                        help="a Mamba-1/2 GGUF file or Hugging Face checkpoint directory (default: the shipped model)")
     source.add_argument("--random-weights", action="store_true", help="a seeded random model instead")
     parser.add_argument("--clients", type=int_in(1, 10_000), default=8, help="clients to serve (default 8)")
     parser.add_argument("--parallel", type=int_in(1, 1024), default=5,
@@ -392,7 +393,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def build_model(options: argparse.Namespace) -> MambaModel:
     dtype = np.float32 if options.compute == "f32" else np.float64
     if options.model:
-        return load_gguf(options.model, dtype=dtype)
+        return load_model_path(options.model, dtype=dtype)
     if options.random_weights:
         return random_model(options.seed, dtype=dtype)
     return trained_model(dtype=dtype)

@@ -24,7 +24,7 @@ import numpy as np
 import recurrent_cache as rc
 
 from ._cli import USER_ERROR, OneLineParser, float_in, int_in
-from .models import MambaModel, ModelError, Sampler, load_gguf, random_model, trained_model
+from .models import MambaModel, ModelError, Sampler, load_model as load_model_path, random_model, trained_model
 from .models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 
 STATE_DTYPES = ("f32", "f16", "bf16")
@@ -48,7 +48,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--dtype", choices=STATE_DTYPES, default="f32", help="state storage type")
     parser.add_argument("--compute", choices=["f32", "f64"], default="f32", help="model arithmetic (default f32)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="GGUF", help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
+    source.add_argument("--model", metavar="GGUF|DIR",
+                        help="a Mamba-1/2 GGUF file or Hugging Face checkpoint directory (default: the shipped model)")
     source.add_argument("--random-weights", action="store_true", help="the seeded random model instead")
     return parser.parse_args(argv)
 
@@ -56,7 +57,7 @@ def parse_args(argv: list[str]):
 def load_model(options) -> MambaModel:
     dtype = np.float32 if options.compute == "f32" else np.float64
     if options.model:
-        return load_gguf(options.model, dtype=dtype)
+        return load_model_path(options.model, dtype=dtype)
     if options.random_weights:
         return random_model(options.seed, dtype=dtype)
     return trained_model(dtype=dtype)

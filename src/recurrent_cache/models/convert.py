@@ -1,0 +1,33 @@
+"""``python -m recurrent_cache convert HF_DIR OUT.gguf``: a Hugging Face Mamba / Mamba-2 checkpoint as GGUF.
+
+The file has llama.cpp's keys, tensor names and tokenizer, so the same model —
+and its state files — can be taken to llama.cpp.  A bad directory or option
+is one line on stderr (``convert: ...``) and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .._cli import USER_ERROR, OneLineParser
+from .hf import convert_hf_to_gguf
+from .recurrent import ModelError
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m recurrent_cache convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="a directory written by transformers' save_pretrained")
+    parser.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")
+    parser.add_argument("--outtype", choices=["f32", "f16"], default="f32",
+                        help="f16: 2-D weights in f16, as llama.cpp's converter --outtype f16 (default f32)")
+    options = parser.parse_args(argv)
+    try:
+        model = convert_hf_to_gguf(options.hf_dir, options.out, file_type=options.outtype)
+    except (ModelError, ImportError, OSError) as exc:
+        print(f"convert: {exc}", file=sys.stderr)
+        return USER_ERROR
+    print(f"wrote {options.out} ({os.path.getsize(options.out):,} bytes): {model.hparams.describe()}")
+    return 0
