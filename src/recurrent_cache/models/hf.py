@@ -18,7 +18,8 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from .vocab import TokenizerTable, Vocabulary
 __all__ = ["ARCHITECTURES", "convert_hf_to_gguf", "load_hf", "load_model"]
 
 ARCHITECTURES = ("MambaForCausalLM", "Mamba2ForCausalLM")
+T = TypeVar("T")
 CONFIG, WEIGHTS, WEIGHTS_INDEX, TOKENIZER = ("config.json", "model.safetensors", "model.safetensors.index.json",
                                              "tokenizer.json")
 
@@ -254,7 +256,8 @@ def _head(checkpoint: _Checkpoint, n_vocab: int, n_embd: int, tied_default: bool
     return token_embd, output_norm, output
 
 
-def _hparams(checkpoint: _Checkpoint, build: Any, **fields: Any) -> Any:
+def _built(checkpoint: _Checkpoint, build: Callable[..., T], **fields: Any) -> T:
+    """``build(**fields)`` (hyper-parameters or the model), its ModelError naming the checkpoint's config."""
     try:
         return build(**fields)
     except ModelError as exc:
@@ -267,7 +270,7 @@ def _mamba(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: V
     d_inner = checkpoint.field("intermediate_size", int, int(checkpoint.field("expand", int, 2) * n_embd))
     rank = config.get("time_step_rank", "auto")
     dt_rank = math.ceil(n_embd / 16) if rank == "auto" else checkpoint.field("time_step_rank", int)
-    p: MambaHParams = _hparams(checkpoint, MambaHParams, **common, d_inner=d_inner, dt_rank=dt_rank)
+    p = _built(checkpoint, MambaHParams, **common, d_inner=d_inner, dt_rank=dt_rank)
     use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
     layers = []
     for il in range(p.n_layer):
@@ -289,7 +292,8 @@ def _mamba(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: V
             ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
         ))
     token_embd, output_norm, output = _head(checkpoint, p.n_vocab, p.n_embd, tied_default=True)
-    return MambaModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+    return _built(checkpoint, MambaModel, hparams=p, token_embd=token_embd, layers=layers,
+                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
 
 
 def _mamba2(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
@@ -304,7 +308,7 @@ def _mamba2(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: 
     if (not isinstance(limit, (list, tuple)) or len(limit) != 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)):
         raise checkpoint.refuse("time_step_limit", "not a pair of numbers")
-    p: Mamba2HParams = _hparams(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
+    p = _built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
                                 n_group=checkpoint.field("n_groups", int, 1),
                                 time_step_limit=(float(limit[0]), float(limit[1])))
     use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
@@ -327,4 +331,5 @@ def _mamba2(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: 
             ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
         ))
     token_embd, output_norm, output = _head(checkpoint, p.n_vocab, p.n_embd, tied_default=False)
-    return Mamba2Model(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+    return _built(checkpoint, Mamba2Model, hparams=p, token_embd=token_embd, layers=layers,
+                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)

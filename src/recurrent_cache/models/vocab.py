@@ -183,6 +183,8 @@ class TokenizerTable:
         if not ids or min(ids) < 0:
             raise ValueError("no tokens, or a negative token id")
         n_tokens = max(ids) + 1
+        if n_tokens > 2 * len(ids) + 1024:   # a hostile id would make the padded list huge
+            raise ValueError(f"token id {n_tokens - 1} for {len(ids)} tokens")
         tokens = [ids.get(i, f"[PAD{i}]") for i in range(n_tokens)]
         token_types = [types.get(i, TOKEN_UNUSED) for i in range(n_tokens)]
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
