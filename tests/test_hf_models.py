@@ -29,6 +29,7 @@ import recurrent_cache as rc  # noqa: E402
 from recurrent_cache.__main__ import main as command_line  # noqa: E402
 from recurrent_cache.models import (Mamba2Model, MambaModel, ModelError, ReferenceRun,  # noqa: E402
                                     convert_hf_to_gguf, load_gguf, load_hf, load_model)
+from recurrent_cache.models.safetensors_file import SafetensorsFile  # noqa: E402
 
 N_VOCAB = 100
 TOLERANCE = 1e-4   # every logit, relative to the largest logit of its row
@@ -62,6 +63,9 @@ def build_checkpoint(directory: Path, arch: str, fields: dict, dtype: str, shard
             if name.endswith(("norm.weight", "norm_f.weight", ".D", "conv1d.bias")):
                 parameter.add_(0.3 * torch.randn_like(parameter))
     model.to(DTYPES[dtype]).save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    shards = sorted(directory.glob("*.safetensors"))
+    assert (len(shards) > 1) == bool(shard)
+    assert {entry.dtype for entry in SafetensorsFile(shards[0]).tensors.values()} == {dtype.upper()}
     reference = type(model).from_pretrained(directory, dtype=torch.float32).eval()
     return reference
 
