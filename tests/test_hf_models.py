@@ -29,6 +29,7 @@ import recurrent_cache as rc  # noqa: E402
 from recurrent_cache.__main__ import main as command_line  # noqa: E402
 from recurrent_cache.models import (Mamba2Model, MambaModel, ModelError, ReferenceRun,  # noqa: E402
                                     convert_hf_to_gguf, load_gguf, load_hf, load_model)
+from recurrent_cache.models.gguf_file import GGUFFile  # noqa: E402
 from recurrent_cache.models.safetensors_file import SafetensorsFile  # noqa: E402
 
 N_VOCAB = 100
@@ -285,6 +286,8 @@ def test_tokenizer_json_gives_the_vocabulary(tmp_path, capsys):
     assert command_line(["convert", str(tmp_path), str(out)]) == 0       # python -m recurrent_cache convert
     from_gguf = load_gguf(out)
     assert from_gguf.vocab.pieces == model.vocab.pieces and from_gguf.vocab.eos == 0
+    tokens = GGUFFile(out).fields["tokenizer.ggml.tokens"]   # llama.cpp needs one token per token_embd row
+    assert len(tokens) == n_vocab + 3 and tokens[-1] == f"[PAD{n_vocab + 2}]"
     np.testing.assert_allclose(ReferenceRun(from_gguf).feed([5, 9, 40]), ReferenceRun(model).feed([5, 9, 40]),
                                rtol=0, atol=1e-5)
 

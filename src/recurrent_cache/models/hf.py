@@ -73,6 +73,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLi
     model = load_hf(hf_dir, dtype=np.float32)
     table = checkpoint.tokenizer_table()
     name = Path(hf_dir).resolve().name
+    if table is not None:
+        table = table.padded(model.hparams.n_vocab)
     if table is None:
         write_gguf(model, out_gguf, file_type=file_type, name=name)
     else:

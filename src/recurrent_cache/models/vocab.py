@@ -13,7 +13,7 @@ prompt).  Three kinds of pieces are understood:
   printable unicode character (GPT-2's ``bytes_to_unicode``, "Ġ" is a space);
 * ``llama`` — SentencePiece pieces: "▁" is a space, ``<0xAB>`` a raw byte.
 
-Control tokens (``tokenizer.ggml.token_type`` 3, e.g. ``<|endoftext|>``)
+Control and unused tokens (``tokenizer.ggml.token_type`` 3 and 5, e.g. ``<|endoftext|>``, padding)
 decode to nothing and are never produced by ``encode``, as in llama.cpp's
 detokenizer without ``special``.
 
@@ -36,6 +36,7 @@ __all__ = ["TokenizerTable", "Vocabulary", "escape", "gpt2_byte_decoder"]
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 _NOT_ENCODED = {TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_UNUSED}
+_SILENT = {TOKEN_CONTROL, TOKEN_UNUSED}   # decode to nothing, as llama.cpp's token_to_piece without special
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -102,7 +103,7 @@ class Vocabulary:
                 return text.replace("\u2581", " ").encode("utf-8")
         else:
             raise ValueError(f"tokenizer model {model!r} is not supported (gpt2 and llama are)")
-        pieces = [b"" if kind == TOKEN_CONTROL else piece_of(text, kind) for text, kind in zip(tokens, types)]
+        pieces = [b"" if kind in _SILENT else piece_of(text, kind) for text, kind in zip(tokens, types)]
         return cls(model, pieces, [kind not in _NOT_ENCODED for kind in types], eos)
 
     def padded(self, n_vocab: int) -> "Vocabulary":
@@ -193,6 +194,13 @@ class TokenizerTable:
             token_types = [TOKEN_BYTE if kind_ == TOKEN_NORMAL and _BYTE_PIECE.fullmatch(t) else kind_
                            for t, kind_ in zip(tokens, token_types)]
         return cls(kind, tokens, token_types, merges)
+
+    def padded(self, n_vocab: int) -> "TokenizerTable":
+        """The table with ``[PAD<id>]`` tokens of type UNUSED up to ``n_vocab``, as llama.cpp's converter pads
+        it (llama.cpp takes the token count as the vocabulary size, which must match ``token_embd``)."""
+        extra = range(len(self.tokens), n_vocab)
+        return TokenizerTable(self.model, self.tokens + [f"[PAD{i}]" for i in extra],
+                              self.token_types + [TOKEN_UNUSED] * len(extra), self.merges)
 
     def vocabulary(self, eos: int | None = None, encoder: Callable[[str], list[int]] | None = None) -> Vocabulary:
         """The ``Vocabulary`` of these tokens (decoding as llama.cpp would), encoding with ``encoder`` if given."""
