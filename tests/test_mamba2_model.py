@@ -82,3 +82,11 @@ def test_bad_hyper_parameters_are_refused():
         random_mamba2_model(n_embd=32, head_dim=24)
     with pytest.raises(ModelError, match="n_head 4 is not a multiple of n_group 3"):
         random_mamba2_model(n_embd=32, head_dim=16, n_group=3)
+
+
+def test_a_wrong_shape_is_named():
+    model = random_mamba2_model(seed=0, n_embd=32, n_layer=1, d_state=8, head_dim=8, n_group=2)
+    layer = model.layers[0]
+    bad = type(layer)(**{**vars(layer), "ssm_norm": layer.ssm_norm.reshape(2, 32)})
+    with pytest.raises(ModelError, match=r"blk\.0\.ssm_norm\.weight has shape \(2, 32\), expected \(64,\)"):
+        Mamba2Model(model.hparams, model.token_embd, [bad], model.output_norm, model.output)

@@ -85,8 +85,9 @@ class _Reader:
         if info is None:
             raise ModelError(f"tensor {name} is missing")
         values = self.file.floats(info) if info.type_id in FLOAT_TYPES else _dequantized(self.file, info)
-        if shape is not None and values.size == int(np.prod(shape)):
-            # ggml shapes differ in unit axes only (e.g. an early {d_conv, 1, d_inner} conv weight)
+        if shape is not None and [d for d in values.shape if d != 1] == [d for d in shape if d != 1]:
+            # shapes that differ in unit axes only (an early {d_conv, 1, d_inner} conv weight, Mamba-2's
+            # [n_head, 1] ssm_a): anything else is left for the model's shape check to name
             values = values.reshape(shape)
         return values
 
@@ -119,8 +120,12 @@ def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
         return MambaModel(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
     hparams2 = Mamba2HParams(**common, n_head=read.key("ssm.time_step_rank", int),
                              n_group=read.key("ssm.group_count", int, 1))
-    shapes = mamba2.layer_shapes(hparams2)
-    layers2 = [Mamba2Layer(**{field: read.tensor(f"blk.{il}.{suffix}", shapes[field])
+    shapes, stored = mamba2.layer_shapes(hparams2), mamba2.gguf_layer_shapes(hparams2)
+
+    def mamba2_tensor(name: str, field: str) -> np.ndarray:
+        values = read.tensor(name, stored[field])
+        return values.reshape(shapes[field]) if values.shape == stored[field] else values
+    layers2 = [Mamba2Layer(**{field: mamba2_tensor(f"blk.{il}.{suffix}", field)
                               for field, suffix in mamba2.LAYER_TENSORS.items()})
                for il in range(hparams2.n_layer)]
     return Mamba2Model(hparams2, token_embd, layers2, output_norm, output, dtype=dtype, vocab=vocab)

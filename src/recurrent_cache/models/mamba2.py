@@ -176,9 +176,7 @@ class Mamba2Model(RecurrentModel):
             raise ModelError(f"{len(layers)} layers for a model of n_layer = {p.n_layer}")
         shapes = layer_shapes(p)
         self.layers = [
-            Mamba2Layer(**{name: checked_tensor(np.reshape(getattr(layer, name), -1) if len(shapes[name]) == 1
-                                                else getattr(layer, name),
-                                                shapes[name], f"blk.{il}.{tensor}", self.dtype)
+            Mamba2Layer(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", self.dtype)
                            for name, tensor in LAYER_TENSORS.items()})
             for il, layer in enumerate(layers)]
 
