@@ -319,6 +319,6 @@ def test_every_exception_class_is_in_errors_and_exported():
             assert set(cls.__mro__) & (built_in - {Exception, BaseException, object}), \
                 f"{cls.__name__} derives from no built-in a caller would catch"
     for module, name in (("prefix_cache", "NoFreeCellError"), ("models", "ModelError"),
-                         ("models.gguf_file", "GGUFError"), ("models.mamba", "GGUFError")):
+                         ("models.gguf_file", "GGUFError"), ("models.gguf_io", "GGUFError")):
         imported = __import__(f"recurrent_cache.{module}", fromlist=[name])
         assert getattr(imported, name) is getattr(errors, name)

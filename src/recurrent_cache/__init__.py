@@ -16,8 +16,8 @@ from importlib.metadata import version as _version
 from .batch import Batch
 from .cache import RecurrentCache
 from .errors import (ArgumentError, BatchError, ConfigError, CoreError, GGUFError, ModelError, NoFreeCellError,
-                     OutOfRangeError, OutputError, PositionError, RecurrentCacheError, SeqIdError, StateError,
-                     UsageError)
+                     OutOfRangeError, OutputError, PositionError, RecurrentCacheError, SafetensorsError, SeqIdError,
+                     StateError, UsageError)
 from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
 from .prefix_cache import PrefixCache
 from .seqfile import load_seq_file, save_seq_file
@@ -42,6 +42,6 @@ __all__ = [
     "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError", "NoFreeCellError",
-    "ModelError", "GGUFError", "OutputError",
+    "ModelError", "GGUFError", "SafetensorsError", "OutputError",
     "get_include", "save_seq_file", "load_seq_file", "PrefixCache", "stores",
 ]

@@ -1,4 +1,4 @@
-"""``python -m recurrent_cache {demo,generate,inspect} ...``: see ``recurrent_cache.cli``."""
+"""``python -m recurrent_cache {demo,generate,inspect,convert} ...``: see ``recurrent_cache.cli``."""
 
 import sys
 

@@ -23,6 +23,7 @@ __all__ = [
     "NoFreeCellError",
     "ModelError",
     "GGUFError",
+    "SafetensorsError",
     "OutputError",
     "engine_error",
 ]
@@ -83,6 +84,10 @@ class ModelError(RecurrentCacheError, ValueError):
 
 class GGUFError(RecurrentCacheError, ValueError):
     """A file is not a well-formed GGUF file (the message says where and why)."""
+
+
+class SafetensorsError(RecurrentCacheError, ValueError):
+    """A file is not a well-formed safetensors file (the message says what and where)."""
 
 
 class OutputError(RecurrentCacheError, RuntimeError):

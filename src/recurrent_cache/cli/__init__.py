@@ -1,7 +1,7 @@
 """The command line, ``python -m recurrent_cache SUBCOMMAND ...``: one module per subcommand.
 
 ``demo`` (``demo.py``, with its modes in ``demo_prefix.py`` and
-``demo_speculative.py``), ``generate`` and ``inspect``.  They share
+``demo_speculative.py``), ``generate``, ``inspect`` and ``convert``.  They share
 ``options`` (one-line parse errors, range-checked numbers), ``model_options``
 (the model, read in one place), ``serving`` (the one serving loop and batch
 builder), ``clients`` and ``verification`` (the demo's clients and their
@@ -28,6 +28,7 @@ COMMANDS = {
     "demo": ("recurrent_cache.cli.demo", "run a recurrent model on the cache with continuous batching"),
     "generate": ("recurrent_cache.cli.generate", "continue one prompt with the model, streaming the text"),
     "inspect": ("recurrent_cache.cli.inspect", "describe a state blob or a 'ggsq' sequence file"),
+    "convert": ("recurrent_cache.cli.convert", "write a Hugging Face Mamba / Mamba-2 directory as GGUF"),
 }
 
 EXAMPLES = """\
@@ -35,6 +36,7 @@ examples:
   python -m recurrent_cache demo
   python -m recurrent_cache generate "def fibonacci(n):"
   python -m recurrent_cache inspect state.bin
+  python -m recurrent_cache convert ./mamba-130m-hf mamba-130m.gguf
   python -m recurrent_cache demo --help      # each subcommand's options and examples
 """
 

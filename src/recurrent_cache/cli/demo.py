@@ -27,7 +27,7 @@ import sys
 import time
 
 from ..errors import ConfigError
-from ..models import MambaModel, ModelError, write_gguf
+from ..models import RecurrentModel, ModelError, write_gguf
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
 from .clients import make_clients, print_clients
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR
 
 
-def serve_clients(options: argparse.Namespace, model: MambaModel) -> int:
+def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:
     """Continuous batching of ``--clients`` clients (or ``--fork``), the report and the verification."""
     count = options.parallel if options.fork else options.clients
     clients = make_clients(model, count, options.n_predict, options.temperature, options.top_k, options.seed,
@@ -194,7 +194,7 @@ def serve_clients(options: argparse.Namespace, model: MambaModel) -> int:
     return 0
 
 
-def report(options: argparse.Namespace, model: MambaModel, clients: list[Client], stats: Stats,
+def report(options: argparse.Namespace, model: RecurrentModel, clients: list[Client], stats: Stats,
            seconds: float, cells: int) -> None:
     """What was served, how fast, and where the time went."""
     processed = stats.prompt_tokens + stats.decode_tokens

@@ -39,7 +39,7 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ..models import MambaModel, ReferenceRun, Sampler
+from ..models import RecurrentModel, ReferenceRun, Sampler
 from .model_options import model_identity, model_name
 from .options import USER_ERROR
 from .serving import Client, Server, new_cache
@@ -81,7 +81,7 @@ class ConversationServer(Server):
     rest in chunks that end at the prefix cache's cuts (saving at each), and queues its
     conversation's next turn when done.  Without a prefix cache, every prompt is computed whole."""
 
-    def __init__(self, model: MambaModel, cache: rc.RecurrentCache, n_ubatch: int,
+    def __init__(self, model: RecurrentModel, cache: rc.RecurrentCache, n_ubatch: int,
                  conversations: list[list[list[int]]], prefix_cache: rc.PrefixCache | None,
                  corrupt_step: int | None = None) -> None:
         super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
@@ -130,7 +130,7 @@ class ConversationServer(Server):
         return follow_ups
 
 
-def serve(model: MambaModel, options: argparse.Namespace, conversations: list[list[list[int]]],
+def serve(model: RecurrentModel, options: argparse.Namespace, conversations: list[list[list[int]]],
           prefix_cache: bool, store: rc.stores.DirectoryStore | rc.stores.RedisStore | None = None,
           namespace: str = "") -> tuple[ConversationServer, float, dict[str, int]]:
     """All turns of all conversations through one cache, with or without a PrefixCache (and its
@@ -146,7 +146,7 @@ def serve(model: MambaModel, options: argparse.Namespace, conversations: list[li
     return server, seconds, pc.stats() if pc is not None else {}
 
 
-def verify(model: MambaModel, runs: list[list[Turn]], conversations: list[list[list[int]]], n_predict: int,
+def verify(model: RecurrentModel, runs: list[list[Turn]], conversations: list[list[list[int]]], n_predict: int,
            dtype: str) -> tuple[list[str], float]:
     """Every request of every run against its solo run: (problems, largest relative logits difference)."""
     solo: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}
@@ -178,7 +178,7 @@ def verify(model: MambaModel, runs: list[list[Turn]], conversations: list[list[l
     return problems, worst
 
 
-def run(options: argparse.Namespace, model: MambaModel) -> int:
+def run(options: argparse.Namespace, model: RecurrentModel) -> int:
     """Serve the scenario with and without the prefix cache, report, verify; the exit status."""
     conversations = make_conversations(options, model.hparams.n_vocab)
     store, namespace = None, ""

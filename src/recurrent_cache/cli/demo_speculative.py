@@ -24,7 +24,7 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ..models import MambaModel
+from ..models import RecurrentModel
 from .clients import make_clients, print_clients
 from .model_options import model_name
 from .serving import Client, Feed, Server, new_cache
@@ -59,7 +59,7 @@ class SpeculationStats:
 class SpeculativeServer(Server):
     """The serving loop, verifying every client's drafts in its decode steps."""
 
-    def __init__(self, model: MambaModel, cache: rc.RecurrentCache, n_ubatch: int, k: int,
+    def __init__(self, model: RecurrentModel, cache: rc.RecurrentCache, n_ubatch: int, k: int,
                  corrupt_step: int | None = None) -> None:
         super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
         self.k = k
@@ -108,7 +108,7 @@ class SpeculativeServer(Server):
             client.accept(rows[accepted])
 
 
-def serve(model: MambaModel, options: argparse.Namespace, k: int,
+def serve(model: RecurrentModel, options: argparse.Namespace, k: int,
           corrupt_step: int | None = None) -> tuple[list[Client], Server, SpeculationStats, float]:
     """The demo's clients, greedy, served with drafts of up to ``k`` tokens (0: plain decoding):
     the clients, the server, what speculation did, and the seconds it took."""
@@ -123,7 +123,7 @@ def serve(model: MambaModel, options: argparse.Namespace, k: int,
     return clients, server, speculation, seconds
 
 
-def run(options: argparse.Namespace, model: MambaModel) -> int:
+def run(options: argparse.Namespace, model: RecurrentModel) -> int:
     """The two runs, the report and the verification; the exit status."""
     k = options.speculative
     plain_clients, plain, _, plain_seconds = serve(model, options, 0)

@@ -22,7 +22,7 @@ import time
 from typing import TextIO
 
 from ..errors import ConfigError
-from ..models import MambaModel, ModelError, Sampler
+from ..models import RecurrentModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .model_options import add_model_options, build_model
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
@@ -84,7 +84,7 @@ class TextStream:
         self.out.flush()
 
 
-def generate(model: MambaModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
+def generate(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
              dtype: str, stream: TextStream | None = None) -> tuple[list[int], dict[str, float]]:
     """Run ``prompt`` then generate ``n_predict`` tokens on a fresh one-cell cache.
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from typing import Any
 
 import numpy as np
 
-from ..models import MambaModel, load_gguf, random_model, trained_model
+from ..models import Mamba2Model, RecurrentModel, load_model, random_model, trained_model
 from .options import text
 
 __all__ = ["COMPUTE_DTYPES", "add_model_options", "build_model", "model_identity", "model_name"]
@@ -24,14 +25,15 @@ COMPUTE_DTYPES: dict[str, type[np.floating[Any]]] = {"f32": np.float32, "f64": n
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """``--model`` / ``--random-weights`` (one or the other) and ``--compute``."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="GGUF", type=text("model path"),
-                        help="a Mamba-1 GGUF file (default: the shipped byte-level model)")
+    source.add_argument("--model", metavar="GGUF|DIR", type=text("model path"),
+                        help="a Mamba-1/2 GGUF file or Hugging Face checkpoint directory "
+                             "(default: the shipped byte-level model)")
     source.add_argument("--random-weights", action="store_true", help="a random model instead, seeded by --seed")
     parser.add_argument("--compute", choices=sorted(COMPUTE_DTYPES), default="f32",
                         help="model arithmetic (default f32, as the model was trained)")
 
 
-def build_model(options: argparse.Namespace) -> MambaModel:
+def build_model(options: argparse.Namespace) -> RecurrentModel:
     """The model the options name: ``--model``, ``--random-weights`` (seeded by ``--seed``) or
     the shipped one, computing in ``--compute``.  Raises ``ModelError`` (or ``ImportError``)."""
     dtype = COMPUTE_DTYPES[options.compute]
@@ -42,9 +44,10 @@ def build_model(options: argparse.Namespace) -> MambaModel:
     return trained_model(dtype=dtype)
 
 
-def _load_model(path: str, dtype: type[np.floating[Any]]) -> MambaModel:
-    """The model in the file ``path``: the one place the command line reads a model file."""
-    return load_gguf(path, dtype=dtype)
+def _load_model(path: str, dtype: type[np.floating[Any]]) -> RecurrentModel:
+    """The model at ``path`` (a GGUF file or a checkpoint directory): the one place the
+    command line reads a model."""
+    return load_model(path, dtype=dtype)
 
 
 def model_name(options: argparse.Namespace) -> str:
@@ -56,15 +59,15 @@ def model_name(options: argparse.Namespace) -> str:
     return "the shipped byte-level model, trained on the standard library"
 
 
-def model_identity(options: argparse.Namespace, model: MambaModel) -> str:
+def model_identity(options: argparse.Namespace, model: RecurrentModel) -> str:
     """The store namespace: what the states depend on besides the tokens and the cache geometry.
 
-    The sha256 of the GGUF file, or (random or built-in weights) of the weights
+    The sha256 of the GGUF file, or (a checkpoint directory, random or built-in weights) of the weights
     themselves; and the arithmetic, which changes the states too.  Raises
     ``OSError`` when the model file cannot be read.
     """
     digest = hashlib.sha256()
-    if options.model:
+    if options.model and os.path.isfile(options.model):
         with open(options.model, "rb") as file:
             for chunk in iter(lambda: file.read(1 << 20), b""):
                 digest.update(chunk)
@@ -76,4 +79,5 @@ def model_identity(options: argparse.Namespace, model: MambaModel) -> str:
         for weights in (model.token_embd, model.output_norm, model.output):
             digest.update(np.ascontiguousarray(weights).tobytes())
         source = "weights"
-    return f"mamba1 {source}-sha256 {digest.hexdigest()} compute {options.compute}"
+    architecture = "mamba2" if isinstance(model, Mamba2Model) else "mamba1"
+    return f"{architecture} {source}-sha256 {digest.hexdigest()} compute {options.compute}"

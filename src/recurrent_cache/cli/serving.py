@@ -25,13 +25,13 @@ import numpy as np
 
 import recurrent_cache as rc
 
-from ..models import MambaModel, Sampler
+from ..models import RecurrentModel, Sampler
 
 __all__ = ["Client", "Feed", "NoProgress", "Progress", "Server", "Stats", "build_batch",
            "new_cache", "progress_bar"]
 
 
-def new_cache(model: MambaModel, n_seq_max: int, dtype: str, n_rollback: int = 0) -> rc.RecurrentCache:
+def new_cache(model: RecurrentModel, n_seq_max: int, dtype: str, n_rollback: int = 0) -> rc.RecurrentCache:
     """A cache of ``n_seq_max`` cells for ``model``; ``ConfigError`` (saying which and why)
     when it cannot be had."""
     try:
@@ -154,7 +154,7 @@ class Server:
     which), so that every check downstream must fail.
     """
 
-    def __init__(self, model: MambaModel, cache: rc.RecurrentCache, n_ubatch: int,
+    def __init__(self, model: RecurrentModel, cache: rc.RecurrentCache, n_ubatch: int,
                  progress: Progress | None = None, corrupt_step: int | None = None) -> None:
         self.model = model
         self.cache = cache

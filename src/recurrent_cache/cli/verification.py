@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from ..models import MambaModel, ReferenceRun
+from ..models import RecurrentModel, ReferenceRun
 from .serving import Client
 
 __all__ = ["TOLERANCE", "fail", "relative_difference", "run_alone", "verify"]
@@ -27,7 +27,7 @@ __all__ = ["TOLERANCE", "fail", "relative_difference", "run_alone", "verify"]
 TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 1e-2}
 
 
-def run_alone(model: MambaModel, client: Client, state_dtype: str) -> tuple[list[int], np.ndarray]:
+def run_alone(model: RecurrentModel, client: Client, state_dtype: str) -> tuple[list[int], np.ndarray]:
     """The client's prompt and generation on a fresh reference run: (tokens, last logits)."""
     run = ReferenceRun(model, state_dtype, state_dtype)
     sampler = client.sampler.fresh()
@@ -46,7 +46,7 @@ def relative_difference(served: np.ndarray | None, alone: np.ndarray) -> float:
     return float(np.max(np.abs(served - alone)) / np.max(np.abs(alone)))
 
 
-def verify(model: MambaModel, clients: list[Client], state_dtype: str) -> tuple[list[str], float]:
+def verify(model: RecurrentModel, clients: list[Client], state_dtype: str) -> tuple[list[str], float]:
     """Compare every client with its solo run: (problems, largest relative logits difference)."""
     tolerance = TOLERANCE[state_dtype]
     problems = []

@@ -4,14 +4,23 @@
     model = trained_model()                     # the shipped byte-level Mamba
     cache = model.new_cache(n_seq_max=4)
     logits = model.forward(cache.init_batch(rc.Batch(token=model.vocab.encode("def f"), seq_id=[0] * 5)))
+
+Architectures: Mamba-1 (``MambaModel``) and Mamba-2 (``Mamba2Model``), from
+GGUF files (``load_gguf``) or Hugging Face checkpoint directories
+(``load_hf``; ``load_model`` takes either).
 """
 
+from .gguf_io import load_gguf, write_gguf
+from .hf import convert_hf_to_gguf, load_hf, load_model
+from .mamba import MambaHParams, MambaLayer, MambaModel, random_model
+from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model, random_mamba2_model
 from ..errors import ModelError
-from .mamba import MambaHParams, MambaLayer, MambaModel, ReferenceRun, load_gguf, random_model, write_gguf
+from .recurrent import RecurrentModel, ReferenceRun
 from .sampling import Sampler
 from .trained import TRAINED_GGUF, held_out_prompts, trained_model, training_facts
 from .vocab import Vocabulary, escape
 
-__all__ = ["MambaHParams", "MambaLayer", "MambaModel", "ModelError", "ReferenceRun", "Sampler",
-           "TRAINED_GGUF", "Vocabulary", "escape", "held_out_prompts", "load_gguf", "random_model",
-           "trained_model", "training_facts", "write_gguf"]
+__all__ = ["Mamba2HParams", "Mamba2Layer", "Mamba2Model", "MambaHParams", "MambaLayer", "MambaModel",
+           "ModelError", "RecurrentModel", "ReferenceRun", "Sampler", "TRAINED_GGUF", "Vocabulary",
+           "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf", "load_model",
+           "random_mamba2_model", "random_model", "trained_model", "training_facts", "write_gguf"]

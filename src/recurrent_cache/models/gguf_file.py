@@ -37,7 +37,8 @@ _STRING, _ARRAY = 8, 9
 
 # ggml tensor types this reader converts itself: type id -> (name, numpy dtype of one element's bits);
 # the state types, and F64 (28), which weights may use and a state never does
-FLOAT_TYPES = {**{t.type_id: (t.name.upper(), t.bits) for t in GGML_TYPES.values()}, 28: ("F64", np.dtype("<f8"))}
+FLOAT_TYPES: dict[int, tuple[str, np.dtype[Any]]] = {
+    **{t.type_id: (t.name.upper(), t.bits) for t in GGML_TYPES.values()}, 28: ("F64", np.dtype("<f8"))}
 # (block size in elements, bytes per block) of the other ggml types, to check sizes of tensors we
 # hand to the gguf package; unknown types are an error.
 _QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
@@ -63,7 +64,7 @@ class TensorInfo:
 class GGUFFile:
     """The parsed header of a GGUF file and access to its tensors (memory-mapped)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         size = os.path.getsize(self.path)  # OSError for a missing file: the caller names it
         if size == 0:
@@ -128,9 +129,12 @@ class GGUFFile:
         """An f32 / f16 / bf16 / f64 tensor as a new float32 or float64 array of its shape."""
         name, dtype = FLOAT_TYPES[info.type_id]
         values = self.raw(info).view(dtype).reshape(info.shape)
+        widened: np.ndarray
         if name == "BF16":
-            return (values.astype(np.uint32) << 16).view(np.float32)
-        return values.astype(np.float64 if name == "F64" else np.float32)
+            widened = (values.astype(np.uint32) << 16).view(np.float32)
+        else:
+            widened = values.astype(np.float64 if name == "F64" else np.float32)
+        return widened
 
     # -- parsing ------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .mamba import MambaModel, load_gguf
+from .gguf_io import load_gguf
+from .mamba import MambaModel
 
 __all__ = ["TRAINED_GGUF", "trained_model", "training_facts", "held_out_prompts"]
 
@@ -25,12 +26,15 @@ TRAINING_FACTS = DATA / "byte_mamba.json"
 
 def trained_model(dtype: Any = np.float32) -> MambaModel:
     """The shipped model, computing in ``dtype`` (float32 by default: it was trained in float32)."""
-    return load_gguf(TRAINED_GGUF, dtype=dtype)
+    model = load_gguf(TRAINED_GGUF, dtype=dtype)
+    assert isinstance(model, MambaModel), "the shipped file is a Mamba-1 model"
+    return model
 
 
 def training_facts() -> dict[str, Any]:
     """What ``tools/train_byte_mamba.py`` recorded: command, split, held-out bits per byte, prompts."""
-    return json.loads(TRAINING_FACTS.read_text(encoding="utf-8"))
+    facts: dict[str, Any] = json.loads(TRAINING_FACTS.read_text(encoding="utf-8"))
+    return facts
 
 
 def held_out_prompts() -> list[str]:

@@ -13,21 +13,30 @@ prompt).  Three kinds of pieces are understood:
   printable unicode character (GPT-2's ``bytes_to_unicode``, "Ġ" is a space);
 * ``llama`` — SentencePiece pieces: "▁" is a space, ``<0xAB>`` a raw byte.
 
-Control tokens (``tokenizer.ggml.token_type`` 3, e.g. ``<|endoftext|>``)
+Control and unused tokens (``tokenizer.ggml.token_type`` 3 and 5, e.g. ``<|endoftext|>``, padding)
 decode to nothing and are never produced by ``encode``, as in llama.cpp's
 detokenizer without ``special``.
+
+A Hugging Face ``tokenizer.json`` gives the same three things — pieces, types,
+BPE merges — as llama.cpp's converter reads them (``TokenizerTable``); with
+the ``tokenizers`` package installed, ``encode`` is then the tokenizer's own.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Vocabulary", "escape", "gpt2_byte_decoder"]
+__all__ = ["TokenizerTable", "Vocabulary", "escape", "gpt2_byte_decoder"]
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 _NOT_ENCODED = {TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_UNUSED}
+_SILENT = {TOKEN_CONTROL, TOKEN_UNUSED}   # decode to nothing, as llama.cpp's token_to_piece without special
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -51,8 +60,10 @@ class Vocabulary:
     """
 
     def __init__(self, kind: str, pieces: Sequence[bytes], encodable: Sequence[bool] | None = None,
-                 eos: int | None = None) -> None:
+                 eos: int | None = None, encoder: Callable[[str], list[int]] | None = None) -> None:
         self.kind = kind
+        # text -> ids by the model's own tokenizer (tokenizer.json through ``tokenizers``); None: greedy match
+        self.encoder = encoder
         # the end-of-text token (tokenizer.ggml.eos_token_id): generation stops there; None: never
         self.eos = eos if eos is not None and 0 <= eos < len(pieces) else None
         self.pieces = list(pieces)
@@ -92,13 +103,14 @@ class Vocabulary:
                 return text.replace("\u2581", " ").encode("utf-8")
         else:
             raise ValueError(f"tokenizer model {model!r} is not supported (gpt2 and llama are)")
-        pieces = [b"" if kind == TOKEN_CONTROL else piece_of(text, kind) for text, kind in zip(tokens, types)]
+        pieces = [b"" if kind in _SILENT else piece_of(text, kind) for text, kind in zip(tokens, types)]
         return cls(model, pieces, [kind not in _NOT_ENCODED for kind in types], eos)
 
     def padded(self, n_vocab: int) -> "Vocabulary":
         """This vocabulary with ids up to ``n_vocab`` (the extra ones decode to nothing, never encoded)."""
         extra = n_vocab - len(self.pieces)
-        return Vocabulary(self.kind, self.pieces + [b""] * extra, self.encodable + [False] * extra, self.eos)
+        return Vocabulary(self.kind, self.pieces + [b""] * extra, self.encodable + [False] * extra, self.eos,
+                          self.encoder)
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -115,6 +127,8 @@ class Vocabulary:
 
     def encode(self, data: bytes | str) -> list[int]:
         """``data`` (str: as UTF-8) as token ids, taking the longest known piece at each position."""
+        if self.encoder is not None:
+            return self.encoder(data if isinstance(data, str) else data.decode("utf-8"))
         if isinstance(data, str):
             data = data.encode("utf-8")
         if self.kind == "bytes":
@@ -131,6 +145,76 @@ class Vocabulary:
             else:
                 raise ValueError(f"byte {data[at]:#04x} at offset {at} has no token in this vocabulary")
         return ids
+
+
+@dataclass(frozen=True)
+class TokenizerTable:
+    """A ``tokenizer.json``'s tokens as llama.cpp's converter writes them (``tokenizer.ggml.*``)."""
+
+    model: str                # "gpt2" (byte-level BPE) or "llama" (SentencePiece-style pieces)
+    tokens: list[str]         # by id; ids the file skips are "[PAD<id>]" of type UNUSED
+    token_types: list[int]
+    merges: list[str]         # BPE merges, "left right"
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> "TokenizerTable":
+        """Parse ``tokenizer.json`` (ValueError naming what is wrong; OSError when unreadable)."""
+        with open(path, encoding="utf-8") as handle:
+            try:
+                data = json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, dict):
+            raise ValueError("no 'model' object")
+        vocab = model.get("vocab")
+        ids: dict[int, str] = {}
+        if isinstance(vocab, dict):          # BPE, WordPiece, WordLevel: {piece: id}
+            ids = {int(i): str(t) for t, i in vocab.items()}
+        elif isinstance(vocab, list):        # Unigram: [[piece, score], ...]
+            ids = {i: str(entry[0]) for i, entry in enumerate(vocab)}
+        else:
+            raise ValueError("model.vocab is neither an object nor a list")
+        types = {i: TOKEN_NORMAL for i in ids}
+        for added in data.get("added_tokens") or []:
+            token_id, content = added.get("id"), added.get("content")
+            if isinstance(token_id, int) and isinstance(content, str):
+                ids[token_id] = content
+                types[token_id] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+        if not ids or min(ids) < 0:
+            raise ValueError("no tokens, or a negative token id")
+        n_tokens = max(ids) + 1
+        if n_tokens > 2 * len(ids) + 1024:   # a hostile id would make the padded list huge
+            raise ValueError(f"token id {n_tokens - 1} for {len(ids)} tokens")
+        tokens = [ids.get(i, f"[PAD{i}]") for i in range(n_tokens)]
+        token_types = [types.get(i, TOKEN_UNUSED) for i in range(n_tokens)]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+        kind = "gpt2" if _mentions_byte_level(data.get("decoder")) else "llama"
+        if kind == "llama":
+            token_types = [TOKEN_BYTE if kind_ == TOKEN_NORMAL and _BYTE_PIECE.fullmatch(t) else kind_
+                           for t, kind_ in zip(tokens, token_types)]
+        return cls(kind, tokens, token_types, merges)
+
+    def padded(self, n_vocab: int) -> "TokenizerTable":
+        """The table with ``[PAD<id>]`` tokens of type UNUSED up to ``n_vocab``, as llama.cpp's converter pads
+        it (llama.cpp takes the token count as the vocabulary size, which must match ``token_embd``)."""
+        extra = range(len(self.tokens), n_vocab)
+        return TokenizerTable(self.model, self.tokens + [f"[PAD{i}]" for i in extra],
+                              self.token_types + [TOKEN_UNUSED] * len(extra), self.merges)
+
+    def vocabulary(self, eos: int | None = None, encoder: Callable[[str], list[int]] | None = None) -> Vocabulary:
+        """The ``Vocabulary`` of these tokens (decoding as llama.cpp would), encoding with ``encoder`` if given."""
+        vocab = Vocabulary.from_gguf_tokens(self.model, self.tokens, self.token_types, eos)
+        return Vocabulary(vocab.kind, vocab.pieces, vocab.encodable, vocab.eos, encoder)
+
+
+def _mentions_byte_level(decoder: Any) -> bool:
+    """Whether a tokenizer.json decoder (possibly a Sequence of them) is GPT-2's ByteLevel."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_mentions_byte_level(d) for d in decoder.get("decoders") or [])
 
 
 def escape(data: bytes) -> str:

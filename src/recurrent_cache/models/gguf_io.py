@@ -1,0 +1,250 @@
+"""Models in GGUF files: Mamba-1 (``mamba``) and Mamba-2 (``mamba2``), with llama.cpp's keys and tensor names.
+
+``load_gguf`` needs numpy only (``gguf_file.py`` parses the file) unless a
+tensor is quantized; ``write_gguf`` uses the ``gguf`` package, as llama.cpp's
+converter does, so llama.cpp loads what it writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..errors import GGUFError, ModelError
+from . import mamba, mamba2
+from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
+from .mamba import MambaHParams, MambaLayer, MambaModel
+from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model
+from .recurrent import RecurrentModel
+from .vocab import Vocabulary
+
+__all__ = ["GGUF_MISSING", "import_gguf", "load_gguf", "write_gguf"]
+
+GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
+                "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
+
+
+def import_gguf() -> ModuleType:
+    """The ``gguf`` package, or ImportError saying how to install it."""
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ImportError(GGUF_MISSING) from exc
+    return gguf
+
+
+def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
+    """Load a Mamba-1 or Mamba-2 GGUF file written by llama.cpp's converter (or ``write_gguf``).
+
+    Reads the ``mamba.*`` / ``mamba2.*`` hyper-parameters, llama.cpp's tensor
+    names and the vocabulary (``tokenizer.ggml.tokens``; none for a byte-level
+    model).  f32, f16, bf16 and f64 tensors need numpy only; quantized tensors
+    are dequantized by the ``gguf`` package.  Without ``output.weight`` the
+    output is tied to ``token_embd``.  The vocabulary size is ``token_embd``'s
+    row count (llama.cpp's converter pads it).
+
+    Any problem — a missing, empty, truncated or corrupt file, another
+    architecture, a missing key or tensor, a wrong shape — raises
+    ``ModelError`` naming the file and the problem.
+    """
+    name = os.fspath(path)
+    try:
+        return _load(GGUFFile(name), dtype)
+    except ModelError as exc:
+        raise ModelError(f"{name}: {exc}") from None
+    except GGUFError as exc:
+        raise ModelError(f"{name}: not a valid GGUF file: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a key of the wrong type
+        raise ModelError(f"{name}: not a valid Mamba GGUF file: {exc}") from None
+
+
+class _Reader:
+    """Typed access to one file's keys and tensors, with errors that name them."""
+
+    def __init__(self, file: GGUFFile, arch: str) -> None:
+        self.file, self.arch = file, arch
+
+    def key(self, name: str, kind: type, default: Any = None) -> Any:
+        full = f"{self.arch}.{name}"
+        value = self.file.fields.get(full, default)
+        if value is None:
+            raise ModelError(f"GGUF key {full} is missing")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ModelError(f"GGUF key {full} is {value!r}, not an integer")
+        if kind is float and not isinstance(value, (int, float)):
+            raise ModelError(f"GGUF key {full} is {value!r}, not a number")
+        return kind(value)
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        info = self.file.tensors.get(name)
+        if info is None:
+            raise ModelError(f"tensor {name} is missing")
+        values = self.file.floats(info) if info.type_id in FLOAT_TYPES else _dequantized(self.file, info)
+        if shape is not None and [d for d in values.shape if d != 1] == [d for d in shape if d != 1]:
+            # shapes that differ in unit axes only (an early {d_conv, 1, d_inner} conv weight, Mamba-2's
+            # [n_head, 1] ssm_a): anything else is left for the model's shape check to name
+            values = values.reshape(shape)
+        return values
+
+    def optional_tensor(self, name: str) -> np.ndarray | None:
+        return self.tensor(name) if name in self.file.tensors else None
+
+
+def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
+    arch = file.fields.get("general.architecture")
+    if arch not in (mamba.ARCH, mamba2.ARCH):
+        raise ModelError(f"architecture {arch!r}; this loader reads {mamba.ARCH!r} (Mamba-1) and "
+                         f"{mamba2.ARCH!r} (Mamba-2) models")
+    read = _Reader(file, str(arch))
+    token_embd = read.tensor("token_embd.weight")
+    if token_embd.ndim != 2:
+        raise ModelError(f"tensor token_embd.weight has shape {token_embd.shape}, not 2-D")
+    common = dict(n_vocab=int(token_embd.shape[0]), n_embd=read.key("embedding_length", int),
+                  n_layer=read.key("block_count", int), d_conv=read.key("ssm.conv_kernel", int),
+                  d_inner=read.key("ssm.inner_size", int), d_state=read.key("ssm.state_size", int),
+                  rms_eps=read.key("attention.layer_norm_rms_epsilon", float))
+    output_norm, output = read.tensor("output_norm.weight"), read.optional_tensor("output.weight")
+    vocab = _vocabulary(file)
+    if arch == mamba.ARCH:
+        hparams = MambaHParams(**common, dt_rank=read.key("ssm.time_step_rank", int),
+                               dt_b_c_rms=read.key("ssm.dt_b_c_rms", bool, False))
+        layers = [MambaLayer(**{field: read.tensor(f"blk.{il}.{suffix}", shape)
+                                for (field, suffix), shape in zip(mamba.LAYER_TENSORS.items(),
+                                                                  mamba.layer_shapes(hparams).values())})
+                  for il in range(hparams.n_layer)]
+        return MambaModel(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+    hparams2 = Mamba2HParams(**common, n_head=read.key("ssm.time_step_rank", int),
+                             n_group=read.key("ssm.group_count", int, 1))
+    shapes, stored = mamba2.layer_shapes(hparams2), mamba2.gguf_layer_shapes(hparams2)
+
+    def mamba2_tensor(name: str, field: str) -> np.ndarray:
+        values = read.tensor(name, stored[field])
+        return values.reshape(shapes[field]) if values.shape == stored[field] else values
+    layers2 = [Mamba2Layer(**{field: mamba2_tensor(f"blk.{il}.{suffix}", field)
+                              for field, suffix in mamba2.LAYER_TENSORS.items()})
+               for il in range(hparams2.n_layer)]
+    return Mamba2Model(hparams2, token_embd, layers2, output_norm, output, dtype=dtype, vocab=vocab)
+
+
+def _vocabulary(file: GGUFFile) -> Vocabulary | None:
+    """The file's vocabulary: its tokens, or bytes for a token-free ("no_vocab") model of 256 tokens."""
+    tokens = file.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None  # the model takes a 256-token model as byte-level
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ModelError("GGUF key tokenizer.ggml.tokens is not a list of strings")
+    types = file.fields.get("tokenizer.ggml.token_type")
+    try:
+        eos = file.fields.get("tokenizer.ggml.eos_token_id")
+        return Vocabulary.from_gguf_tokens(str(file.fields.get("tokenizer.ggml.model", "gpt2")), tokens, types,
+                                           eos if isinstance(eos, int) else None)
+    except ValueError as exc:
+        raise ModelError(f"vocabulary: {exc}") from None
+
+
+def _dequantized(file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    try:
+        gguf = import_gguf()
+    except ImportError:
+        raise ModelError(f"tensor {info.name} is {info.type_name} (quantized); {GGUF_MISSING}") from None
+    try:
+        qtype = gguf.GGMLQuantizationType(info.type_id)
+        raw = file.raw(info).reshape(int(np.prod(info.shape[:-1], dtype=np.int64)), -1)
+        values: np.ndarray = gguf.quants.dequantize(raw, qtype)
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelError(f"tensor {info.name} has type {info.type_name}: {exc}") from None
+    return values.reshape(info.shape)
+
+
+# Tensors llama.cpp's converter keeps in f32 in an f16 file: every 1-D tensor,
+# ssm_conv1d, ssm_norm and everything not named ".weight" (ssm_a, ssm_d).
+def _stays_f32(name: str, array: np.ndarray) -> bool:
+    return (array.ndim <= 1 or ".ssm_conv1d." in name or ".ssm_norm." in name
+            or not name.endswith(".weight"))
+
+
+def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: str = "f32",
+               name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
+               token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None,
+               merges: Sequence[str] | None = None) -> None:
+    """Write a Mamba-1 or Mamba-2 ``model`` as a GGUF file that llama.cpp loads.
+
+    Keys and tensor names are those of llama.cpp's converter.  ``file_type``
+    "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
+    does (1-D tensors, ``ssm_conv1d``, ``ssm_norm``, ``ssm_a`` and ``ssm_d``
+    stay f32).  A tied model gets no ``output.weight``.  Without ``tokens``
+    there is no tokenizer (``tokenizer.ggml.model = "no_vocab"``): the model
+    takes token ids, or bytes when it has 256 tokens.  ``tokens`` (with
+    ``token_types``, the ``eos`` token id and BPE ``merges``) are written as
+    ``tokenizer.ggml.*`` of a ``tokenizer`` model, as llama.cpp's converter
+    writes them ("gpt2": byte-level BPE pieces).  A Mamba-2 model whose
+    ``time_step_limit`` clamps is refused: llama.cpp has no such key.
+    """
+    if file_type not in ("f32", "f16"):
+        raise ModelError(f"file_type must be 'f32' or 'f16', got {file_type!r}")
+    if isinstance(model, Mamba2Model):
+        if model.hparams.limits_time_step:
+            raise ModelError(f"time_step_limit {model.hparams.time_step_limit} clamps dt; llama.cpp's mamba2 "
+                             "does not, so the GGUF file would be another model")
+        arch, tables = mamba2.ARCH, mamba2.LAYER_TENSORS
+        shapes = mamba2.gguf_layer_shapes(model.hparams)
+    elif isinstance(model, MambaModel):
+        arch, tables = mamba.ARCH, mamba.LAYER_TENSORS
+        shapes = mamba.layer_shapes(model.hparams)
+    else:
+        raise ModelError(f"write_gguf writes Mamba-1 and Mamba-2 models, not {type(model).__name__}")
+    gguf = import_gguf()
+    p = model.hparams
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_name(name)
+    writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
+    writer.add_embedding_length(p.n_embd)
+    writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
+    writer.add_head_count(0)           # likewise
+    writer.add_block_count(p.n_layer)
+    writer.add_ssm_conv_kernel(p.d_conv)
+    writer.add_ssm_inner_size(p.d_inner)
+    writer.add_ssm_state_size(p.d_state)
+    if isinstance(model, Mamba2Model):
+        writer.add_ssm_time_step_rank(model.hparams.n_head)
+        writer.add_ssm_group_count(model.hparams.n_group)
+        writer.add_layer_norm_rms_eps(p.rms_eps)
+    else:
+        assert isinstance(model, MambaModel)
+        writer.add_ssm_time_step_rank(model.hparams.dt_rank)
+        writer.add_layer_norm_rms_eps(p.rms_eps)
+        writer.add_ssm_dt_b_c_rms(model.hparams.dt_b_c_rms)
+    writer.add_vocab_size(p.n_vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
+    if tokens is None:
+        writer.add_tokenizer_model("no_vocab")
+    else:
+        writer.add_tokenizer_model(tokenizer)
+        writer.add_token_list(list(tokens))
+        if token_types is not None:
+            writer.add_token_types(list(token_types))
+        if merges is not None:
+            writer.add_token_merges(list(merges))
+        if eos is not None:
+            writer.add_eos_token_id(eos)
+
+    named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
+    if not model.tied:
+        named["output.weight"] = model.output
+    for il, layer in enumerate(model.layers):
+        for field_name, suffix in tables.items():
+            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shapes[field_name])
+    for tensor_name, array in named.items():
+        stored = np.float32 if file_type == "f32" or _stays_f32(tensor_name, array) else np.float16
+        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=stored))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

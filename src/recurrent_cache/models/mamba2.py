@@ -1,0 +1,266 @@
+"""Mamba-2 in numpy, as llama.cpp (``build_mamba2_layer``) and transformers compute it, served from the cache.
+
+Per layer, for each token, with H heads of P = d_inner / H channels and G
+groups of B / C (head h reads group ``h // (H / G)``)::
+
+    u          = rms_norm(x) * attn_norm
+    z, xBC, dt = split(ssm_in @ u)                  # d_inner, d_inner + 2*G*d_state, H
+    window     = [conv state ; xBC]                 # per channel: the last d_conv inputs
+    xBC        = silu(sum_k window[:, k] * ssm_conv1d[:, k] + ssm_conv1d.bias)
+    x, B, C    = split(xBC)                         # [H, P], [G, d_state], [G, d_state]
+    dt         = clamp(softplus(dt + ssm_dt.bias), time_step_limit)   # [H]
+    h[h]       = h[h] * exp(dt[h] * ssm_a[h]) + (dt[h] * x[h])[:, None] * B[g(h)][None, :]
+    y[h]       = h[h] @ C[g(h)] + x[h] * ssm_d[h]
+    y          = group_rms_norm(y * silu(z)) * ssm_norm   # G groups of d_inner / G channels
+    x          = x + ssm_out @ y
+
+The gate multiplies before the norm (transformers' ``norm_before_gate=False``,
+llama.cpp's ``swiglu_split`` then ``build_norm``).  The cache rows are
+llama.cpp's: r = (d_conv-1) × (d_inner + 2·G·d_state) — the conv over x‖B‖C —
+and s = d_state × d_inner, the state ``h[head, p, n]`` at
+``s[(head*P + p)*d_state + n]`` (ggml's ``{d_state, head_dim, n_head}``).
+``time_step_limit`` is transformers' (llama.cpp has none: it must be the
+default (0, inf) for a GGUF file).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._storage import StateStorage
+from ..errors import ModelError
+from .recurrent import (RecurrentModel, StepStates, causal_conv, checked_tensor, conv_steps,
+                        conv_window, rms_norm, silu, softplus)
+from .vocab import Vocabulary
+
+__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "random_mamba2_model"]
+
+ARCH = "mamba2"
+NO_TIME_STEP_LIMIT = (0.0, math.inf)
+
+
+@dataclass(frozen=True)
+class Mamba2HParams:
+    """The sizes of a Mamba-2 model (llama.cpp's ``mamba2.*`` GGUF keys)."""
+
+    n_vocab: int
+    n_embd: int             # mamba2.embedding_length
+    n_layer: int            # mamba2.block_count
+    d_conv: int             # mamba2.ssm.conv_kernel
+    d_inner: int            # mamba2.ssm.inner_size
+    d_state: int            # mamba2.ssm.state_size
+    n_head: int             # mamba2.ssm.time_step_rank
+    n_group: int = 1        # mamba2.ssm.group_count
+    rms_eps: float = 1e-5   # mamba2.attention.layer_norm_rms_epsilon
+    time_step_limit: tuple[float, float] = NO_TIME_STEP_LIMIT  # transformers' clamp of dt (no GGUF key)
+
+    def __post_init__(self) -> None:
+        for name in ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "n_head", "n_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ModelError(f"hyper-parameter {name} must be a positive integer, got {value!r}")
+        if self.d_conv < 2:
+            raise ModelError(f"d_conv must be >= 2, got {self.d_conv}")
+        if self.d_inner % self.n_head:
+            raise ModelError(f"d_inner {self.d_inner} is not a multiple of n_head {self.n_head}")
+        if self.n_head % self.n_group:
+            raise ModelError(f"n_head {self.n_head} is not a multiple of n_group {self.n_group}")
+        if not self.rms_eps > 0:
+            raise ModelError(f"rms_eps must be positive, got {self.rms_eps!r}")
+        low, high = self.time_step_limit
+        if not (0.0 <= low <= high):
+            raise ModelError(f"time_step_limit must be (low, high) with 0 <= low <= high, got {self.time_step_limit}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_inner // self.n_head
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the causal conv: x, then B and C of every group."""
+        return self.d_inner + 2 * self.n_group * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:
+        """Rows of ``ssm_in``: z, x‖B‖C, dt."""
+        return self.d_inner + self.conv_channels + self.n_head
+
+    @property
+    def n_embd_r(self) -> int:
+        """Width of a cache r row: the conv window without its newest input."""
+        return (self.d_conv - 1) * self.conv_channels
+
+    @property
+    def n_embd_s(self) -> int:
+        """Width of a cache s row: the SSM state of every head."""
+        return self.d_state * self.d_inner
+
+    @property
+    def limits_time_step(self) -> bool:
+        """True when ``time_step_limit`` clamps anything (softplus is never negative)."""
+        return self.time_step_limit[0] > 0.0 or self.time_step_limit[1] < math.inf
+
+    def describe(self) -> str:
+        return (f"Mamba-2, {self.n_layer} layers, n_embd {self.n_embd}, d_inner {self.d_inner}, "
+                f"{self.n_head} heads of {self.head_dim}, {self.n_group} groups, d_state {self.d_state}, "
+                f"d_conv {self.d_conv}, vocab {self.n_vocab}")
+
+
+@dataclass
+class Mamba2Layer:
+    """The weights of one layer, in numpy (C-order) shapes; per-head vectors are 1-D here
+    (llama.cpp's GGUF stores ``ssm_a`` / ``ssm_d`` as [n_head, 1] and ``ssm_norm`` as [n_group, d_inner/n_group])."""
+
+    attn_norm: np.ndarray     # [n_embd]
+    ssm_in: np.ndarray        # [d_in_proj, n_embd]: z rows, x‖B‖C rows, dt rows
+    ssm_conv1d: np.ndarray    # [conv_channels, d_conv]
+    ssm_conv1d_b: np.ndarray  # [conv_channels]
+    ssm_dt_b: np.ndarray      # [n_head]
+    ssm_a: np.ndarray         # [n_head], already negative: A = -exp(A_log)
+    ssm_d: np.ndarray         # [n_head]
+    ssm_norm: np.ndarray      # [d_inner]
+    ssm_out: np.ndarray       # [n_embd, d_inner]
+
+
+# GGUF tensor name of each layer field (``blk.N.`` + this), as llama.cpp's converter writes them.
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm.weight",
+    "ssm_in": "ssm_in.weight",
+    "ssm_conv1d": "ssm_conv1d.weight",
+    "ssm_conv1d_b": "ssm_conv1d.bias",
+    "ssm_dt_b": "ssm_dt.bias",
+    "ssm_a": "ssm_a",
+    "ssm_d": "ssm_d",
+    "ssm_norm": "ssm_norm.weight",
+    "ssm_out": "ssm_out.weight",
+}
+
+
+def layer_shapes(p: Mamba2HParams) -> dict[str, tuple[int, ...]]:
+    """The numpy shape of each ``Mamba2Layer`` field."""
+    return {
+        "attn_norm": (p.n_embd,),
+        "ssm_in": (p.d_in_proj, p.n_embd),
+        "ssm_conv1d": (p.conv_channels, p.d_conv),
+        "ssm_conv1d_b": (p.conv_channels,),
+        "ssm_dt_b": (p.n_head,),
+        "ssm_a": (p.n_head,),
+        "ssm_d": (p.n_head,),
+        "ssm_norm": (p.d_inner,),
+        "ssm_out": (p.n_embd, p.d_inner),
+    }
+
+
+def gguf_layer_shapes(p: Mamba2HParams) -> dict[str, tuple[int, ...]]:
+    """The numpy shape of each field as llama.cpp's GGUF stores it (ggml's ne reversed)."""
+    return layer_shapes(p) | {"ssm_a": (p.n_head, 1), "ssm_d": (p.n_head, 1),
+                              "ssm_norm": (p.n_group, p.d_inner // p.n_group)}
+
+
+class Mamba2Model(RecurrentModel):
+    """A Mamba-2 language model: weights, and the forward pass over the cache (``RecurrentModel``)."""
+
+    hparams: Mamba2HParams
+    layers: list[Mamba2Layer]
+
+    def __init__(self, hparams: Mamba2HParams, token_embd: Any, layers: Sequence[Mamba2Layer],
+                 output_norm: Any, output: Any = None, dtype: Any = np.float64,
+                 vocab: Vocabulary | None = None) -> None:
+        super().__init__(hparams, token_embd, output_norm, output, dtype, vocab)
+        p = hparams
+        if len(layers) != p.n_layer:
+            raise ModelError(f"{len(layers)} layers for a model of n_layer = {p.n_layer}")
+        shapes = layer_shapes(p)
+        self.layers = [
+            Mamba2Layer(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", self.dtype)
+                           for name, tensor in LAYER_TENSORS.items()})
+            for il, layer in enumerate(layers)]
+
+    def mixer(self, layer: Mamba2Layer, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
+              storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
+              steps: StepStates | None = None) -> np.ndarray:
+        """One Mamba-2 block on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
+
+        conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
+        """
+        p = self.hparams
+        n_seqs, n_tokens = u.shape[:2]
+        n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
+        zxbcdt = u @ layer.ssm_in.T
+        z = zxbcdt[..., :p.d_inner]
+        window = conv_window(conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels], storage_r)
+        xbc = causal_conv(window, layer.ssm_conv1d, layer.ssm_conv1d_b, n_tokens)  # [n_seqs, n_tokens, channels]
+        x = xbc[..., :p.d_inner].reshape(n_seqs, n_tokens, n_head, head_dim)
+        # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave
+        per_group = n_head // n_group
+        b = np.repeat(xbc[..., p.d_inner:p.d_inner + n_group * d_state].reshape(n_seqs, n_tokens, n_group, d_state),
+                      per_group, axis=2)                                    # [n_seqs, n_tokens, n_head, d_state]
+        c = np.repeat(xbc[..., p.d_inner + n_group * d_state:].reshape(n_seqs, n_tokens, n_group, d_state),
+                      per_group, axis=2)
+        dt = softplus(zxbcdt[..., p.d_inner + p.conv_channels:] + layer.ssm_dt_b)  # [n_seqs, n_tokens, n_head]
+        if p.limits_time_step:
+            dt = np.clip(dt, *p.time_step_limit)
+        decay = np.exp(dt * layer.ssm_a)                                     # [n_seqs, n_tokens, n_head]
+        dt_x = dt[..., None] * x                                             # [n_seqs, n_tokens, n_head, head_dim]
+
+        # The scan: the only loop over tokens, vectorised over sequences and heads.
+        state = ssm.reshape(n_seqs, n_head, head_dim, d_state)
+        first_step = n_tokens - 1 - m
+        ssm_steps = np.empty((n_seqs, m) + ssm.shape[1:], dtype=ssm.dtype)
+        y = np.empty_like(x)
+        for t in range(n_tokens):
+            h = state * decay[:, t, :, None, None] + dt_x[:, t, :, :, None] * b[:, t, :, None, :]
+            y[:, t] = (h @ c[:, t, :, :, None])[..., 0]
+            state[...] = storage_s.round(h)
+            if first_step <= t < n_tokens - 1:
+                ssm_steps[:, t - first_step] = ssm
+        if m and steps is not None:
+            steps.append((conv_steps(window, p.d_conv, m), ssm_steps))
+
+        y = (y + x * layer.ssm_d[:, None]).reshape(n_seqs, n_tokens, p.d_inner) * silu(z)
+        grouped = rms_norm(y.reshape(n_seqs, n_tokens, n_group, p.d_inner // n_group), p.rms_eps)
+        result: np.ndarray = (grouped.reshape(n_seqs, n_tokens, p.d_inner) * layer.ssm_norm) @ layer.ssm_out.T
+        return result
+
+
+def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer: int = 4,
+                        d_state: int = 16, d_conv: int = 4, head_dim: int = 16, n_group: int = 1,
+                        d_inner: int | None = None, rms_eps: float = 1e-5, tied: bool = False,
+                        dtype: Any = np.float64) -> Mamba2Model:
+    """A Mamba-2 model with seeded random weights, initialised as ``mamba_ssm`` does.
+
+    ``d_inner = 2*n_embd`` by default, in heads of ``head_dim``; per-head
+    ``A = -[1..n_head]``, ``D = 1``, ``dt`` log-uniform in [1e-3, 1e-1]
+    through the softplus bias.  The output projection is scaled so that
+    logits spread over a few units.
+    """
+    d_inner = 2 * n_embd if d_inner is None else d_inner
+    if d_inner % head_dim:
+        raise ModelError(f"d_inner {d_inner} is not a multiple of head_dim {head_dim}")
+    p = Mamba2HParams(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, d_inner=d_inner,
+                      d_state=d_state, n_head=d_inner // head_dim, n_group=n_group, rms_eps=rms_eps)
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(n_layer):
+        dt_init = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=p.n_head))
+        bound = 1 / np.sqrt(d_conv)
+        layers.append(Mamba2Layer(
+            attn_norm=1.0 + 0.1 * rng.standard_normal(n_embd),
+            ssm_in=rng.standard_normal((p.d_in_proj, n_embd)) / np.sqrt(n_embd),
+            ssm_conv1d=rng.uniform(-bound, bound, size=(p.conv_channels, d_conv)),
+            ssm_conv1d_b=rng.uniform(-bound, bound, size=p.conv_channels),
+            ssm_dt_b=dt_init + np.log(-np.expm1(-dt_init)),  # softplus(bias) = dt_init
+            ssm_a=-np.arange(1, p.n_head + 1, dtype=np.float64),
+            ssm_d=np.ones(p.n_head),
+            ssm_norm=1.0 + 0.1 * rng.standard_normal(d_inner),
+            ssm_out=rng.standard_normal((n_embd, d_inner)) / np.sqrt(d_inner * n_layer),
+        ))
+    token_embd = rng.standard_normal((n_vocab, n_embd))
+    output_norm = 1.0 + 0.1 * rng.standard_normal(n_embd)
+    output = None if tied else 3.0 * rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)
+    return Mamba2Model(p, token_embd, layers, output_norm, output, dtype=dtype)

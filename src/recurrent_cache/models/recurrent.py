@@ -1,0 +1,320 @@
+"""What every recurrent language model here shares: embedding, RMSNorm, the per-layer
+residual, the output head, and the run over the cache (ubatches, state rows, step states).
+
+A model architecture (Mamba-1 in ``mamba.py``, Mamba-2 in ``mamba2.py``)
+subclasses ``RecurrentModel`` and supplies only its mixer: one block's math on
+``[n_seqs, n_tokens, n_embd]`` inputs, reading and updating its conv and SSM
+states.  Both keep their states in llama.cpp's layout:
+
+* r row (n_embd_r = (d_conv-1) * conv_channels): the last d_conv-1 inputs of
+  each conv channel, channel-major, oldest first: ``r[ch*(d_conv-1) + t]``;
+* s row (n_embd_s = d_state * d_inner): ``h[ch, n]`` at ``s[ch*d_state + n]``
+  (for Mamba-2, ``ch = head*head_dim + p``, as ggml's ``{d_state, head_dim, n_head}``).
+
+Precision: weights and activations are in the model's ``dtype`` (float64 by
+default).  The recurrent state is rounded to the cache's storage type (f32,
+f16, bf16) after every token, not only where a ubatch ends as llama.cpp does,
+so a sequence's result does not depend on how its tokens were split into
+ubatches: a batched run equals a solo run even with f16 states.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+from ..errors import ModelError
+from ..memory_state import MemoryStatus
+from ._storage import StateStorage
+from .vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from ..cache import RecurrentCache
+
+__all__ = ["ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "checked_tensor",
+           "rms_norm", "silu", "softplus"]
+
+
+# Per layer, the states after a ubatch's last m-1 .. 1 tokens: (conv [n_seqs, m, ...], ssm [n_seqs, m, ...]).
+StepStates = list[tuple[np.ndarray, np.ndarray]]
+
+
+class ModelShape(Protocol):
+    """The sizes every architecture's hyper-parameters provide (the cache's shape follows from them)."""
+
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def d_conv(self) -> int: ...
+    @property
+    def d_inner(self) -> int: ...
+    @property
+    def d_state(self) -> int: ...
+    @property
+    def rms_eps(self) -> float: ...
+    @property
+    def conv_channels(self) -> int: ...
+    @property
+    def n_embd_r(self) -> int: ...
+    @property
+    def n_embd_s(self) -> int: ...
+    def describe(self) -> str: ...
+
+
+def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype[Any] | type) -> np.ndarray:
+    """``array`` as a C-contiguous ``dtype`` array, or ``ModelError`` naming ``name``: wrong shape, not numbers,
+    NaN or inf."""
+    array = np.asarray(array)
+    if array.shape != shape:
+        raise ModelError(f"tensor {name} has shape {array.shape}, expected {shape}")
+    if array.dtype.kind not in "fiu":
+        raise ModelError(f"tensor {name} holds {array.dtype}, not numbers")
+    with np.errstate(all="ignore"):  # an overflow to inf is reported just below
+        converted = np.ascontiguousarray(array, dtype=dtype)
+    if not np.isfinite(converted).all():
+        # NaN or inf weights would make every logit NaN: refuse them with the tensor's name
+        raise ModelError(f"tensor {name} holds {np.size(converted) - np.isfinite(converted).sum()} "
+                         f"values that are NaN or infinite (as {np.dtype(dtype).name})")
+    return converted
+
+
+# -- the math shared by the architectures ------------------------------------------------
+
+
+def rms_norm(v: np.ndarray, eps: float) -> np.ndarray:
+    """``v / sqrt(mean(v*v) + eps)`` over the last axis (ggml_rms_norm, no weight)."""
+    result: np.ndarray = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+    return result
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-v) overflows to inf for very negative v: silu -> -0
+        result: np.ndarray = v / (1.0 + np.exp(-v))
+    return result
+
+
+def softplus(v: np.ndarray) -> np.ndarray:
+    """ggml's: ``v`` above 20, else ``log1p(exp(v))``."""
+    return np.where(v > 20.0, v, np.log1p(np.exp(np.minimum(v, 20.0))))
+
+
+class RecurrentModel(ABC):
+    """A language model of recurrent layers: weights, and the forward pass over the cache.
+
+    ``output=None`` ties the output projection to ``token_embd`` (as llama.cpp
+    does when a GGUF file has no ``output.weight``).  Every weight is stored
+    in ``dtype``, the type the forward pass computes in.  Subclasses set
+    ``self.layers`` (objects with an ``attn_norm`` weight) and define ``mixer``.
+    """
+
+    hparams: ModelShape
+    layers: list[Any]
+
+    def __init__(self, hparams: ModelShape, token_embd: Any, output_norm: Any, output: Any = None,
+                 dtype: Any = np.float64, vocab: Vocabulary | None = None) -> None:
+        p = self.hparams = hparams
+        if vocab is None and p.n_vocab == 256:
+            vocab = Vocabulary.of_bytes()
+        if vocab is not None and len(vocab) > p.n_vocab:
+            raise ModelError(f"a vocabulary of {len(vocab)} tokens for a model of n_vocab = {p.n_vocab}")
+        if vocab is not None and len(vocab) < p.n_vocab:  # converters pad n_vocab: padding decodes to nothing
+            vocab = vocab.padded(p.n_vocab)
+        # token ids <-> bytes; None when the model has no vocabulary (token ids only)
+        self.vocab = vocab
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise ModelError(f"a model computes in float32 or float64, not {self.dtype}")
+        self.token_embd = checked_tensor(token_embd, (p.n_vocab, p.n_embd), "token_embd.weight", self.dtype)
+        self.output_norm = checked_tensor(output_norm, (p.n_embd,), "output_norm.weight", self.dtype)
+        self.output = (self.token_embd if output is None
+                       else checked_tensor(output, (p.n_vocab, p.n_embd), "output.weight", self.dtype))
+
+    @property
+    def tied(self) -> bool:
+        """True when the output projection is ``token_embd`` (no ``output.weight``)."""
+        return self.output is self.token_embd
+
+    def new_cache(self, n_seq_max: int = 1, size: int | None = None, dtype: str = "f32", n_rollback: int = 0,
+                  engine: Literal["compiled", "reference"] | None = None) -> RecurrentCache:
+        """A ``RecurrentCache`` shaped for this model, with ``dtype`` states ("f32", "f16", "bf16");
+        ``n_rollback`` past states per cell for speculative decoding (the model writes them)."""
+        from .. import RecurrentCache
+
+        p = self.hparams
+        return RecurrentCache(p.n_layer, p.n_embd_r, p.n_embd_s, n_seq_max=n_seq_max, size=size,
+                              dtype_r=dtype, dtype_s=dtype, n_rollback=n_rollback, engine=engine)
+
+    # -- running on the cache ---------------------------------------------------
+
+    def forward(self, st: Any) -> np.ndarray:
+        """Run every ubatch of ``st`` (from ``cache.init_batch``), applying each in turn.
+
+        Returns the logits of the output tokens, shape ``[n_outputs, n_vocab]``:
+        row ``i`` belongs to batch index ``st.out_ids[i]``.
+        """
+        if st.status != MemoryStatus.SUCCESS:
+            raise ModelError(f"cannot run a batch whose init_batch status is {st.status.name}")
+        logits = [self.forward_ubatch(st) for _ in st]
+        return np.concatenate(logits) if logits else np.zeros((0, self.hparams.n_vocab), self.dtype)
+
+    def forward_ubatch(self, st: Any) -> np.ndarray:
+        """Run the ubatch that ``st`` has just applied, updating its state rows in place.
+
+        Group ``s`` starts from rows ``st.r(il)[s]`` / ``st.s(il)[s]`` and its
+        final states are written back there; with a cache that keeps a rollback
+        history (``n_rollback > 0``) the states after the group's earlier tokens
+        go into ``st.r_steps(il)`` / ``st.s_steps(il)`` (SPEC §7).  Returns the
+        logits of the ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``.
+        """
+        p = self.hparams
+        ub = st.ubatch
+        n_seqs, n_seq_tokens = ub.n_seqs, ub.n_seq_tokens
+        try:
+            r_rows = [st.r(il) for il in range(p.n_layer)]
+            s_rows = [st.s(il) for il in range(p.n_layer)]
+        except IndexError:
+            raise ModelError(f"the cache has fewer than the model's {p.n_layer} layers "
+                             "(use model.new_cache())") from None
+        if r_rows[0].shape[1] != p.n_embd_r or s_rows[0].shape[1] != p.n_embd_s:
+            raise ModelError(f"the cache rows are {r_rows[0].shape[1]} / {s_rows[0].shape[1]} wide; "
+                             f"this model needs {p.n_embd_r} / {p.n_embd_s} (use model.new_cache())")
+        storage_r, storage_s = StateStorage(r_rows[0].dtype), StateStorage(s_rows[0].dtype)
+        conv = [storage_r.decode(rows, self.dtype).reshape(n_seqs, p.conv_channels, p.d_conv - 1) for rows in r_rows]
+        ssm = [storage_s.decode(rows, self.dtype).reshape(n_seqs, p.d_inner, p.d_state) for rows in s_rows]
+
+        m = st.r_steps(0).shape[1] if p.n_layer else 0   # step states the cache keeps per group
+        steps: StepStates = []
+        x = self.embed(ub.token, ub.embd).reshape(n_seqs, n_seq_tokens, p.n_embd)
+        x = self.run_layers(x, conv, ssm, storage_r, storage_s, m, steps)
+
+        for il in range(p.n_layer):
+            r_rows[il][...] = storage_r.encode(conv[il].reshape(n_seqs, p.n_embd_r))
+            s_rows[il][...] = storage_s.encode(ssm[il].reshape(n_seqs, p.n_embd_s))
+            if m:
+                st.r_steps(il)[...] = storage_r.encode(steps[il][0].reshape(n_seqs, m, p.n_embd_r))
+                st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape(n_seqs, m, p.n_embd_s))
+        return self.logits(x.reshape(ub.n_tokens, p.n_embd)[ub.output])
+
+    # -- the layers ---------------------------------------------------------------
+
+    def zero_states(self, n_seqs: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Fresh conv and SSM states of every layer for ``n_seqs`` sequences (what ``run_layers`` updates)."""
+        p = self.hparams
+        conv = [np.zeros((n_seqs, p.conv_channels, p.d_conv - 1), self.dtype) for _ in range(p.n_layer)]
+        ssm = [np.zeros((n_seqs, p.d_inner, p.d_state), self.dtype) for _ in range(p.n_layer)]
+        return conv, ssm
+
+    def embed(self, tokens: np.ndarray | None, embd: np.ndarray | None = None) -> np.ndarray:
+        """The input rows: ``token_embd`` of ``tokens`` (ids checked), or ``embd`` itself when tokens is None."""
+        p = self.hparams
+        if tokens is None:
+            if embd is None or embd.ndim != 2 or embd.shape[1] != p.n_embd:
+                raise ModelError(f"embedding input of shape {None if embd is None else embd.shape}; "
+                                 f"this model has n_embd {p.n_embd}")
+            return embd.astype(self.dtype)
+        tokens = np.asarray(tokens)
+        bad = (tokens < 0) | (tokens >= p.n_vocab)
+        if bad.any():
+            raise ModelError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {p.n_vocab})")
+        embedded: np.ndarray = self.token_embd[tokens]
+        return embedded
+
+    def run_layers(self, x: np.ndarray, conv: list[np.ndarray], ssm: list[np.ndarray],
+                   storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
+                   steps: StepStates | None = None) -> np.ndarray:
+        """All layers on ``x`` [n_seqs, n_tokens, n_embd]; ``conv`` / ``ssm`` are updated in place.
+
+        With ``m > 0`` each layer's states after tokens n_tokens-1-m .. n_tokens-2 are appended
+        to ``steps`` as (conv [n_seqs, m, conv_channels, d_conv-1], ssm [n_seqs, m, d_inner, d_state]).
+        """
+        eps = self.hparams.rms_eps
+        for layer, conv_l, ssm_l in zip(self.layers, conv, ssm):
+            x = x + self.mixer(layer, rms_norm(x, eps) * layer.attn_norm, conv_l, ssm_l, storage_r, storage_s,
+                               m, steps)
+        return x
+
+    @abstractmethod
+    def mixer(self, layer: Any, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
+              storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
+              steps: StepStates | None = None) -> np.ndarray:
+        """One block on ``u`` [n_seqs, n_tokens, n_embd] (already normed): its output to add to the residual.
+
+        conv [n_seqs, conv_channels, d_conv-1] and ssm [n_seqs, d_inner, d_state]
+        hold the states before the first token and are left holding those after
+        the last; with ``m > 0`` (and ``steps`` given) the states after tokens
+        n_tokens-1-m .. n_tokens-2 are appended to ``steps``.
+        """
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """``output @ (rms_norm(x) * output_norm)`` for rows ``x`` [..., n_embd]."""
+        result: np.ndarray = (rms_norm(x, self.hparams.rms_eps) * self.output_norm) @ self.output.T
+        return result
+
+
+def conv_window(conv: np.ndarray, inputs: np.ndarray, storage_r: StateStorage) -> np.ndarray:
+    """The causal conv's window ``[n_seqs, channels, d_conv-1+n_tokens]``: the state, then ``inputs``
+    [n_seqs, n_tokens, channels]; ``conv`` is left holding its last d_conv-1 columns.
+
+    The inputs are rounded as the cache stores them *before* use, so the window
+    is the same whether an input came from this ubatch or from the cache: the
+    result does not depend on ubatch boundaries.
+    """
+    n_tokens = inputs.shape[1]
+    window = np.concatenate([conv, storage_r.round(inputs).transpose(0, 2, 1)], axis=2)
+    conv[...] = window[:, :, n_tokens:]
+    return window
+
+
+def causal_conv(window: np.ndarray, weight: np.ndarray, bias: np.ndarray, n_tokens: int) -> np.ndarray:
+    """``silu(depthwise conv + bias)`` over ``window`` (from ``conv_window``): [n_seqs, n_tokens, channels]."""
+    d_conv = weight.shape[1]
+    summed = sum(window[:, :, k:k + n_tokens] * weight[:, k, None] for k in range(d_conv))
+    return silu(np.asarray(summed).transpose(0, 2, 1) + bias)
+
+
+def conv_steps(window: np.ndarray, d_conv: int, m: int) -> np.ndarray:
+    """The conv states after each of the window's tokens n_tokens-1-m .. n_tokens-2: [n_seqs, m, channels, d_conv-1]."""
+    n_tokens = window.shape[2] - (d_conv - 1)
+    first = n_tokens - 1 - m
+    return np.stack([window[:, :, t + 1:t + d_conv] for t in range(first, n_tokens - 1)], axis=1)
+
+
+class ReferenceRun:
+    """One sequence, one token at a time, with its own state and no cache.
+
+    What every batched run through the cache must equal: it shares the
+    per-token math with ``RecurrentModel.forward_ubatch`` but none of the cache
+    plumbing (rows, splits, copy plans).  ``dtype_r`` / ``dtype_s`` are the
+    cache storage types to mirror ("f32", "f16", "bf16").
+    """
+
+    def __init__(self, model: RecurrentModel, dtype_r: str = "f32", dtype_s: str = "f32") -> None:
+        self.model = model
+        self.dtype_r, self.dtype_s = dtype_r, dtype_s
+        self.storage_r = StateStorage.named(dtype_r)
+        self.storage_s = StateStorage.named(dtype_s)
+        self.conv, self.ssm = model.zero_states(1)
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run ``tokens`` in order; the logits after each one, ``[len(tokens), n_vocab]``."""
+        model = self.model
+        logits = []
+        for token in tokens:
+            x = model.embed(np.array([[token]]))
+            x = model.run_layers(x, self.conv, self.ssm, self.storage_r, self.storage_s)
+            logits.append(model.logits(x[0]))
+        return np.concatenate(logits)
+
+    def copy(self) -> ReferenceRun:
+        """An independent run from this one's current state (a fork)."""
+        twin = ReferenceRun(self.model, self.dtype_r, self.dtype_s)
+        twin.conv = [a.copy() for a in self.conv]
+        twin.ssm = [a.copy() for a in self.ssm]
+        return twin

@@ -1,0 +1,99 @@
+"""A small, strict safetensors reader in numpy (no torch, no ``safetensors`` package).
+
+Format: a little-endian u64 header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
+then the tensor bytes, offsets relative to the end of the header.  F64, F32,
+F16 and BF16 tensors are read (BF16 through its uint16 bits: the top half of
+a float32).  Every defect raises ``SafetensorsError`` saying what and where;
+nothing is allocated before the header has been checked against the file size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import SafetensorsError
+
+__all__ = ["SafetensorsFile", "TensorEntry"]
+
+# safetensors dtype -> numpy dtype of one stored element
+_DTYPES: dict[str, np.dtype[Any]] = {"F64": np.dtype("<f8"),
+                                     "F32": np.dtype("<f4"),
+                                     "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_MAX_HEADER = 100 * 2**20   # the format's own limit on the JSON header
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str                # "F32", "F16", "BF16", ...
+    shape: tuple[int, ...]
+    offset: int               # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """The parsed header of one ``.safetensors`` file, and its tensors (memory-mapped)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        size = os.path.getsize(self.path)  # OSError for a missing file: the caller names it
+        if size < 8:
+            raise SafetensorsError(f"the file has {size} bytes, fewer than the 8 of the header length")
+        with open(self.path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > min(size - 8, _MAX_HEADER):
+                raise SafetensorsError(f"the header claims {header_len} bytes; the file has {size}")
+            raw = handle.read(header_len)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SafetensorsError(f"the header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError("the header is not a JSON object")
+        metadata = header.pop("__metadata__", {})
+        self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}
+        start = 8 + header_len
+        self.tensors: dict[str, TensorEntry] = {}
+        for name, entry in header.items():
+            self.tensors[name] = self._entry(name, entry, start, size)
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
+
+    @staticmethod
+    def _entry(name: str, entry: Any, start: int, size: int) -> TensorEntry:
+        if not isinstance(entry, dict):
+            raise SafetensorsError(f"tensor {name}: the header entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                   for d in shape)):
+            raise SafetensorsError(f"tensor {name}: shape {shape!r} is not a list of sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise SafetensorsError(f"tensor {name}: data_offsets {offsets!r} are not [begin, end]")
+        begin, end = start + offsets[0], start + offsets[1]
+        if end > size:
+            raise SafetensorsError(f"tensor {name}: its data ends at byte {end}, past the end of the file "
+                                   f"({size} bytes): truncated?")
+        if dtype in _DTYPES and end - begin != int(np.prod(shape, dtype=object)) * _DTYPES[dtype].itemsize:
+            raise SafetensorsError(f"tensor {name}: {end - begin} bytes for a {dtype} tensor of shape {shape}")
+        return TensorEntry(name, str(dtype), tuple(shape), begin, end - begin)
+
+    def floats(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a new float32 (float64 for F64) array of its shape."""
+        entry = self.tensors[name]
+        if entry.dtype not in _DTYPES:
+            raise SafetensorsError(f"tensor {name} is {entry.dtype}; this reader reads F64, F32, F16 and BF16")
+        values = self._data[entry.offset:entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).reshape(entry.shape)
+        widened: np.ndarray
+        if entry.dtype == "BF16":
+            widened = (values.astype(np.uint32) << 16).view(np.float32)
+        else:
+            widened = values.astype(np.float64 if entry.dtype == "F64" else np.float32)
+        return widened
