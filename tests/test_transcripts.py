@@ -223,3 +223,17 @@ def test_a_command_that_fails_is_an_error(tmp_path):
 def test_only_the_package_commands_run(tmp_path):
     with pytest.raises(tool.TranscriptError, match="not 'python -m recurrent_cache"):
         tool.run_commands(["python -c 'print(1)'"], tmp_path)
+
+
+def test_the_tool_refuses_pages_it_cannot_write():
+    """A missing block, a name used twice and a block without its fence are errors, not silent skips."""
+    page = "# A page\n\n<!-- transcript: a -->\nold\n<!-- /transcript -->\n"
+    assert tool.replace_block(page, "transcript", "a", "new\n") == page.replace("old", "new")
+    with pytest.raises(tool.TranscriptError, match="no <!-- transcript: b -->"):
+        tool.replace_block(page, "transcript", "b", "new\n")
+    with pytest.raises(tool.TranscriptError, match="two blocks"):
+        tool.marked_blocks(page + page)
+    with pytest.raises(tool.TranscriptError, match="without a ```text fence"):
+        tool.runs_of("old\n")
+    with pytest.raises(tool.TranscriptError, match="output before the first"):
+        tool.runs_of("```text\nmodel  Mamba-1\n$ python -m recurrent_cache demo\n```\n")
