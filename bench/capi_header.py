@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: import the suite as the packag
 
 from bench import capi  # noqa: E402  (first: bench/__init__ may put src/ on the path)
 from bench.measure import Stats, Timing, measure  # noqa: E402
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 from bench.workloads import CimportDecodeStep, PythonDecodeStep  # noqa: E402
 
 import recurrent_cache as compiled  # noqa: E402
@@ -44,9 +45,11 @@ def cell(stats: Stats) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="sizes 64 and 65,536, short repeats (a few seconds)")
+    add_quick_option(parser, "sizes 64 and 65,536, short repeats")
     parser.add_argument("--seqs", type=int, default=64, help="sequences decoded per step (default 64)")
     args = parser.parse_args(argv)
+    if args.quick:
+        print(NOTE)
     timing, sizes = (QUICK, (64, 65536)) if args.quick else (FULL, SIZES)
     kernels = {"C header": capi.decode_kernel("c"), "Cython API": capi.decode_kernel("cython")}
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())

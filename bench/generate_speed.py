@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import recurrent_cache as rc
 from recurrent_cache.models import held_out_prompts, trained_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository root, for bench.quick
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 TARGETS = {1: 200.0, 8: 1000.0}
 
@@ -53,9 +58,11 @@ def decode_rate(model, n_seqs: int, n_steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    add_quick_option(parser, "100 decode steps per run instead of 300")
     parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args()
+    if options.quick:
+        print(NOTE)
     steps = 100 if options.quick else 300
     print(f"{'compute':<8} {'sequences':>9} {'tokens/s (median)':>18} {'min-max':>14} {'target':>7} {'ratio':>6}")
     for compute in (np.float32, np.float64):

@@ -1,6 +1,6 @@
 """The decode step as a model really takes it, against the bare apply()/next() loop.
 
-    python bench/model_step.py [--repeats 15]
+    python bench/model_step.py [--repeats 15] [--quick]
 
 Both run on the same prebuilt one-token-per-sequence batches through the Python
 API: ``bare`` is ``init_batch`` + ``apply()`` / ``next()``; ``model reads`` iterates
@@ -16,11 +16,16 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import recurrent_cache as rc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository root, for bench.quick
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 N_LAYER, N_EMBD = 2, 16
 
@@ -54,9 +59,13 @@ def model_reads(cache: rc.RecurrentCache, batch: rc.Batch) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    add_quick_option(parser, "3 repeats")
+    parser.add_argument("--repeats", type=int, help="interleaved rounds (default 15; 3 with --quick)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 4096])
     options = parser.parse_args()
+    if options.quick:
+        print(NOTE)
+    options.repeats = options.repeats or (3 if options.quick else 15)
     load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     print(f"# decode step read as a model reads it ({load})")
     print("| sequences | bare apply/next µs | model reads µs | ratio |")

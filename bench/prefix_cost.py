@@ -29,11 +29,15 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import recurrent_cache as rc  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository root, for bench.quick
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 
 class MissingStore:
@@ -115,8 +119,10 @@ def measure(n: int, block_size: int, runs: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4k and 16k tokens only")
+    add_quick_option(parser, "4k and 16k tokens only")
     args = parser.parse_args()
+    if args.quick:
+        print(NOTE)
     lengths = [4096, 16384] if args.quick else [4096, 16384, 65536, 262144]
     blocks = [16, 256, 4096, 1 << 20]
     columns = ["plan", "restore hit", "restore miss", "save"]

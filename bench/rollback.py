@@ -1,6 +1,6 @@
 """Rollback (SPEC §7): what keeping a history costs a decode step, what a rollback costs, memory.
 
-    python bench/rollback.py [--repeats 15]
+    python bench/rollback.py [--repeats 15] [--quick]
 
 One run, interleaved round by round so every case sees the same machine load:
 - the decode step (64 sequences, one token each, init_batch + apply/next through the
@@ -32,6 +32,7 @@ if __package__ in (None, ""):   # run as a script: the repository root on the pa
 import numpy as np  # noqa: E402
 
 import recurrent_cache as rc  # noqa: E402
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 N_SEQS, N_EMBD = 64, 16
 REALISTIC = (4, 64, 256)   # n_layer, n_embd_r, n_embd_s of the filing figure
@@ -129,8 +130,13 @@ def rollback_cost(k: int, back: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    add_quick_option(parser, "3 repeats")
+    parser.add_argument("--repeats", type=int, help="interleaved rounds (default 15; 3 with --quick)")
     options = parser.parse_args()
+    if options.quick:
+        print(NOTE)
+    options.repeats = options.repeats or (3 if options.quick else 15)
+    rollback_repeats = 3 if options.quick else 9
     print("# rollback ({})".format("load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())))
     print(f"\n## decode step, {N_SEQS} sequences, µs, median of {options.repeats}")
     print("| API | cache size | n_rollback 0 | n_rollback 4 | n_rollback 16 | 16 / 0 |")
@@ -163,7 +169,7 @@ def main() -> None:
     print("| n_rollback | back 1 token | back n_rollback tokens |")
     print("|---:|---:|---:|")
     for k in (4, 16):
-        print(f"| {k} | {rollback_cost(k, 1, 9):.0f} | {rollback_cost(k, k, 9):.0f} |")
+        print(f"| {k} | {rollback_cost(k, 1, rollback_repeats):.0f} | {rollback_cost(k, k, rollback_repeats):.0f} |")
     row = (3 * 1536 + 16 * 1536) * 4 * 24
     print("\n## memory per cell, mamba-130m-shaped state (f32)")
     print("| n_rollback | state MiB | history MiB |")

