@@ -20,24 +20,30 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from generate_speed import decode_rate  # noqa: E402
+
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 from recurrent_cache.models import random_mamba2_model, trained_model  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_quick_option(parser, "30 decode steps, one run")
+    parser.add_argument("--repeats", type=int, help="runs per row (default 3; 1 with --quick)")
     options = parser.parse_args()
-    steps = 100 if options.quick else 300
+    if options.quick:
+        print(NOTE)
+    options.repeats = options.repeats or (1 if options.quick else 3)
+    steps = 30 if options.quick else 300
     mamba2 = random_mamba2_model(seed=0, n_vocab=256, n_embd=128, n_layer=4, d_state=16, d_conv=4, head_dim=32,
                                  dtype=np.float32)
     print(f"{'model':<8} {'sequences':>9} {'tokens/s (median)':>18} {'min-max':>14}")
     for label, model in (("mamba", trained_model(np.float32)), ("mamba2", mamba2)):
         for n_seqs in (1, 8):
             rates = [decode_rate(model, n_seqs, steps) for _ in range(options.repeats)]
-            print(f"{label:<8} {n_seqs:>9} {statistics.median(rates):>18,.0f} "
+            print(f"{label:<8} {n_seqs:>9} {statistics.median(rates):>18,.1f} "
                   f"{min(rates):>6,.0f}-{max(rates):<7,.0f}")
         print(f"  ({model.hparams.describe()})")
     print(f"(greedy, {steps} decode steps per run, {options.repeats} runs, float32 compute, f32 states)")

@@ -2,6 +2,7 @@
 
     python bench/prefix_store.py            # mamba-130m-shaped states (2.7 MiB), ~1 min
     python bench/prefix_store.py --rounds 3 # fewer rounds
+    python bench/prefix_store.py --quick    # 4 of the 24 layers, 3 rounds: seconds, figures not for quoting
 
 One run, interleaved rounds (median, min–max), on one 4,097-token prompt with
 ``block_size`` 256:
@@ -29,10 +30,13 @@ import numpy as np
 
 import recurrent_cache as rc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stores import interleaved, ms, start_redis  # noqa: E402  (bench/stores.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/, for bench/stores.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository root, for bench.quick
+from stores import interleaved, ms, start_redis  # noqa: E402
+from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 SHAPE = ("mamba-130m", 24, 3 * 1536, 16 * 1536)   # layers, n_embd_r, n_embd_s (f32)
+QUICK_SHAPE = ("mamba-130m", 4, 3 * 1536, 16 * 1536)
 PROMPT = 4097
 BLOCK = 256
 NAMESPACE = "bench/prefix_store.py"
@@ -48,9 +52,13 @@ def place(cache, seq: int, n_tokens: int, rng: np.random.Generator) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python bench/prefix_store.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    add_quick_option(parser, "4 of the 24 layers, 3 rounds")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 15; 3 with --quick)")
     options = parser.parse_args(argv)
-    name, n_layer, n_embd_r, n_embd_s = SHAPE
+    if options.quick:
+        print(NOTE)
+    options.rounds = options.rounds or (3 if options.quick else 15)
+    name, n_layer, n_embd_r, n_embd_s = QUICK_SHAPE if options.quick else SHAPE
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 50_000, PROMPT).tolist()
     workdir = Path(tempfile.mkdtemp(prefix="bench-prefix-store-"))

@@ -44,6 +44,7 @@ AREAS = [
     ("src/recurrent_cache/demo*.py", "demo"),        # python -m recurrent_cache demo ...
     ("src/recurrent_cache/cli/**/*.py", "demo"),
     ("tools/train_byte_mamba.py", "train"),
+    ("tools/write_transcripts.py", "demo"),          # runs the documented commands
     ("tests/test_training.py", "train"),
     ("tests/**/*.py", "test"),
     ("examples/**/*.py", "test"),                     # tests/test_examples.py builds them
