@@ -299,7 +299,7 @@ def _parse_recurrent_section(section, n_recurrent, n_embd_r, n_embd_s):
     return cells, n_layer, tensors
 
 
-@pytest.mark.parametrize("name,item", _hybrid_artifacts())
+@pytest.mark.parametrize("name,item", list(_hybrid_artifacts()))
 def test_a_hybrids_kv_section_is_skipped_and_its_recurrent_section_found(name, item):
     record = RECORDS[name]
     shape = record["shape"]
