@@ -355,3 +355,20 @@ def _kv_blob():
 def test_a_damaged_kv_section_is_refused_naming_the_field(damage, message):
     with pytest.raises(StateError, match=message):
         unframe(bytes(damage(_kv_blob())), 1, kv_section=True)
+
+
+def test_a_caller_given_bare_framing_overrides_the_guess(rc):
+    """The one ambiguity of the detection (docs/llamacpp_formats.md): a bare whole-cache section of
+    4 cells whose cell 0 sits at the position spelling "mamb" reads like an architecture string.
+    ``framing="bare"`` reads it as what it is; at any ordinary position the guess is bare anyway."""
+    for pos, guessed in ((int.from_bytes(b"mamb", "little"), "llama context blob"), (7, "bare")):
+        cache = rc.RecurrentCache(1, 2, 3, n_seq_max=4)
+        batch = rc.Batch(token=[0] * 4, pos=[pos, pos + 1, pos + 2, pos + 3], seq_id=[[0], [1], [2], [3]])
+        for _ in cache.init_batch(batch):
+            pass
+        blob = cache.state_write(-1)
+        assert struct.unpack_from("<I", blob)[0] == 4
+        assert unframe(blob, -1).framing.name == guessed
+        copy = rc.RecurrentCache(1, 2, 3, n_seq_max=4)
+        assert copy.state_read(blob, -1, framing="bare") == len(blob)
+        assert copy.state_write(-1) == blob

@@ -5,7 +5,13 @@ This module is the one source of the byte formats: the ggml type table
 ``CELL_COUNT``, ``CELL``, ``DATA_HEADER``, ``TENSOR_HEADER``), the sequence-file
 framing (``SeqFileFormat``: ``GGSQ``; another framing is one more instance),
 the cache ``Geometry`` every blob, sequence file, snapshot and store key is
-checked against, and the wording of every defect.  ``state_read``,
+checked against, and the wording of every defect.  The framings current
+llama.cpp puts around the memory section (docs/llamacpp_formats.md) are data
+here too: ``GGSQ`` (version 3) / ``GGSQ_V2`` / ``GGSN`` files,
+``SEQ_BLOB_HEADER`` (``llama_state_seq_get_data``), the architecture string
+(``llama_state_get_data``) and a hybrid's attention KV section; ``unframe`` /
+``read_file`` find them from the bytes and hand on the bare memory section, the
+only bytes the engines read.  ``state_read``,
 ``seqfile``, ``inspect``, the snapshot codec and the reference engine build
 and read their bytes from it; the compiled ``_state_io`` keeps its own loops,
 held to the same bytes by the tests.
