@@ -379,7 +379,7 @@ cdef inline int seq_code(CtxData* c, int code, const char* what, int32_t seq) no
 
 cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
     """1 when seq's positions [p0, p1) are gone (or it had none there, or it was rolled back to
-    the state after p0 - 1: SPEC 7), 0 when refused."""
+    the state after p0 - 1: docs/rollback.md), 0 when refused."""
     if ctx == NULL:
         return RC_ERR_NULL
     return 1 if core_seq_rm((<CtxData*>ctx).core, seq, p0, p1) else 0

@@ -29,7 +29,7 @@ cdef struct Core:
     uint8_t* plan_zero           # [size]
     bint self_check              # debug builds: check every invariant after each placement
     uint64_t generation          # bumped by every change of cells, rows or history
-    # step states (SPEC §7): the model writes them into this scratch after an apply; the next
+    # step states (docs/rollback.md): the model writes them into this scratch after an apply; the next
     # changing call files them into the history of the cells the ubatch was placed in
     char** step_data             # [n_tensors] step_capacity rows each
     Py_ssize_t step_capacity
@@ -45,7 +45,7 @@ cdef int32_t core_steps(const Core* core, int32_t n_seq_tokens) noexcept nogil
 cdef char* core_step_row(const Core* core, Py_ssize_t k, int32_t group, int32_t j) noexcept nogil
 cdef void core_file_steps(Core* core) noexcept nogil
 
-# sequence operations (p1 < 0 means +inf); seq_rm rolls back per SPEC §7 when it can
+# sequence operations (p1 < 0 means +inf); seq_rm rolls back per docs/rollback.md when it can
 cdef bint core_seq_rm(Core* core, int32_t seq, int32_t p0, int32_t p1) noexcept nogil
 cdef void core_seq_cp(Core* core, int32_t seq_src, int32_t seq_dst) noexcept nogil
 cdef int core_seq_keep(Core* core, int32_t seq) noexcept nogil

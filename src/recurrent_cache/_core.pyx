@@ -2,7 +2,7 @@
 """The memory core in C: the only code that changes a cache's cells, rows and rollback history.
 
 ``_cells`` holds the primitives (the cell table, find_slot, copy plans, the history
-slots); this module composes them into the operations of SPEC.md §1, §2, §5 and §7 with
+slots); this module composes them into the operations of docs/concepts.md §1, §2, §5 and §7 with
 their rules in one place: a ubatch applied (placement, copy plan, rows and history moved,
 start states filed), the model's step states filed, every sequence operation with its
 history rule, rollback, a sequence placed with given rows, and state reads.  The Python
@@ -49,7 +49,7 @@ cdef enum:
     TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
 
 
-# -- step states (SPEC §7) ---------------------------------------------------------------
+# -- step states (docs/rollback.md) ---------------------------------------------------------------
 
 cdef int32_t core_steps(const Core* core, int32_t n_seq_tokens) noexcept nogil:
     """m: the states the model writes per group of a ubatch of n_seq_tokens tokens per group."""
@@ -407,7 +407,7 @@ cdef class MemoryCore:
         return cells_seq_pos_max(&self.core.cells, seq)
 
     def check(self):
-        """None, or a sentence naming the first broken invariant of SPEC §1 (the facade raises it)."""
+        """None, or a sentence naming the first broken invariant of docs/concepts.md §1 (the facade raises it)."""
         cdef Cells* c = &self.core.cells
         cdef int32_t at
         cdef int broken = cells_check(c, &at)
@@ -425,7 +425,7 @@ cdef class MemoryCore:
         }[broken]
 
     def history(self):
-        """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (SPEC §7);
+        """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (docs/rollback.md);
         ``tags[c, q % n_rollback] == q + 1`` marks the state after ``q`` as held in cell c."""
         core_file_steps(&self.core)
         history, tags = self.history_arrays
@@ -491,7 +491,7 @@ cdef class MemoryCore:
         finally:
             free(pointers)
 
-    # -- state serialisation (SPEC §5) ---------------------------------------------------
+    # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 
     def state_size(self, int32_t seq_id):
         """Bytes of ``state_write(seq_id)``."""
@@ -575,7 +575,7 @@ cdef class MemoryCore:
         return total
 
     def state_read(self, const unsigned char[::1] data, int32_t seq_id):
-        """Check the whole blob, then restore it (SPEC §5); returns the bytes read."""
+        """Check the whole blob, then restore it (docs/concepts.md §5); returns the bytes read."""
         cdef Py_ssize_t length = data.shape[0]
         cdef const unsigned char* p = &data[0] if length else NULL
         cdef BlobDefect defect

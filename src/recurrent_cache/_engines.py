@@ -1,7 +1,7 @@
 """The two engines below the facade, their interface, and how one is chosen.
 
 An engine builds two things: a ``MemoryCore`` — the only code that changes a cache's
-cells, state rows, rollback history and change counter (SPEC §1, §2, §5, §7) — and the
+cells, state rows, rollback history and change counter (docs/concepts.md §1, §2, §5, §7) — and the
 batch split bound to it, which validates and splits a batch into a ``Placement`` whose
 ``apply(u)`` hands ubatch ``u`` to that core.  ``Core`` and ``Placement`` below are that
 interface; the compiled engine (``_core``, ``_placement``) and the reference

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""C-level API of state serialisation (SPEC.md §5, llama.cpp's recurrent state_write / state_read).
+"""C-level API of state serialisation (docs/concepts.md §5, llama.cpp's recurrent state_write / state_read).
 
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and

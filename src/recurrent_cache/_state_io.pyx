@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""State serialisation loops: llama.cpp's recurrent ``state_write`` / ``state_read`` (SPEC.md §5).
+"""State serialisation loops: llama.cpp's recurrent ``state_write`` / ``state_read`` (docs/concepts.md §5).
 
 Writing goes straight from the state tensors to the target, range by range
 (runs of consecutive selected cells), with the GIL released for the row

@@ -44,7 +44,7 @@ class RecurrentCache:
     ``uint16`` bits: the upper half of each float32).
 
     n_rollback: how many past states each cell keeps for rollback (speculative
-    decoding, SPEC §7): ``seq_rm(seq, p0, -1)`` then returns the sequence to its
+    decoding, docs/rollback.md): ``seq_rm(seq, p0, -1)`` then returns the sequence to its
     state after ``p0 - 1`` when that state is held.  ``n_rollback > 0`` is the
     model's promise to write the states after each token but the last of every
     ubatch into ``st.r_steps(il)`` / ``st.s_steps(il)`` (the cache cannot tell
@@ -80,11 +80,11 @@ class RecurrentCache:
     def _leave(self) -> None:
         self._guard.leave()
 
-    # -- rollback history (SPEC §7) -----------------------------------------------------
+    # -- rollback history (docs/rollback.md) -----------------------------------------------------
 
     @property
     def n_rollback(self) -> int:
-        """Past states each cell keeps for rollback (SPEC §7); 0: none."""
+        """Past states each cell keeps for rollback (docs/rollback.md); 0: none."""
         return self._n_rollback
 
     def seq_rollback_min(self, seq: int) -> int:
@@ -180,7 +180,7 @@ class RecurrentCache:
             self._leave()
 
     def check(self) -> None:
-        """Raise ``CoreError`` if an invariant of SPEC §1 is broken (O(size))."""
+        """Raise ``CoreError`` if an invariant of docs/concepts.md §1 is broken (O(size))."""
         self._enter()
         try:
             broken = self._core.check()
@@ -410,7 +410,7 @@ class RecurrentCache:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
         return MemoryState(self, self._core, self._guard, None, None, None, MemoryStatus.SUCCESS)
 
-    # -- state serialisation (SPEC §5) ---------------------------------------------------
+    # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 
     def state_size(self, seq_id: int = -1) -> int:
         """Length in bytes of ``state_write(seq_id)``."""

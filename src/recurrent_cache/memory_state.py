@@ -360,7 +360,7 @@ class MemoryState:
     def r_steps(self, il: int) -> np.ndarray:
         """[n_seqs, m, n_embd_r] where the model writes, with ``n_rollback > 0``, layer il's r state
         after each token but the last of every group: entry ``[g, j]`` is the state after token
-        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (SPEC §7).
+        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (docs/rollback.md).
         A scratch of the memory core: the next call that changes the cache (through this API or
         the C API) files it into the history, so write it before that call."""
         return self._steps(0, il)

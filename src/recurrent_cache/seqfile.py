@@ -2,7 +2,7 @@
 
 A file is ``state_format.GGSQ``'s header (``u32 magic 0x67677371 ('ggsq')``,
 ``u32 version 2``, ``u32 n_token_count``), ``n_token_count x i32 token``,
-then the state blob of one sequence (SPEC.md §5), all little-endian.
+then the state blob of one sequence (docs/concepts.md §5), all little-endian.
 """
 
 from __future__ import annotations

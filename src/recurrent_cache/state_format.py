@@ -1,4 +1,4 @@
-"""The bytes of a recurrent state, described once: SPEC.md §5 (llama.cpp's recurrent ``state_write``).
+"""The bytes of a recurrent state, described once: docs/concepts.md §5 (llama.cpp's recurrent ``state_write``).
 
 This module is the one source of the byte formats: the ggml type table
 (``STATE_TYPES`` / ``GGML_TYPES``), the fixed runs of fields (``Layout``:
@@ -97,7 +97,7 @@ class Layout(struct.Struct):
         return struct.calcsize("<" + self.format[1:][:index]) if index else 0
 
 
-# A state blob (SPEC.md §5): CELL_COUNT, cell_count x (CELL, n_seq_id x i32), DATA_HEADER,
+# A state blob (docs/concepts.md §5): CELL_COUNT, cell_count x (CELL, n_seq_id x i32), DATA_HEADER,
 # 2 * n_layer x (TENSOR_HEADER, cell_count rows).
 CELL_COUNT = Layout(("cell_count", "I"))
 CELL = Layout(("pos", "i"), ("n_seq_id", "I"))
@@ -552,7 +552,7 @@ def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Bl
     """Parse a state blob, raising ``StateError`` at its first defect.
 
     Without ``cache`` only the structure is checked (lengths, ``v_trans == 0``,
-    no trailing bytes).  With it, every rule of SPEC §5 for reading the blob
+    no trailing bytes).  With it, every rule of docs/concepts.md §5 for reading the blob
     into that cache at ``seq_id`` is checked too, in blob order: a sequence
     blob (``seq_id >= 0``) has at most one cell and no seq ids; a whole-cache
     blob (``seq_id == -1``) has at most ``size`` cells, each with at least one

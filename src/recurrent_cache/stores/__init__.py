@@ -1,4 +1,4 @@
-"""Shared state stores: the second tier of the prefix-state cache (SPEC.md §8).
+"""Shared state stores: the second tier of the prefix-state cache (docs/prefix-cache.md).
 
 A store keeps *snapshots* — one sequence's state after a token prefix — where
 every process can reach them: ``DirectoryStore(path)`` on a file system (one

@@ -1,6 +1,6 @@
 """Snapshot entries: the bytes a store keeps for one sequence state, and their keys.
 
-An *entry* is a 'ggsq' sequence file (SPEC.md §5: what llama.cpp's
+An *entry* is a 'ggsq' sequence file (docs/concepts.md §5: what llama.cpp's
 ``llama_state_seq_save_file`` writes — magic, version 2, the prefix's tokens,
 the one-cell state blob) followed by a 32-byte *trailer*::
 
