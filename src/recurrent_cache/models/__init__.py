@@ -22,5 +22,5 @@ from .vocab import Vocabulary, escape
 
 __all__ = ["Mamba2HParams", "Mamba2Layer", "Mamba2Model", "MambaHParams", "MambaLayer", "MambaModel",
            "ModelError", "RecurrentModel", "ReferenceRun", "Sampler", "TRAINED_GGUF", "Vocabulary",
-           "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf", "load_model", "recurrent_layers",
-           "random_mamba2_model", "random_model", "trained_model", "training_facts", "write_gguf"]
+           "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf", "load_model",
+           "random_mamba2_model", "random_model", "recurrent_layers", "trained_model", "training_facts", "write_gguf"]
