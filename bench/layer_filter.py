@@ -92,8 +92,10 @@ def main() -> None:
     c_header: dict[str, list[float]] = {name: [] for name in CASES}
     gc.disable()
     try:
-        for _ in range(repeats):
-            for name, (for_python, for_c) in caches.items():
+        order = list(caches.items())
+        for round_ in range(repeats):
+            # each round starts with another case: no case always runs first (cold) or last
+            for name, (for_python, for_c) in order[round_ % len(order):] + order[:round_ % len(order)]:
                 python[name].append(python_steps(for_python, steps))
                 if kernel is not None:
                     start = time.perf_counter_ns()
