@@ -416,3 +416,23 @@ def test_c_api_step_rows_of_a_filtered_cache():
     finally:
         T.batch_release(batch)
         assert T.ctx_free(ctx) == 0
+
+
+def test_sequence_files_and_file_reads_of_a_filtered_cache(rc, tmp_path):
+    twins = Twins(rc, seed=7)
+    twins.feed([(0, 2), (1, 3)])
+    cache = twins.filtered
+    path = tmp_path / "seq.ggsq"
+    rc.save_seq_file(path, cache, 0, [1, 1])
+    assert path.read_bytes()[12 + 8:] == llama_blob(cache, 0)   # ggsq header, 2 tokens, then the section
+    fresh = rc.RecurrentCache(N_LAYER, 3, 5, n_seq_max=4, layers=LAYERS)
+    assert list(rc.load_seq_file(path, fresh, 2)) == [1, 1]
+    assert fresh.state_write(2) == cache.state_write(0)
+    wrong = rc.RecurrentCache(N_LAYER, 3, 5, n_seq_max=4, layers=(0, 2))
+    before = snapshot(wrong)
+    with pytest.raises(rc.StateError):
+        rc.load_seq_file(path, wrong, 2)
+    assert_unchanged(wrong, before)
+    import io
+    fresh.state_read_from(io.BytesIO(cache.state_write()))
+    assert fresh.state_write() == cache.state_write()
