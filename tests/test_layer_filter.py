@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import gzip
+import io
 import json
 import struct
 from pathlib import Path
@@ -69,6 +70,7 @@ class Twins:
         self.filtered = rc.RecurrentCache(N_LAYER, 3, 5, layers=[3, 0, 2], **kw)
         self.plain = rc.RecurrentCache(len(LAYERS), 3, 5, **kw)
         self.rng = np.random.default_rng(seed)
+        self.rc = rc
 
     def feed(self, entries):
         token, pos, seq_id = [], [], []
@@ -77,8 +79,7 @@ class Twins:
             token += [1] * n
             pos += range(start, start + n)
             seq_id += [seq] * n
-        import recurrent_cache as rc_package
-        states = [c.init_batch(rc_package.Batch(token=token, pos=pos, seq_id=seq_id), n_ubatch=3)
+        states = [c.init_batch(self.rc.Batch(token=token, pos=pos, seq_id=seq_id), n_ubatch=3)
                   for c in (self.filtered, self.plain)]
         for _ in zip(*states):
             for k, il in enumerate(LAYERS):
@@ -433,6 +434,5 @@ def test_sequence_files_and_file_reads_of_a_filtered_cache(rc, tmp_path):
     with pytest.raises(rc.StateError):
         rc.load_seq_file(path, wrong, 2)
     assert_unchanged(wrong, before)
-    import io
     fresh.state_read_from(io.BytesIO(cache.state_write()))
     assert fresh.state_write() == cache.state_write()
