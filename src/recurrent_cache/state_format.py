@@ -574,8 +574,9 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) 
         watch.layers(n_layer, data_at + 4)
     tensors = []
     # a blob cannot say which layers its sections are: the cache's filter names them (and
-    # decides their count); without a cache every layer is taken to hold state
-    layers = cache.state_layers if cache is not None else tuple(range(n_layer))
+    # decides their count); without a cache every layer is taken to hold state (a range: a
+    # damaged n_layer of 2**32 costs nothing before the first section that is not there)
+    layers: Sequence[int] = range(n_layer) if cache is None or cache.layers is None else cache.layers
     n_state = len(layers)
     for k in range(2 * n_state):
         name = tensor_name(cache.section_tensor(k) if cache is not None else k, n_layer)
