@@ -114,11 +114,11 @@ def layer_filter(value: Any, n_layer: int, error: type[Exception] = ArgumentErro
         return None
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise error(f"layers must be None or an iterable of layer indices, got {type(value).__name__}")
-    layers = [in_range(il, "layers entry", 0, n_layer, error) for il in value]
-    repeated = sorted({il for il in layers if layers.count(il) > 1})
-    if repeated:
-        raise error(f"layers must not repeat a layer, got {repeated[0]} twice")
-    return None if len(layers) == n_layer else tuple(sorted(layers))
+    layers = sorted(in_range(il, "layers entry", 0, n_layer, error) for il in value)
+    for before, il in zip(layers, layers[1:]):
+        if before == il:
+            raise error(f"layers must not repeat a layer, got {il} twice")
+    return None if len(layers) == n_layer else tuple(layers)
 
 
 # -- integer arrays ------------------------------------------------------------------
