@@ -21,7 +21,9 @@ cdef struct Core:
     PyObject* owner              # the MemoryCore this struct lives in (for growing the step scratch)
     Cells cells
     History history
-    Py_ssize_t n_tensors         # r[0..n_layer-1], then s[0..n_layer-1]
+    Py_ssize_t n_tensors         # r of each layer with state (layer order), then their s
+    int32_t n_layer              # the model's layers (the blob's n_layer), with state or not
+    Py_ssize_t* layer_tensor     # [2 * n_layer] r of layer il: [il], s: [n_layer + il] -> k, or -1 (no state)
     char** tensor_data           # [n_tensors] base pointers (the arrays never move)
     Py_ssize_t* row_bytes        # [n_tensors]
     int32_t* type_ids            # [n_tensors] ggml types, for state blobs
@@ -67,6 +69,7 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
 cdef class MemoryCore:
     cdef Core core
     cdef object tensors          # keeps the state arrays alive
+    cdef readonly tuple layers   # the layers with state, sorted
     cdef object history_arrays   # (history arrays, tags)
     cdef list step_arrays        # the step scratch, one array per tensor (views of it stay valid)
     cdef int reserve_steps(self, Py_ssize_t rows) except -1

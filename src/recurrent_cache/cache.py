@@ -11,7 +11,7 @@ touched, so the cache is left exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO, Literal, cast
 
 import numpy as np
@@ -51,6 +51,14 @@ class RecurrentCache:
     whether it did); it costs ``n_rollback`` rows of every tensor per cell.
     ``0`` (the default) is llama.cpp's cache exactly, with no extra memory or work.
 
+    layers: the layers that hold recurrent state (a hybrid model's Mamba / RWKV
+    layers; llama.cpp's layer filter): distinct indices in ``[0, n_layer)``, any
+    order, kept sorted in ``cache.layers``; default None: every layer.  For any
+    other layer ``r[il]`` and ``s[il]`` are None and nothing is allocated (rows,
+    rollback history, step scratch); ``()`` keeps no state at all (only positions
+    move).  State bytes keep ``n_layer`` = the model's layer count and hold the
+    r, then the s, sections of these layers only (SPEC §5), as llama.cpp writes them.
+
     engine: ``"compiled"`` (the Cython core) or ``"reference"`` (pure Python,
     the readable oracle; thousands of times slower); default: the environment
     variable ``RECURRENT_CACHE_IMPL``, else ``"compiled"``.
@@ -61,15 +69,22 @@ class RecurrentCache:
 
     def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
                  size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32",
-                 n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None) -> None:
-        self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
+                 n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None,
+                 layers: Iterable[int] | None = None) -> None:
+        self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s, layers)
         self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
         r, s = self._config.allocate()
-        self.r: tuple[np.ndarray, ...] = tuple(r)
-        self.s: tuple[np.ndarray, ...] = tuple(s)
+        placed_r: list[np.ndarray | None] = [None] * self._config.n_layer
+        placed_s: list[np.ndarray | None] = [None] * self._config.n_layer
+        for k, il in enumerate(self._config.layers):
+            placed_r[il], placed_s[il] = r[k], s[k]
+        # r[il] / s[il] of a layer without state is None (tuples of n_layer entries either way)
+        self.r: tuple[np.ndarray | None, ...] = tuple(placed_r)
+        self.s: tuple[np.ndarray | None, ...] = tuple(placed_s)
         self._core, self._split = self._engine.build(self._config.size, r + s, self._n_rollback,
-                                                     self._config.type_ids())
+                                                     self._config.type_ids(), self._config.n_layer,
+                                                     self._config.layers)
         self._guard = ThreadGuard()
 
     # -- one thread at a time ----------------------------------------------------------
@@ -112,6 +127,11 @@ class RecurrentCache:
     def n_layer(self) -> int:
         """Layers (pairs of state tensors)."""
         return self._config.n_layer
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers that hold recurrent state, sorted (every layer unless filtered)."""
+        return self._config.layers
 
     @property
     def n_embd_r(self) -> int:
@@ -299,8 +319,11 @@ class RecurrentCache:
             self._leave()
 
     def seq_state(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Copies of ``seq``'s state: its r rows and s rows, one per layer (zeros while its cell
-        has no state yet: it was placed by a fork and no ubatch has run since).
+        """Copies of ``seq``'s state: its r rows and s rows, one per layer with state (``layers``,
+        in layer order; every layer unless filtered) — zeros while its cell has no state yet (it
+        was placed by a fork and no ubatch has run since).  The lists skip the layers without
+        state rather than hold None for them: they are what ``seq_restore`` takes, what a
+        snapshot stores and what a blob holds, section for section.
 
         Raises ``ArgumentError`` when ``seq`` holds no cell (there is no state).
         """
@@ -317,14 +340,16 @@ class RecurrentCache:
             def take(rows: np.ndarray) -> np.ndarray:
                 return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
 
-            return [take(rows) for rows in self.r], [take(rows) for rows in self.s]
+            return ([take(rows) for rows in self.r if rows is not None],
+                    [take(rows) for rows in self.s if rows is not None])
         finally:
             self._leave()
 
     def seq_restore(self, seq: int, pos: int, r_rows: Sequence[np.ndarray], s_rows: Sequence[np.ndarray]) -> int:
         """Give ``seq``, which must hold no cell, a cell of its own at position ``pos`` holding
-        exactly these rows (byte for byte): ``r_rows[il]`` / ``s_rows[il]``, one per layer, each a
-        1-D array of ``n_embd_r`` / ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
+        exactly these rows (byte for byte): ``r_rows[k]`` / ``s_rows[k]``, one per layer with state
+        (the k-th of ``layers``, as ``seq_state`` returns them), each a 1-D array of ``n_embd_r`` /
+        ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
         rollback history (another sequence's past is not this one's).  Returns the cell.
 
         Placed as ``state_read`` of a one-cell blob would place it (a sequence without a cell
@@ -333,7 +358,7 @@ class RecurrentCache:
         ``SeqIdError``, ``PositionError``) has changed nothing.
         """
         seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
-        rows = self._rows_of("r", r_rows, self.r) + self._rows_of("s", s_rows, self.s)
+        rows = self._rows_of("r", r_rows, "r") + self._rows_of("s", s_rows, "s")
         self._enter()
         try:
             cell = self._core.restore(seq, pos, rows)
@@ -343,11 +368,13 @@ class RecurrentCache:
             raise engine_error(cell, what=f"seq_restore of seq_id {seq} at pos {pos}", seq=seq, size=self.size)
         return cell
 
-    def _rows_of(self, which: str, given: Sequence[np.ndarray], tensors: tuple[np.ndarray, ...]) -> list[np.ndarray]:
-        """``given`` checked as one row per layer of ``tensors``' dtype and width, C-contiguous."""
+    def _rows_of(self, which: str, given: Sequence[np.ndarray], kind: str) -> list[np.ndarray]:
+        """``given`` checked as one row per layer with state of the ``kind`` tensors' dtype and
+        width, C-contiguous."""
+        tensors = [t for t in (self.r if kind == "r" else self.s) if t is not None]
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != len(tensors):
             raise ArgumentError(f"seq_restore: {which}_rows must be a sequence of {len(tensors)} rows "
-                                f"(one per layer), got {type(given).__name__}"
+                                f"(one per layer with state), got {type(given).__name__}"
                                 + (f" of {len(given)}" if isinstance(given, Sequence) else ""))
         rows = []
         for il, (row, tensor) in enumerate(zip(given, tensors)):
@@ -478,4 +505,5 @@ class RecurrentCache:
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "
                 f"n_layer={self.n_layer}, n_embd_r={self.n_embd_r}, n_embd_s={self.n_embd_s}, "
-                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r})")
+                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r}"
+                + (f", layers={self.layers!r})" if len(self.layers) != self.n_layer else ")"))

@@ -124,7 +124,7 @@ typedef struct rc_capi {
     int32_t (*size)(const rc_ctx* ctx);           /* cells; -1 for a NULL ctx */
     int32_t (*n_layer)(const rc_ctx* ctx);
     int32_t (*used)(const rc_ctx* ctx);
-    int (*tensor)(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes);  /* r[0..], s[0..] */
+    int (*tensor)(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes);  /* r of layer il: il, s: n_layer + il; a layer without state (layer filter): RC_ERR_TENSOR_INDEX */
     /* batches */
     int (*batch_init)(rc_ctx* ctx, int32_t n_tokens, const int32_t* seq_ids, const int32_t* seq_id_offsets,
                       const int32_t* pos, const int8_t* output, int32_t n_ubatch, uint32_t flags,

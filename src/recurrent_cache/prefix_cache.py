@@ -234,8 +234,10 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block_size = block_size
         self.namespace = namespace
-        self._r = [cache.r[il] for il in range(cache.n_layer)]
-        self._s = [cache.s[il] for il in range(cache.n_layer)]
+        # the layers with state only (a layer filter leaves the others None): a snapshot holds
+        # one row of each, in layer order, as cache.seq_state / seq_restore list them
+        self._r = [tensor for tensor in cache.r if tensor is not None]
+        self._s = [tensor for tensor in cache.s if tensor is not None]
         self.snapshot_bytes = sum(t.shape[1] * t.itemsize for t in self._r + self._s)
         self.capacity = self.max_bytes // max(1, self.snapshot_bytes)
         # The pools: snapshot slot i is row i of every layer's r and s pool.

@@ -38,8 +38,9 @@ def _address(view: memoryview) -> int:
 # -- cells (docs/concepts.md §1, §2) ------------------------------------------------------------------------
 
 class MemoryCore:
-    """A cache's memory: ``size`` cells over the state tensors ``r[0..n_layer)`` then
-    ``s[0..n_layer)``, their rollback history, and ``generation``, bumped by every change.
+    """A cache's memory: ``size`` cells over the state tensors — r of each of ``layers`` (the
+    layers with state, of the model's ``n_layer``), then their s — their rollback history, and
+    ``generation``, bumped by every change.
 
     The only code that changes them: every changing method first files the step states
     the model wrote for the last applied ubatch (``_file_steps``), then bumps ``generation``.
@@ -47,10 +48,13 @@ class MemoryCore:
 
     self_check = False   # the compiled core's debug builds check every placement; this one is read
 
-    def __init__(self, size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int]) -> None:
+    def __init__(self, size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
+                 layers: tuple[int, ...]) -> None:
         self.size = size
         self.tensors = tensors
         self.type_ids = tuple(type_ids)
+        self.n_layer = n_layer
+        self.layers = layers
         self.generation = 0
         # rollback history (docs/rollback.md): history[k][c, q % n_rollback] is the state after position q
         # of cell c's tensor k, when tags[c, q % n_rollback] == q + 1 (0 = empty slot)
@@ -489,7 +493,7 @@ class MemoryCore:
 
     def shape(self) -> Geometry:
         """The cache's geometry, as its state reads check blobs against it."""
-        return Geometry.of_tensors(self.size, self.type_ids, self.tensors)
+        return Geometry.of_tensors(self.size, self.type_ids, self.tensors, self.n_layer, self.layers)
 
     def _parts(self, seq_id: int) -> list[Any]:
         """The blob in pieces: headers, then the rows range by range."""

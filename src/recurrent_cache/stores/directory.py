@@ -234,7 +234,7 @@ class DirectoryStore:
             if not stat.S_ISREG(st.st_mode):
                 return None
             size = st.st_size
-            if ggsq_declared_length(lambda offset, n: os.pread(handle, n, offset)) != size:
+            if ggsq_declared_length(lambda offset, n: os.pread(handle, n, offset), size) != size:
                 return None
             entry = bytearray(size + TRAILER_SIZE)
             view = memoryview(entry)
