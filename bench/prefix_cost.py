@@ -24,7 +24,6 @@ of 3 + 5 floats): this measures the prefix cache, not the copying of rows.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import tracemalloc
@@ -33,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-import recurrent_cache as rc  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository root, for bench.quick
+# The repository root, for bench.quick; importing the package bench puts the work tree's src/ on
+# the path when recurrent_cache is not installed (an installed one is never shadowed).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.quick import NOTE, add_quick_option  # noqa: E402
+
+import recurrent_cache as rc  # noqa: E402
 
 
 class MissingStore:

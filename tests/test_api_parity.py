@@ -20,7 +20,7 @@ def protocol_members(protocol: type) -> set[str]:
 
 def engine_objects(name):
     tensors = [np.zeros((4, 2), np.float32), np.zeros((4, 3), np.float32)]
-    core, split = _engines.load(name).build(4, tensors, 2, [0, 0])
+    core, split = _engines.load(name).build(4, tensors, 2, [0, 0], 1, (0,))
     batch = recurrent_cache.Batch(token=[1, 2], seq_id=[0, 1], pos=[0, 0])
     placement = split(batch.seq_id_flat, batch.seq_id_offset, batch.pos, None, False, 512, False)
     return {_engines.Core: core, _engines.Placement: placement}

@@ -1,6 +1,7 @@
 """The command line as a package: every subcommand's --help shows examples that parse, the
-modules import alone and without a cycle, one module builds batches, and the types and
-lint hold (mypy --strict, ruff with the private-name rule)."""
+modules import alone and without a cycle, and one module builds batches.  Its types and lint
+(mypy --strict, ruff with the private-name rule) are checked with the whole tree's, in
+tests/test_tooling.py."""
 
 from __future__ import annotations
 
@@ -101,15 +102,3 @@ def test_only_the_serving_loop_builds_batches():
     builders = sorted(module for module in MODULES
                       if "Batch(" in (PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
     assert builders == ["serving"]
-
-
-def test_the_package_type_checks_strictly():
-    pytest.importorskip("mypy")
-    result = run("-m", "mypy", "--strict", "--no-incremental", str(PACKAGE), str(PACKAGE.parent / "__main__.py"))
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_no_private_names_of_other_modules():
-    pytest.importorskip("ruff")
-    result = run("-m", "ruff", "check", "--select", "SLF001", str(PACKAGE), str(PACKAGE.parent / "__main__.py"))
-    assert result.returncode == 0, result.stdout + result.stderr

@@ -29,7 +29,7 @@ import numpy as np
 from .errors import ArgumentError, OutOfRangeError, SeqIdError
 
 __all__ = ["INT32_MIN", "INT32_END", "INT32", "LE_INT32", "integer", "in_range", "as_int", "count", "index", "as_flag",
-           "state_seq_id", "plain_sequence", "holds_bool", "int_array", "tokens", "text", "path"]
+           "state_seq_id", "layer_filter", "plain_sequence", "holds_bool", "int_array", "tokens", "text", "path"]
 
 INT32_MIN = -2**31
 INT32_END = 2**31   # one past the largest int32
@@ -104,6 +104,21 @@ def as_flag(value: Any, name: str, error: type[Exception] = ArgumentError) -> bo
 def state_seq_id(seq_id: Any, size: int, op: str) -> int:
     """The seq_id of a state call: -1 (the whole cache) or a sequence of a cache of ``size``."""
     return index(seq_id, f"{op}: seq_id", size, SeqIdError, low=-1)
+
+
+def layer_filter(value: Any, n_layer: int, error: type[Exception] = ArgumentError) -> tuple[int, ...] | None:
+    """A layer filter: None (every layer) or an iterable of distinct layer indices in
+    ``[0, n_layer)`` in any order, returned sorted; one naming every layer is None (the same
+    cache).  Not a str / bytes / mapping / set of bools: each entry is checked as an integer."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise error(f"layers must be None or an iterable of layer indices, got {type(value).__name__}")
+    layers = sorted(in_range(il, "layers entry", 0, n_layer, error) for il in value)
+    for before, il in zip(layers, layers[1:]):
+        if before == il:
+            raise error(f"layers must not repeat a layer, got {il} twice")
+    return None if len(layers) == n_layer else tuple(layers)
 
 
 # -- integer arrays ------------------------------------------------------------------

@@ -195,7 +195,7 @@ cdef int32_t rc_size(const rc_ctx* ctx) noexcept nogil:
 
 
 cdef int32_t rc_n_layer(const rc_ctx* ctx) noexcept nogil:
-    return -1 if ctx == NULL else <int32_t>((<const CtxData*>ctx).core.n_tensors // 2)
+    return -1 if ctx == NULL else (<const CtxData*>ctx).core.n_layer
 
 
 cdef int32_t rc_used(const rc_ctx* ctx) noexcept nogil:
@@ -203,19 +203,22 @@ cdef int32_t rc_used(const rc_ctx* ctx) noexcept nogil:
 
 
 cdef int rc_tensor(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes) noexcept nogil:
-    """Base pointer and row size of state tensor ``index`` (r of layer il: il; s: n_layer + il)."""
+    """Base pointer and row size of state tensor ``index`` (r of layer il: il; s: n_layer + il); a
+    layer the cache keeps no state for (its ``layers`` filter) is RC_ERR_TENSOR_INDEX."""
     if ctx == NULL:
         return RC_ERR_NULL
     cdef CtxData* c = <CtxData*>ctx
     if data == NULL or row_bytes == NULL:
         return record(c, RC_ERR_NULL, "rc_tensor")
-    if not 0 <= index < c.core.n_tensors:
-        record(c, RC_ERR_TENSOR_INDEX, "rc_tensor")
+    cdef Py_ssize_t k = c.core.layer_tensor[index] if 0 <= index < 2 * c.core.n_layer else -1
+    if k < 0:   # outside the model's tensors, or a layer the filter gives no state
+        record(c, RC_ERR_TENSOR_INDEX, "rc_tensor" if not 0 <= index < 2 * c.core.n_layer
+               else "rc_tensor (of a layer without recurrent state)")
         c.detail.index = index
-        c.detail.size = c.core.n_tensors
+        c.detail.size = 2 * c.core.n_layer
         return RC_ERR_TENSOR_INDEX
-    data[0] = c.core.tensor_data[index]
-    row_bytes[0] = <size_t>c.core.row_bytes[index]
+    data[0] = c.core.tensor_data[k]
+    row_bytes[0] = <size_t>c.core.row_bytes[k]
     return RC_OK
 
 
@@ -379,7 +382,7 @@ cdef inline int seq_code(CtxData* c, int code, const char* what, int32_t seq) no
 
 cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
     """1 when seq's positions [p0, p1) are gone (or it had none there, or it was rolled back to
-    the state after p0 - 1: SPEC 7), 0 when refused."""
+    the state after p0 - 1: docs/rollback.md), 0 when refused."""
     if ctx == NULL:
         return RC_ERR_NULL
     return 1 if core_seq_rm((<CtxData*>ctx).core, seq, p0, p1) else 0
@@ -488,7 +491,7 @@ cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capaci
     n_ranges = selected_ranges(&c.core.cells, seq_id, begin, begin + (c.core.cells.size + 1) // 2)
     off = write_meta(&c.core.cells, seq_id, <unsigned char*>target)
     if off >= 0:
-        off += write_rows(<unsigned char*>target + off, c.core.n_tensors, c.core.tensor_data, c.core.row_bytes,
+        off += write_rows(<unsigned char*>target + off, c.core.n_layer, c.core.n_tensors, c.core.tensor_data, c.core.row_bytes,
                           c.core.type_ids, n_ranges, begin, begin + (c.core.cells.size + 1) // 2)
     free(begin)
     if off < 0:
@@ -548,17 +551,19 @@ cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group,
         return RC_ERR_NULL
     cdef const BatchData* b = <const BatchData*>batch
     cdef CtxData* c = b.ctx
-    if not 0 <= tensor < c.core.n_tensors:
-        record(c, RC_ERR_TENSOR_INDEX, "rc_batch_step_row")
+    cdef Py_ssize_t k = c.core.layer_tensor[tensor] if 0 <= tensor < 2 * c.core.n_layer else -1
+    if k < 0:   # outside the model's tensors, or a layer the filter gives no state
+        record(c, RC_ERR_TENSOR_INDEX, "rc_batch_step_row" if not 0 <= tensor < 2 * c.core.n_layer
+               else "rc_batch_step_row (of a layer without recurrent state)")
         c.detail.index = tensor
-        c.detail.size = c.core.n_tensors
+        c.detail.size = 2 * c.core.n_layer
         return RC_ERR_TENSOR_INDEX
     if not (0 <= group < b.steps_n_seqs and 0 <= j < b.steps_m):
         record(c, RC_ERR_ARGUMENT, "rc_batch_step_row")
         return RC_ERR_ARGUMENT
     if b.generation != c.core.generation:   # the rows were filed, or the cells moved since
         return record(c, RC_ERR_STALE, "rc_batch_step_row")
-    row[0] = core_step_row(c.core, tensor, group, j)
+    row[0] = core_step_row(c.core, k, group, j)
     return RC_OK
 
 

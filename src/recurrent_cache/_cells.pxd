@@ -88,7 +88,7 @@ cdef int cells_find_slot(Cells* c, int32_t n_seqs, int32_t n_tokens,
 # copy plan for cells [head, head + n): copy_src[i], zero[i]; then src = own index
 cdef void cells_copy_plan(Cells* c, int32_t* copy_src, uint8_t* zero) noexcept nogil
 
-# every invariant of SPEC §1: 0, or the CHECK_* it breaks, with the offending cell in *where
+# every invariant of docs/concepts.md §1: 0, or the CHECK_* it breaks, with the offending cell in *where
 cdef enum:
     CHECK_SEQ_RANGE = 1
     CHECK_TAIL = 2
@@ -110,7 +110,7 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
                          int32_t n, const int32_t* copy_src, const uint8_t* zero) noexcept nogil
 
 
-# Rollback history (SPEC §7): n_rollback slots per cell; the state after position q of a
+# Rollback history (docs/rollback.md): n_rollback slots per cell; the state after position q of a
 # cell lives in slot q % n_rollback of its history row, tagged q + 1 (0 = empty).  The
 # history row travels with the state through every copy plan.
 cdef struct History:

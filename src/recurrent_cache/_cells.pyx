@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The cell table in C: placement (find_slot), sequence operations, copy plans.
 
-Semantics are SPEC.md §1–2 (llama.cpp's ``llama_kv_cache_recurrent`` with its
+Semantics are docs/concepts.md §1–2 (llama.cpp's ``llama_kv_cache_recurrent`` with its
 FIXes); the costs are not the reference's: a sequence is reached through its
 tail in O(1), cell membership is a linked list, and the free-cell search walks
 a bitset 64 cells at a time.  Only ``clear``, ``seq_keep`` and ``seq_rm`` of
@@ -506,7 +506,7 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
     return RC_OK
 
 
-# -- rollback history (SPEC §7) -----------------------------------------------------
+# -- rollback history (docs/rollback.md) -----------------------------------------------------
 
 cdef inline Py_ssize_t slot_of(const History* h, int32_t cell, int32_t q) noexcept nogil:
     return <Py_ssize_t>cell * h.n_rollback + q % h.n_rollback
@@ -616,7 +616,7 @@ cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) n
 # -- invariants ----------------------------------------------------------------
 
 cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
-    """0, or which invariant of SPEC §1 is broken (CHECK_*), with the cell or seq in *where."""
+    """0, or which invariant of docs/concepts.md §1 is broken (CHECK_*), with the cell or seq in *where."""
     cdef int32_t cell, seq, count, before, used = 0, members = 0, tails = 0, at = -1
     cdef int broken = 0
     for cell in range(c.size):

@@ -25,23 +25,25 @@ class Config:
     size: int
     dtype_r: StateType
     dtype_s: StateType
+    layers: tuple[int, ...]   # the layers with state, sorted (every layer unless filtered)
 
     @classmethod
     def check(cls, n_layer: Any, n_embd_r: Any, n_embd_s: Any, n_seq_max: Any = 1,
-              size: Any = None, dtype_r: Any = "f32", dtype_s: Any = "f32") -> Config:
+              size: Any = None, dtype_r: Any = "f32", dtype_s: Any = "f32", layers: Any = None) -> Config:
         n_seq = _args.count(n_seq_max, "n_seq_max", 0, ConfigError)
         geometry = Geometry.checked(ConfigError, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s,
-                                    max(1, n_seq) if size is None else size)
+                                    max(1, n_seq) if size is None else size, layers)
         return cls(n_layer=geometry.n_layer, n_embd_r=geometry.n_embd_r, n_embd_s=geometry.n_embd_s,
                    n_seq_max=n_seq, size=geometry.size, dtype_r=STATE_TYPES[geometry.dtype_r],
-                   dtype_s=STATE_TYPES[geometry.dtype_s])
+                   dtype_s=STATE_TYPES[geometry.dtype_s], layers=geometry.state_layers)
 
     def type_ids(self) -> list[int]:
-        """The ggml type id of every state tensor: r[0..n_layer), then s[0..n_layer)."""
-        return [self.dtype_r.type_id] * self.n_layer + [self.dtype_s.type_id] * self.n_layer
+        """The ggml type id of every state tensor: r of each layer with state, then s."""
+        return [self.dtype_r.type_id] * len(self.layers) + [self.dtype_s.type_id] * len(self.layers)
 
     def allocate(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Zeroed per-layer tensors ``r[il]`` (size, n_embd_r) and ``s[il]`` (size, n_embd_s)."""
-        r = [np.zeros((self.size, self.n_embd_r), dtype=self.dtype_r.numpy) for _ in range(self.n_layer)]
-        s = [np.zeros((self.size, self.n_embd_s), dtype=self.dtype_s.numpy) for _ in range(self.n_layer)]
+        """Zeroed tensors ``r`` (size, n_embd_r) and ``s`` (size, n_embd_s) of each layer with state,
+        in layer order (nothing for the others)."""
+        r = [np.zeros((self.size, self.n_embd_r), dtype=self.dtype_r.numpy) for _ in self.layers]
+        s = [np.zeros((self.size, self.n_embd_s), dtype=self.dtype_s.numpy) for _ in self.layers]
         return r, s

@@ -21,7 +21,9 @@ cdef struct Core:
     PyObject* owner              # the MemoryCore this struct lives in (for growing the step scratch)
     Cells cells
     History history
-    Py_ssize_t n_tensors         # r[0..n_layer-1], then s[0..n_layer-1]
+    Py_ssize_t n_tensors         # r of each layer with state (layer order), then their s
+    int32_t n_layer              # the model's layers (the blob's n_layer), with state or not
+    Py_ssize_t* layer_tensor     # [2 * n_layer] r of layer il: [il], s: [n_layer + il] -> k, or -1 (no state)
     char** tensor_data           # [n_tensors] base pointers (the arrays never move)
     Py_ssize_t* row_bytes        # [n_tensors]
     int32_t* type_ids            # [n_tensors] ggml types, for state blobs
@@ -29,7 +31,7 @@ cdef struct Core:
     uint8_t* plan_zero           # [size]
     bint self_check              # debug builds: check every invariant after each placement
     uint64_t generation          # bumped by every change of cells, rows or history
-    # step states (SPEC §7): the model writes them into this scratch after an apply; the next
+    # step states (docs/rollback.md): the model writes them into this scratch after an apply; the next
     # changing call files them into the history of the cells the ubatch was placed in
     char** step_data             # [n_tensors] step_capacity rows each
     Py_ssize_t step_capacity
@@ -45,7 +47,7 @@ cdef int32_t core_steps(const Core* core, int32_t n_seq_tokens) noexcept nogil
 cdef char* core_step_row(const Core* core, Py_ssize_t k, int32_t group, int32_t j) noexcept nogil
 cdef void core_file_steps(Core* core) noexcept nogil
 
-# sequence operations (p1 < 0 means +inf); seq_rm rolls back per SPEC §7 when it can
+# sequence operations (p1 < 0 means +inf); seq_rm rolls back per docs/rollback.md when it can
 cdef bint core_seq_rm(Core* core, int32_t seq, int32_t p0, int32_t p1) noexcept nogil
 cdef void core_seq_cp(Core* core, int32_t seq_src, int32_t seq_dst) noexcept nogil
 cdef int core_seq_keep(Core* core, int32_t seq) noexcept nogil
@@ -67,6 +69,7 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
 cdef class MemoryCore:
     cdef Core core
     cdef object tensors          # keeps the state arrays alive
+    cdef readonly tuple layers   # the layers with state, sorted
     cdef object history_arrays   # (history arrays, tags)
     cdef list step_arrays        # the step scratch, one array per tensor (views of it stay valid)
     cdef int reserve_steps(self, Py_ssize_t rows) except -1

@@ -2,7 +2,7 @@
 """The memory core in C: the only code that changes a cache's cells, rows and rollback history.
 
 ``_cells`` holds the primitives (the cell table, find_slot, copy plans, the history
-slots); this module composes them into the operations of SPEC.md §1, §2, §5 and §7 with
+slots); this module composes them into the operations of docs/concepts.md §1, §2, §5 and §7 with
 their rules in one place: a ubatch applied (placement, copy plan, rows and history moved,
 start states filed), the model's step states filed, every sequence operation with its
 history rule, rollback, a sequence placed with given rows, and state reads.  The Python
@@ -49,7 +49,7 @@ cdef enum:
     TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
 
 
-# -- step states (SPEC §7) ---------------------------------------------------------------
+# -- step states (docs/rollback.md) ---------------------------------------------------------------
 
 cdef int32_t core_steps(const Core* core, int32_t n_seq_tokens) noexcept nogil:
     """m: the states the model writes per group of a ubatch of n_seq_tokens tokens per group."""
@@ -234,7 +234,7 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
 cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                          BlobDefect* defect) noexcept nogil:
     cdef BlobLayout layout
-    cdef int code = check_blob(&core.cells, seq_id, data, length, core.n_tensors, core.type_ids,
+    cdef int code = check_blob(&core.cells, seq_id, data, length, core.n_layer, core.n_tensors, core.type_ids,
                                core.row_bytes, &layout, defect)
     if code != BLOB_OK:
         return code
@@ -272,18 +272,29 @@ cdef class MemoryCore:
     only guards what could corrupt memory.
     """
 
-    def __cinit__(self, int32_t size, list tensors, int32_t n_rollback, type_ids):
-        cdef Py_ssize_t k, n, n_tensors = len(tensors)
+    def __cinit__(self, int32_t size, list tensors, int32_t n_rollback, type_ids, int32_t n_layer, tuple layers):
+        cdef Py_ssize_t k, n, n_tensors = len(tensors), n_state = len(layers)
         cdef char[:, ::1] view
         cdef int32_t[:, ::1] tag_view
-        if size < 1 or n_rollback < 0 or len(type_ids) != n_tensors:
+        if (size < 1 or n_rollback < 0 or len(type_ids) != n_tensors or n_tensors != 2 * n_state
+                or list(layers) != sorted(set(layers)) or any(not 0 <= il < n_layer for il in layers)):
             raise ValueError(f"size {size}, n_rollback {n_rollback}, {len(type_ids)} type ids "
-                             f"for {n_tensors} tensors")
+                             f"for {n_tensors} tensors of layers {layers} of {n_layer}")
         memset(&self.core, 0, sizeof(Core))
         self.core.owner = <PyObject*>self
         if cells_init(&self.core.cells, size) != RC_OK:
             raise MemoryError(f"cannot allocate a cell table of {size} cells")
         self.core.n_tensors = n_tensors
+        self.core.n_layer = n_layer
+        self.layers = layers
+        self.core.layer_tensor = <Py_ssize_t*>malloc(max(1, 2 * n_layer) * sizeof(Py_ssize_t))
+        if self.core.layer_tensor == NULL:
+            raise MemoryError("cannot allocate the layer table")
+        for k in range(2 * n_layer):
+            self.core.layer_tensor[k] = -1
+        for k in range(n_state):
+            self.core.layer_tensor[<Py_ssize_t>layers[k]] = k
+            self.core.layer_tensor[n_layer + <Py_ssize_t>layers[k]] = n_state + k
         n = max(1, n_tensors)
         self.core.tensor_data = <char**>malloc(n * sizeof(char*))
         self.core.row_bytes = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
@@ -329,6 +340,7 @@ cdef class MemoryCore:
         cells_release(&self.core.cells)
         free(self.core.history.hist_data)
         free(self.core.tensor_data)
+        free(self.core.layer_tensor)
         free(self.core.row_bytes)
         free(self.core.type_ids)
         free(self.core.step_data)
@@ -407,7 +419,7 @@ cdef class MemoryCore:
         return cells_seq_pos_max(&self.core.cells, seq)
 
     def check(self):
-        """None, or a sentence naming the first broken invariant of SPEC §1 (the facade raises it)."""
+        """None, or a sentence naming the first broken invariant of docs/concepts.md §1 (the facade raises it)."""
         cdef Cells* c = &self.core.cells
         cdef int32_t at
         cdef int broken = cells_check(c, &at)
@@ -425,7 +437,7 @@ cdef class MemoryCore:
         }[broken]
 
     def history(self):
-        """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (SPEC §7);
+        """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (docs/rollback.md);
         ``tags[c, q % n_rollback] == q + 1`` marks the state after ``q`` as held in cell c."""
         core_file_steps(&self.core)
         history, tags = self.history_arrays
@@ -491,7 +503,7 @@ cdef class MemoryCore:
         finally:
             free(pointers)
 
-    # -- state serialisation (SPEC §5) ---------------------------------------------------
+    # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 
     def state_size(self, int32_t seq_id):
         """Bytes of ``state_write(seq_id)``."""
@@ -516,7 +528,7 @@ cdef class MemoryCore:
             if off < 0:
                 raise MemoryError("cannot allocate the seq-id slots")
             with nogil:
-                off += write_rows(out + off, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids, n_ranges,
+                off += write_rows(out + off, c.n_layer, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids, n_ranges,
                                   begin, end)
         finally:
             free(begin)
@@ -556,7 +568,7 @@ cdef class MemoryCore:
             if write_meta(&c.cells, seq_id, p) < 0:
                 raise MemoryError("cannot allocate the seq-id slots")
             put_u32(p + n_meta, 0)
-            put_u32(p + n_meta + 4, <uint32_t>(c.n_tensors // 2))
+            put_u32(p + n_meta + 4, <uint32_t>c.n_layer)
             fmt.write_all(file, meta)
             total = len(meta)
             # the ranges are fixed now: file.write may run other threads, not move these rows
@@ -575,7 +587,7 @@ cdef class MemoryCore:
         return total
 
     def state_read(self, const unsigned char[::1] data, int32_t seq_id):
-        """Check the whole blob, then restore it (SPEC §5); returns the bytes read."""
+        """Check the whole blob, then restore it (docs/concepts.md §5); returns the bytes read."""
         cdef Py_ssize_t length = data.shape[0]
         cdef const unsigned char* p = &data[0] if length else NULL
         cdef BlobDefect defect
@@ -607,6 +619,11 @@ cdef class MemoryCore:
         value = d.value
         if signed:
             value = int(<int32_t><uint32_t>d.value)
+        # section k of the blob is r or s of the k-th layer with state: messages name the model's layer
+        n_state = len(self.layers)
+        layer_index = k
+        if 0 <= k < 2 * n_state:
+            layer_index = self.layers[k] if k < n_state else self.core.n_layer + self.layers[k - n_state]
         return errors.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
-                                   index=k, other=d.other, value=value, size=self.core.cells.size,
-                                   n_layer=self.core.n_tensors // 2, expected=expected)
+                                   index=layer_index, other=d.other, value=value, size=self.core.cells.size,
+                                   n_layer=self.core.n_layer, expected=expected)

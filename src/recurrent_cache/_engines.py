@@ -1,7 +1,7 @@
 """The two engines below the facade, their interface, and how one is chosen.
 
 An engine builds two things: a ``MemoryCore`` — the only code that changes a cache's
-cells, state rows, rollback history and change counter (SPEC §1, §2, §5, §7) — and the
+cells, state rows, rollback history and change counter (docs/concepts.md §1, §2, §5, §7) — and the
 batch split bound to it, which validates and splits a batch into a ``Placement`` whose
 ``apply(u)`` hands ubatch ``u`` to that core.  ``Core`` and ``Placement`` below are that
 interface; the compiled engine (``_core``, ``_placement``) and the reference
@@ -90,22 +90,23 @@ Split = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, bool, i
 
 class Engine(NamedTuple):
     name: str
-    # build(size, tensors r[0..] then s[0..], n_rollback, ggml type ids): a memory core over the
-    # tensors, and the batch split bound to it (an engine's placements apply to its own core only)
-    build: Callable[[int, list[np.ndarray], int, list[int]], tuple[Core, Split]]
+    # build(size, tensors: r of each layer with state then their s, n_rollback, ggml type ids,
+    # the model's n_layer, the layers with state): a memory core over the tensors, and the batch
+    # split bound to it (an engine's placements apply to its own core only)
+    build: Callable[[int, list[np.ndarray], int, list[int], int, tuple[int, ...]], tuple[Core, Split]]
 
 
-def _build_compiled(size: int, tensors: list[np.ndarray], n_rollback: int,
-                    type_ids: list[int]) -> tuple[Core, Split]:
+def _build_compiled(size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
+                    layers: tuple[int, ...]) -> tuple[Core, Split]:
     from . import _core, _placement
-    core = _core.MemoryCore(size, tensors, n_rollback, type_ids)
+    core = _core.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers)
     return core, functools.partial(_placement.split_batch, core)
 
 
-def _build_reference(size: int, tensors: list[np.ndarray], n_rollback: int,
-                     type_ids: list[int]) -> tuple[Core, Split]:
+def _build_reference(size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
+                     layers: tuple[int, ...]) -> tuple[Core, Split]:
     from . import reference
-    core = reference.MemoryCore(size, tensors, n_rollback, type_ids)
+    core = reference.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers)
     return core, functools.partial(reference.split_batch, core)
 
 

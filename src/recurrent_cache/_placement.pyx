@@ -5,7 +5,7 @@
 ``Placement.prepare`` places every ubatch on a journal of the cell table and rolls
 it back, so a prepared placement can always be applied; ``Placement.apply(u)`` hands
 ubatch ``u`` to the memory core (``_core.core_apply_ubatch``: find_slot, the copy
-plan computed once — SPEC §2 FIX —, rows and history moved) and keeps its plan.  The facade (``memory_state.MemoryState``) owns the protocol,
+plan computed once — docs/concepts.md §2 FIX —, rows and history moved) and keeps its plan.  The facade (``memory_state.MemoryState``) owns the protocol,
 the checks and the messages; this module owns the loops and the C arrays.
 """
 

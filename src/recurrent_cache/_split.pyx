@@ -1,8 +1,8 @@
 # cython: language_level=3
-"""Batch validation and splitting into equal-length ubatches (SPEC.md §3–4).
+"""Batch validation and splitting into equal-length ubatches (docs/concepts.md §3–4).
 
 The order is llama.cpp's ``llama_sbatch`` with its ``std::sort`` replaced by a
-stable merge sort (SPEC fixes the order of equal keys).  Everything runs on C
+stable merge sort (docs/concepts.md §3 fixes the order of equal keys).  Everything runs on C
 arrays without the GIL; the caller turns the returned code and
 ``SplitDetail`` into an exception.
 """

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""C-level API of state serialisation (SPEC.md §5, llama.cpp's recurrent state_write / state_read).
+"""C-level API of state serialisation (docs/concepts.md §5, llama.cpp's recurrent state_write / state_read).
 
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
@@ -63,8 +63,9 @@ cdef Py_ssize_t blob_size(const Cells* c, int32_t seq_id, Py_ssize_t n_tensors,
 # write cell_count and the meta (seq ids sorted) to out[0:meta_size]; -1 when out of memory
 cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) noexcept nogil
 
-# v_trans, n_layer and every tensor section of the selected ranges to out; returns the bytes written
-cdef Py_ssize_t write_rows(unsigned char* out, Py_ssize_t n_tensors, char** tensor_data,
+# v_trans, n_layer (the model's layers) and every tensor section (r then s of the layers with
+# state) of the selected ranges to out; returns the bytes written
+cdef Py_ssize_t write_rows(unsigned char* out, int32_t n_layer, Py_ssize_t n_tensors, char** tensor_data,
                            const Py_ssize_t* row_bytes, const int32_t* type_ids, int32_t n_ranges,
                            const int32_t* begin, const int32_t* end) noexcept nogil
 
@@ -77,9 +78,10 @@ cdef void read_rows(const unsigned char* data, Py_ssize_t data_offset, int32_t h
 cdef int restore_blob(Cells* c, const unsigned char* data, const BlobLayout* layout, int32_t seq_id,
                       Py_ssize_t n_tensors, char** tensor_data, const Py_ssize_t* row_bytes) noexcept nogil
 
-# validate a whole blob against the cache; nothing but the seq-id stamps is written
+# validate a whole blob against the cache (n_layer: the model's layers; n_tensors sections: r then
+# s of the layers with state); nothing but the seq-id stamps is written
 cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
-                    Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
+                    int32_t n_layer, Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
                     BlobLayout* layout, BlobDefect* defect) noexcept nogil
 
 

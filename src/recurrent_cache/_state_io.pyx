@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""State serialisation loops: llama.cpp's recurrent ``state_write`` / ``state_read`` (SPEC.md §5).
+"""State serialisation loops: llama.cpp's recurrent ``state_write`` / ``state_read`` (docs/concepts.md §5).
 
 Writing goes straight from the state tensors to the target, range by range
 (runs of consecutive selected cells), with the GIL released for the row
@@ -157,14 +157,15 @@ cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) n
     return off
 
 
-cdef Py_ssize_t write_rows(unsigned char* out, Py_ssize_t n_tensors, char** tensor_data,
+cdef Py_ssize_t write_rows(unsigned char* out, int32_t n_layer, Py_ssize_t n_tensors, char** tensor_data,
                            const Py_ssize_t* row_bytes, const int32_t* type_ids, int32_t n_ranges,
                            const int32_t* begin, const int32_t* end) noexcept nogil:
-    """v_trans, n_layer and every tensor section; returns the bytes written."""
+    """v_trans, n_layer and every tensor section; returns the bytes written.  A layer filter
+    (llama.cpp's null layers) writes the model's n_layer but sections of the layers with state only."""
     cdef Py_ssize_t k, off = DATA_HEADER_BYTES, n
     cdef int32_t i
     put_u32(out, 0)
-    put_u32(out + 4, <uint32_t>(n_tensors // 2))
+    put_u32(out + 4, <uint32_t>n_layer)
     for k in range(n_tensors):
         put_u32(out + off, <uint32_t>type_ids[k])
         put_u64(out + off + 4, <uint64_t>row_bytes[k])
@@ -190,7 +191,7 @@ cdef inline bint fits(BlobDefect* d, BlobField field, Py_ssize_t off, Py_ssize_t
 
 
 cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
-                    Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
+                    int32_t n_layer, Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
                     BlobLayout* layout, BlobDefect* d) noexcept nogil:
     # The same checks in the same order as recurrent_cache.state_format.parse_blob.
     cdef Py_ssize_t off = 4, k, rows
@@ -253,7 +254,7 @@ cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssiz
         return BLOB_ERR_V_TRANS
     d.offset = off + 4
     d.value = get_u32(data + off + 4)
-    if d.value != <uint64_t>(n_tensors // 2):
+    if d.value != <uint64_t>n_layer:
         return BLOB_ERR_N_LAYER
     off += DATA_HEADER_BYTES
     for k in range(n_tensors):

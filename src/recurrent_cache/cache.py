@@ -11,7 +11,7 @@ touched, so the cache is left exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO, Literal, cast
 
 import numpy as np
@@ -46,12 +46,20 @@ class RecurrentCache:
     ``uint16`` bits: the upper half of each float32).
 
     n_rollback: how many past states each cell keeps for rollback (speculative
-    decoding, SPEC §7): ``seq_rm(seq, p0, -1)`` then returns the sequence to its
+    decoding, docs/rollback.md): ``seq_rm(seq, p0, -1)`` then returns the sequence to its
     state after ``p0 - 1`` when that state is held.  ``n_rollback > 0`` is the
     model's promise to write the states after each token but the last of every
     ubatch into ``st.r_steps(il)`` / ``st.s_steps(il)`` (the cache cannot tell
     whether it did); it costs ``n_rollback`` rows of every tensor per cell.
     ``0`` (the default) is llama.cpp's cache exactly, with no extra memory or work.
+
+    layers: the layers that hold recurrent state (a hybrid model's Mamba / RWKV
+    layers; llama.cpp's layer filter): distinct indices in ``[0, n_layer)``, any
+    order, kept sorted in ``cache.layers``; default None: every layer.  For any
+    other layer ``r[il]`` and ``s[il]`` are None and nothing is allocated (rows,
+    rollback history, step scratch); ``()`` keeps no state at all (only positions
+    move).  State bytes keep ``n_layer`` = the model's layer count and hold the
+    r, then the s, sections of these layers only (SPEC §5), as llama.cpp writes them.
 
     engine: ``"compiled"`` (the Cython core) or ``"reference"`` (pure Python,
     the readable oracle; thousands of times slower); default: the environment
@@ -63,15 +71,22 @@ class RecurrentCache:
 
     def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
                  size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32",
-                 n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None) -> None:
-        self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s)
+                 n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None,
+                 layers: Iterable[int] | None = None) -> None:
+        self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s, layers)
         self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
         r, s = self._config.allocate()
-        self.r: tuple[np.ndarray, ...] = tuple(r)
-        self.s: tuple[np.ndarray, ...] = tuple(s)
+        placed_r: list[np.ndarray | None] = [None] * self._config.n_layer
+        placed_s: list[np.ndarray | None] = [None] * self._config.n_layer
+        for k, il in enumerate(self._config.layers):
+            placed_r[il], placed_s[il] = r[k], s[k]
+        # r[il] / s[il] of a layer without state is None (tuples of n_layer entries either way)
+        self.r: tuple[np.ndarray | None, ...] = tuple(placed_r)
+        self.s: tuple[np.ndarray | None, ...] = tuple(placed_s)
         self._core, self._split = self._engine.build(self._config.size, r + s, self._n_rollback,
-                                                     self._config.type_ids())
+                                                     self._config.type_ids(), self._config.n_layer,
+                                                     self._config.layers)
         self._guard = ThreadGuard()
 
     # -- one thread at a time ----------------------------------------------------------
@@ -82,11 +97,11 @@ class RecurrentCache:
     def _leave(self) -> None:
         self._guard.leave()
 
-    # -- rollback history (SPEC §7) -----------------------------------------------------
+    # -- rollback history (docs/rollback.md) -----------------------------------------------------
 
     @property
     def n_rollback(self) -> int:
-        """Past states each cell keeps for rollback (SPEC §7); 0: none."""
+        """Past states each cell keeps for rollback (docs/rollback.md); 0: none."""
         return self._n_rollback
 
     def seq_rollback_min(self, seq: int) -> int:
@@ -114,6 +129,11 @@ class RecurrentCache:
     def n_layer(self) -> int:
         """Layers (pairs of state tensors)."""
         return self._config.n_layer
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers that hold recurrent state, sorted (every layer unless filtered)."""
+        return self._config.layers
 
     @property
     def n_embd_r(self) -> int:
@@ -182,7 +202,7 @@ class RecurrentCache:
             self._leave()
 
     def check(self) -> None:
-        """Raise ``CoreError`` if an invariant of SPEC §1 is broken (O(size))."""
+        """Raise ``CoreError`` if an invariant of docs/concepts.md §1 is broken (O(size))."""
         self._enter()
         try:
             broken = self._core.check()
@@ -301,8 +321,11 @@ class RecurrentCache:
             self._leave()
 
     def seq_state(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Copies of ``seq``'s state: its r rows and s rows, one per layer (zeros while its cell
-        has no state yet: it was placed by a fork and no ubatch has run since).
+        """Copies of ``seq``'s state: its r rows and s rows, one per layer with state (``layers``,
+        in layer order; every layer unless filtered) — zeros while its cell has no state yet (it
+        was placed by a fork and no ubatch has run since).  The lists skip the layers without
+        state rather than hold None for them: they are what ``seq_restore`` takes, what a
+        snapshot stores and what a blob holds, section for section.
 
         Raises ``ArgumentError`` when ``seq`` holds no cell (there is no state).
         """
@@ -319,14 +342,16 @@ class RecurrentCache:
             def take(rows: np.ndarray) -> np.ndarray:
                 return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
 
-            return [take(rows) for rows in self.r], [take(rows) for rows in self.s]
+            return ([take(rows) for rows in self.r if rows is not None],
+                    [take(rows) for rows in self.s if rows is not None])
         finally:
             self._leave()
 
     def seq_restore(self, seq: int, pos: int, r_rows: Sequence[np.ndarray], s_rows: Sequence[np.ndarray]) -> int:
         """Give ``seq``, which must hold no cell, a cell of its own at position ``pos`` holding
-        exactly these rows (byte for byte): ``r_rows[il]`` / ``s_rows[il]``, one per layer, each a
-        1-D array of ``n_embd_r`` / ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
+        exactly these rows (byte for byte): ``r_rows[k]`` / ``s_rows[k]``, one per layer with state
+        (the k-th of ``layers``, as ``seq_state`` returns them), each a 1-D array of ``n_embd_r`` /
+        ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
         rollback history (another sequence's past is not this one's).  Returns the cell.
 
         Placed as ``state_read`` of a one-cell blob would place it (a sequence without a cell
@@ -335,7 +360,7 @@ class RecurrentCache:
         ``SeqIdError``, ``PositionError``) has changed nothing.
         """
         seq, pos = as_int(seq, "seq"), as_int(pos, "pos")
-        rows = self._rows_of("r", r_rows, self.r) + self._rows_of("s", s_rows, self.s)
+        rows = self._rows_of("r", r_rows, "r") + self._rows_of("s", s_rows, "s")
         self._enter()
         try:
             cell = self._core.restore(seq, pos, rows)
@@ -345,11 +370,13 @@ class RecurrentCache:
             raise engine_error(cell, what=f"seq_restore of seq_id {seq} at pos {pos}", seq=seq, size=self.size)
         return cell
 
-    def _rows_of(self, which: str, given: Sequence[np.ndarray], tensors: tuple[np.ndarray, ...]) -> list[np.ndarray]:
-        """``given`` checked as one row per layer of ``tensors``' dtype and width, C-contiguous."""
+    def _rows_of(self, which: str, given: Sequence[np.ndarray], kind: str) -> list[np.ndarray]:
+        """``given`` checked as one row per layer with state of the ``kind`` tensors' dtype and
+        width, C-contiguous."""
+        tensors = [t for t in (self.r if kind == "r" else self.s) if t is not None]
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != len(tensors):
             raise ArgumentError(f"seq_restore: {which}_rows must be a sequence of {len(tensors)} rows "
-                                f"(one per layer), got {type(given).__name__}"
+                                f"(one per layer with state), got {type(given).__name__}"
                                 + (f" of {len(given)}" if isinstance(given, Sequence) else ""))
         rows = []
         for il, (row, tensor) in enumerate(zip(given, tensors)):
@@ -412,7 +439,7 @@ class RecurrentCache:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
         return MemoryState(self, self._core, self._guard, None, None, None, MemoryStatus.SUCCESS)
 
-    # -- state serialisation (SPEC §5) ---------------------------------------------------
+    # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 
     def state_size(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None) -> int:
         """Length in bytes of ``state_write(seq_id, framing, arch)``."""
@@ -520,7 +547,8 @@ class RecurrentCache:
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "
                 f"n_layer={self.n_layer}, n_embd_r={self.n_embd_r}, n_embd_s={self.n_embd_s}, "
-                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r})")
+                f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r}"
+                + (f", layers={self.layers!r})" if len(self.layers) != self.n_layer else ")"))
 
 
 def _bare_framing(framing: object) -> bool:

@@ -124,7 +124,7 @@ typedef struct rc_capi {
     int32_t (*size)(const rc_ctx* ctx);           /* cells; -1 for a NULL ctx */
     int32_t (*n_layer)(const rc_ctx* ctx);
     int32_t (*used)(const rc_ctx* ctx);
-    int (*tensor)(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes);  /* r[0..], s[0..] */
+    int (*tensor)(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes);  /* r of layer il: il, s: n_layer + il; a layer without state (layer filter): RC_ERR_TENSOR_INDEX */
     /* batches */
     int (*batch_init)(rc_ctx* ctx, int32_t n_tokens, const int32_t* seq_ids, const int32_t* seq_id_offsets,
                       const int32_t* pos, const int8_t* output, int32_t n_ubatch, uint32_t flags,
@@ -146,7 +146,7 @@ typedef struct rc_capi {
     int (*state_size)(const rc_ctx* ctx, int32_t seq_id, size_t* size);
     int (*state_write)(rc_ctx* ctx, int32_t seq_id, void* target, size_t capacity, size_t* written);
     int (*state_read)(rc_ctx* ctx, int32_t seq_id, const void* data, size_t length);
-    /* -- API version 2: rollback for speculative decoding (SPEC section 7) --
+    /* -- API version 2: rollback for speculative decoding (docs/rollback.md) --
      * With a cache made with n_rollback > 0, rc_seq_rm(ctx, seq, p0, -1) with 0 < p0 <= pos rolls
      * seq back to its state after p0 - 1 when its cell holds it (1), else 0, nothing changed.
      * After rc_batch_apply, the model writes the state of each tensor after each token but the

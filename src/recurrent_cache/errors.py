@@ -121,7 +121,7 @@ SPLIT_FIND_SLOT = -14   # find_slot would see `pos` after `prev` with `n` new to
 SPLIT_NO_MEMORY = -15
 SPLIT_POS_MAX = -16     # token `token` at position 2**31 - 1, which means "to infinity"
 
-# state blob defects (SPEC §5); their messages are worded once, in state_format
+# state blob defects (docs/concepts.md §5); their messages are worded once, in state_format
 BLOB_TRUNCATED = -30      # `field` at `offset` needs `need` bytes of a blob of `length`
 BLOB_TRAILING = -31       # bytes after the blob's end at `offset`
 BLOB_SEQ_CELL_COUNT = -32 # a sequence blob with `value` > 1 cells

@@ -332,15 +332,18 @@ class MemoryState:
             self._ubatch = Ubatch(self._placement, self._u, self._batch, self._pos)
         return self._ubatch
 
-    def _rows(self, tensors: tuple[np.ndarray, ...], il: int) -> np.ndarray:
+    def _rows(self, tensors: tuple[np.ndarray | None, ...], il: int) -> np.ndarray:
         if type(il) is not int or not 0 <= il < len(tensors):   # the common case skips the general check
             il = index(il, "layer index", len(tensors), OutOfRangeError)
+        rows = tensors[il]
+        if rows is None:
+            raise OutOfRangeError(f"layer {il} holds no recurrent state (layers={self._cache.layers})")
         if not self._applied:
             raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
         if self._placement is not None and self._core.generation != self._generation:
             raise UsageError("the cache changed after this ubatch was applied: its rows may hold "
                              "other sequences now")
-        return tensors[il][self._rows_slice]
+        return rows[self._rows_slice]
 
     def r(self, il: int) -> np.ndarray:
         """Rows head .. head+n_seqs-1 of layer il's r tensor: group s is row s."""
@@ -351,23 +354,24 @@ class MemoryState:
         return self._rows(self._cache.s, il)
 
     def _steps(self, first: int, il: int) -> np.ndarray:
-        n_layer = self._cache.n_layer
-        il = index(il, "layer index", n_layer, OutOfRangeError)
-        self._rows(self._cache.r, il)   # applied, and the cache unchanged since
+        il = index(il, "layer index", self._cache.n_layer, OutOfRangeError)
+        self._rows(self._cache.r, il)   # a layer with state, applied, and the cache unchanged since
         n_seqs = 0 if self._placement is None else self.ubatch.n_seqs
-        return self._core.step_rows(first + int(il), n_seqs, self._m)
+        layers = self._cache.layers
+        k = il if len(layers) == self._cache.n_layer else layers.index(il)   # the core's tensor of il
+        return self._core.step_rows(first * len(layers) + k, n_seqs, self._m)
 
     def r_steps(self, il: int) -> np.ndarray:
         """[n_seqs, m, n_embd_r] where the model writes, with ``n_rollback > 0``, layer il's r state
         after each token but the last of every group: entry ``[g, j]`` is the state after token
-        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (SPEC §7).
+        ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (docs/rollback.md).
         A scratch of the memory core: the next call that changes the cache (through this API or
         the C API) files it into the history, so write it before that call."""
         return self._steps(0, il)
 
     def s_steps(self, il: int) -> np.ndarray:
         """[n_seqs, m, n_embd_s]: as ``r_steps`` for layer il's s state."""
-        return self._steps(self._cache.n_layer, il)
+        return self._steps(1, il)
 
     @property
     def out_ids(self) -> np.ndarray:

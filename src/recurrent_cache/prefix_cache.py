@@ -1,4 +1,4 @@
-"""The prefix-state cache (SPEC §8): reuse the state of every shared prompt prefix, exactly.
+"""The prefix-state cache (docs/prefix-cache.md): reuse the state of every shared prompt prefix, exactly.
 
 A recurrent state cannot be cut back to an earlier token, so a prefix can be
 reused only if the state was saved at exactly that prefix length.
@@ -56,7 +56,7 @@ priority.  The path of an evicted (or refused) snapshot is remembered
 without its state (a *ghost*; at most ``max_ghosts``, least recent dropped
 first), so ``plan`` still finds the junctions with it when memory is tight.
 
-The second tier (``store=``, SPEC §8): a store shared by every process
+The second tier (``store=``, docs/prefix-cache.md): a store shared by every process
 (``rc.stores.DirectoryStore``, ``rc.stores.RedisStore``), wrapped in a
 ``stores.StoreTier`` under keys made of ``namespace``, the cache's geometry
 and dtypes and the token prefix.  Write-through: every ``save`` of a state
@@ -234,8 +234,10 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block_size = block_size
         self.namespace = namespace
-        self._r = [cache.r[il] for il in range(cache.n_layer)]
-        self._s = [cache.s[il] for il in range(cache.n_layer)]
+        # the layers with state only (a layer filter leaves the others None): a snapshot holds
+        # one row of each, in layer order, as cache.seq_state / seq_restore list them
+        self._r = [tensor for tensor in cache.r if tensor is not None]
+        self._s = [tensor for tensor in cache.s if tensor is not None]
         self.snapshot_bytes = sum(t.shape[1] * t.itemsize for t in self._r + self._s)
         self.capacity = self.max_bytes // max(1, self.snapshot_bytes)
         # The pools: snapshot slot i is row i of every layer's r and s pool.
@@ -396,7 +398,7 @@ class PrefixCache:
         return True
 
     def _rows_of(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Views of the rows holding ``seq``'s state (zeros when its cell has no data yet, SPEC §2)."""
+        """Views of the rows holding ``seq``'s state (zeros when its cell has no data yet, docs/concepts.md §2)."""
         src = self.cache.cell(self.cache.cell(seq)[2])[1]
         if src < 0:
             return [np.zeros_like(t[0]) for t in self._r], [np.zeros_like(t[0]) for t in self._s]

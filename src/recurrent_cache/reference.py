@@ -1,4 +1,4 @@
-"""The reference engine: SPEC.md in plain Python, written to be read next to it.
+"""The reference engine: docs/concepts.md in plain Python, written to be read next to it.
 
 Every operation is a literal transcription of the specification: cells are
 Python lists and sets, and most operations scan every cell, exactly as
@@ -35,11 +35,12 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if len(view) else 0
 
 
-# -- cells (SPEC §1, §2) ------------------------------------------------------------------------
+# -- cells (docs/concepts.md §1, §2) ------------------------------------------------------------------------
 
 class MemoryCore:
-    """A cache's memory: ``size`` cells over the state tensors ``r[0..n_layer)`` then
-    ``s[0..n_layer)``, their rollback history, and ``generation``, bumped by every change.
+    """A cache's memory: ``size`` cells over the state tensors — r of each of ``layers`` (the
+    layers with state, of the model's ``n_layer``), then their s — their rollback history, and
+    ``generation``, bumped by every change.
 
     The only code that changes them: every changing method first files the step states
     the model wrote for the last applied ubatch (``_file_steps``), then bumps ``generation``.
@@ -47,12 +48,15 @@ class MemoryCore:
 
     self_check = False   # the compiled core's debug builds check every placement; this one is read
 
-    def __init__(self, size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int]) -> None:
+    def __init__(self, size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
+                 layers: tuple[int, ...]) -> None:
         self.size = size
         self.tensors = tensors
         self.type_ids = tuple(type_ids)
+        self.n_layer = n_layer
+        self.layers = layers
         self.generation = 0
-        # rollback history (SPEC §7): history[k][c, q % n_rollback] is the state after position q
+        # rollback history (docs/rollback.md): history[k][c, q % n_rollback] is the state after position q
         # of cell c's tensor k, when tags[c, q % n_rollback] == q + 1 (0 = empty slot)
         self.n_rollback = n_rollback
         self.rollback_history = ([np.zeros((size, n_rollback, t.shape[1]), dtype=t.dtype) for t in tensors]
@@ -76,7 +80,7 @@ class MemoryCore:
         return self.pos[i], self.src[i], self.tail[i], tuple(sorted(self.seq_ids[i]))
 
     def check(self) -> str | None:
-        """None, or the first broken invariant of SPEC §1."""
+        """None, or the first broken invariant of docs/concepts.md §1."""
         holder = [-1] * self.size
         for c in range(self.size):
             if not self.seq_ids[c] and (self.pos[c] != -1 or self.src[c] != -1):
@@ -110,7 +114,7 @@ class MemoryCore:
         if not self.seq_ids[c]:
             self._free(c)
 
-    # -- step states (SPEC §7)
+    # -- step states (docs/rollback.md)
 
     def steps(self, n_seq_tokens: int) -> int:
         """m: the states the model writes per group, after tokens n_seq_tokens - 1 - m .. n_seq_tokens - 2."""
@@ -139,7 +143,7 @@ class MemoryCore:
         self._file_steps()
         return self.tags.copy(), [history.copy() for history in self.rollback_history]
 
-    # -- operations (SPEC §1)
+    # -- operations (docs/concepts.md §1)
 
     def clear(self) -> None:
         self.pending = None   # the rows it would file into are gone
@@ -156,7 +160,7 @@ class MemoryCore:
         self._file_steps()
         pos = self.seq_pos_max(seq) if self.n_rollback and 0 <= seq < self.size else -1
         if 0 < p0 <= pos and (p1 < 0 or p1 > pos):
-            removed = self._rollback(seq, p0 - 1)   # SPEC §7: back to the state after p0 - 1
+            removed = self._rollback(seq, p0 - 1)   # docs/rollback.md: back to the state after p0 - 1
         else:
             removed = self._remove(seq, p0, p1)
         if removed:
@@ -272,7 +276,7 @@ class MemoryCore:
         """The cell holding ``seq``, or -1."""
         return self.tail[seq]
 
-    # -- rollback (SPEC §7)
+    # -- rollback (docs/rollback.md)
 
     def _held(self, cell: int) -> list[int]:
         """The positions whose states cell's history holds, within its window [pos - n, pos - 1]."""
@@ -341,7 +345,7 @@ class MemoryCore:
         self.tags[cell] = 0   # another sequence's past is not this one's
         return cell
 
-    # -- find_slot (SPEC §2)
+    # -- find_slot (docs/concepts.md §2)
 
     def _next_empty(self, start: int) -> int:
         for k in range(self.size):
@@ -352,7 +356,7 @@ class MemoryCore:
 
     def prepare(self, ubatches: list[tuple[list[tuple[int, ...]], list[int], int]]) -> int:
         """Place every ubatch ``(groups, last_pos, n_tokens)`` on a copy of the cells, then put
-        them back (SPEC §3 FIX): 0 when all of them fit."""
+        them back (docs/concepts.md §3 FIX): 0 when all of them fit."""
         saved = (self.pos[:], self.src[:], self.tail[:], [set(ids) for ids in self.seq_ids],
                  self.head, self.used, self.n)
         try:
@@ -366,7 +370,7 @@ class MemoryCore:
 
     def apply_ubatch(self, groups: list[tuple[int, ...]], last_pos: list[int], n_tokens: int,
                      n_seq_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Place one ubatch (SPEC §2), move its rows and histories, file the states its groups
+        """Place one ubatch (docs/concepts.md §2), move its rows and histories, file the states its groups
         start from, and expect the model's step states: (code, copy_src, zero)."""
         self._file_steps()
         m = self.steps(n_seq_tokens)
@@ -451,7 +455,7 @@ class MemoryCore:
         return E.OK if self.n >= n_seqs else E.PLACEMENT
 
     def _copy_plan(self) -> tuple[np.ndarray, np.ndarray]:
-        """The copy plan of cells [head, head + n) (SPEC §2 FIX), computed once; then src = own cell."""
+        """The copy plan of cells [head, head + n) (docs/concepts.md §2 FIX), computed once; then src = own cell."""
         copy_src = np.empty(self.n, dtype=np.int32)
         zero = np.empty(self.n, dtype=bool)
         for i in range(self.n):
@@ -479,7 +483,7 @@ class MemoryCore:
                 history[cell, q % self.n_rollback] = tensor[cell]
             self.tags[cell, q % self.n_rollback] = q + 1
 
-    # -- state serialisation (SPEC §5)
+    # -- state serialisation (docs/concepts.md §5)
 
     def _shares_rows(self, view: memoryview) -> bool:
         """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
@@ -489,7 +493,7 @@ class MemoryCore:
 
     def shape(self) -> Geometry:
         """The cache's geometry, as its state reads check blobs against it."""
-        return Geometry.of_tensors(self.size, self.type_ids, self.tensors)
+        return Geometry.of_tensors(self.size, self.type_ids, self.tensors, self.n_layer, self.layers)
 
     def _parts(self, seq_id: int) -> list[Any]:
         """The blob in pieces: headers, then the rows range by range."""
@@ -574,7 +578,7 @@ class MemoryCore:
             tensor.view(np.uint8)[self.head:self.head + blob.cell_count] = blob.rows(data, blob.tensors[k])
         return blob.n_bytes
 
-# -- batches (SPEC §3, §4) ----------------------------------------------------------------------
+# -- batches (docs/concepts.md §3, §4) ----------------------------------------------------------------------
 
 class _Group:
     """A run of sorted tokens with identical seq-id lists (llama_sbatch_seq)."""
@@ -609,7 +613,7 @@ class Placement:
                 n_seq_tokens * len(groups))
 
     def prepare(self) -> int:
-        """Whether every ubatch fits (SPEC §3 FIX): 0, or the first failure's code; cells unchanged."""
+        """Whether every ubatch fits (docs/concepts.md §3 FIX): 0, or the first failure's code; cells unchanged."""
         return self.core.prepare([self._groups(u) for u in range(len(self.ubatches))])
 
     def apply(self, u: int) -> int:
@@ -655,7 +659,7 @@ class Placement:
 
 def split_batch(core: MemoryCore, seq_id_flat: np.ndarray, seq_id_offset: np.ndarray, pos: np.ndarray,
                 logits: np.ndarray | None, logits_all: bool, n_ubatch: int, embd_pooled: bool) -> Placement:
-    """Validate a batch against the cells (SPEC §4) and split it into ubatches (SPEC §3)."""
+    """Validate a batch against the cells (docs/concepts.md §4) and split it into ubatches (docs/concepts.md §3)."""
     n = pos.shape[0]
     flat, offsets, positions = seq_id_flat.tolist(), seq_id_offset.tolist(), pos.tolist()
     lists = [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(n)]

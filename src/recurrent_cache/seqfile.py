@@ -3,7 +3,7 @@
 A sequence file is ``state_format.GGSQ``'s header (``u32 magic 'ggsq'``,
 ``u32 version 3`` — 2 in June-2025 llama.cpp, the same bytes after it —,
 ``u32 n_token_count``), ``n_token_count x i32 token``, then the memory section
-of one sequence (SPEC.md §5), all little-endian.  A session file (``GGSN``,
+of one sequence (docs/concepts.md §5), all little-endian.  A session file (``GGSN``,
 'ggsn' version 10) has the same header, the tokens, then exactly what
 ``llama_state_get_data`` writes: the architecture string and the whole cache's
 memory section.

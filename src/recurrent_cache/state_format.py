@@ -1,4 +1,4 @@
-"""The bytes of a recurrent state, described once: SPEC.md §5 (llama.cpp's recurrent ``state_write``).
+"""The bytes of a recurrent state, described once: docs/concepts.md §5 (llama.cpp's recurrent ``state_write``).
 
 This module is the one source of the byte formats: the ggml type table
 (``STATE_TYPES`` / ``GGML_TYPES``), the fixed runs of fields (``Layout``:
@@ -23,6 +23,10 @@ A blob is, all integers little-endian::
     u32 v_trans (= 0); u32 n_layer
     n_layer x { i32 r_type; u64 r_row_bytes; cell_count rows of r }
     n_layer x { i32 s_type; u64 s_row_bytes; cell_count rows of s }
+
+With a layer filter (``Geometry.layers``, a hybrid model's recurrent layers)
+``n_layer`` stays the model's layer count and the r, then the s, sections are
+those of the filtered layers only, in layer order (llama.cpp skips its null layers).
 
 :func:`parse_blob` reads one into a :class:`Blob` without a cache (for
 ``inspect``) or checks it against a cache's :class:`Geometry` in the order
@@ -105,7 +109,7 @@ class Layout(struct.Struct):
         return struct.calcsize("<" + self.format[1:][:index]) if index else 0
 
 
-# A state blob (SPEC.md §5): CELL_COUNT, cell_count x (CELL, n_seq_id x i32), DATA_HEADER,
+# A state blob (docs/concepts.md §5): CELL_COUNT, cell_count x (CELL, n_seq_id x i32), DATA_HEADER,
 # 2 * n_layer x (TENSOR_HEADER, cell_count rows).
 CELL_COUNT = Layout(("cell_count", "I"))
 CELL = Layout(("pos", "i"), ("n_seq_id", "I"))
@@ -312,7 +316,7 @@ def row_bytes_mismatch(tensor: str, offset: int, got: int, expected: int) -> Sta
 # -- the parsed form -----------------------------------------------------------
 
 def _geometry_fields(error: type[Exception], n_layer: Any, n_embd_r: Any, n_embd_s: Any, dtype_r: Any,
-                     dtype_s: Any, size: Any) -> dict[str, Any]:
+                     dtype_s: Any, size: Any, layers: Any) -> dict[str, Any]:
     """The fields of a ``Geometry``, checked (``error`` for a bad one) and normalised to int."""
     fields: dict[str, Any] = {
         "n_layer": _args.count(n_layer, "n_layer", 0, error), "n_embd_r": _args.count(n_embd_r, "n_embd_r", 1, error),
@@ -322,6 +326,7 @@ def _geometry_fields(error: type[Exception], n_layer: Any, n_embd_r: Any, n_embd
             raise error(f"unknown {name} {value!r} (expected one of {', '.join(STATE_TYPES)})")
         fields[name] = value
     fields["size"] = _args.count(size, "size", 1, error)
+    fields["layers"] = _args.layer_filter(layers, fields["n_layer"], error)
     return fields
 
 
@@ -334,6 +339,12 @@ class Geometry:
     ``STATE_TYPES``.  ``size`` (cells) matters only to a whole-cache blob: a
     snapshot is one sequence's state, which any size holds, so a store key
     (``key_text``) leaves it out.  Bad fields raise ``ArgumentError``.
+
+    ``layers``: the layers that hold recurrent state (a hybrid model's recurrent
+    layers, llama.cpp's layer filter), sorted; None (also what a filter naming
+    every layer becomes) is every layer.  A blob still records ``n_layer``, the
+    model's layer count, but holds the r sections, then the s sections, of these
+    layers only.
     """
 
     n_layer: int
@@ -342,34 +353,56 @@ class Geometry:
     dtype_r: str = "f32"
     dtype_s: str = "f32"
     size: int = 1
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         fields = _geometry_fields(ArgumentError, self.n_layer, self.n_embd_r, self.n_embd_s, self.dtype_r,
-                                  self.dtype_s, self.size)
+                                  self.dtype_s, self.size, self.layers)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
     @classmethod
     def checked(cls, error: type[Exception], n_layer: Any, n_embd_r: Any, n_embd_s: Any, dtype_r: Any = "f32",
-                dtype_s: Any = "f32", size: Any = 1) -> Geometry:
+                dtype_s: Any = "f32", size: Any = 1, layers: Any = None) -> Geometry:
         """A geometry, raising ``error`` (a constructor's ``ConfigError``) for a bad field."""
-        return cls(**_geometry_fields(error, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s, size))
+        return cls(**_geometry_fields(error, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s, size, layers))
 
     @classmethod
     def of(cls, cache: Any) -> Geometry:
         """The geometry of a ``RecurrentCache`` of either engine, from its public attributes."""
-        return cls(cache.n_layer, cache.n_embd_r, cache.n_embd_s, cache.dtype_r, cache.dtype_s, cache.size)
+        return cls(cache.n_layer, cache.n_embd_r, cache.n_embd_s, cache.dtype_r, cache.dtype_s, cache.size,
+                   cache.layers)
 
     @classmethod
-    def of_tensors(cls, size: int, type_ids: Sequence[int], tensors: Sequence[np.ndarray]) -> Geometry:
-        """The geometry of an engine's state tensors: ``r[0..n_layer)`` then ``s[0..n_layer)``,
-        (size, n_embd) arrays of ggml types ``type_ids``.  Without layers no row width or type
-        is recorded anywhere; 1 and f32 are taken (no row of them is ever read or written)."""
-        n_layer = len(tensors) // 2
-        if not n_layer:
-            return cls(0, 1, 1, size=size)
-        return cls(n_layer, tensors[0].shape[1], tensors[n_layer].shape[1], GGML_TYPES[type_ids[0]].name,
-                   GGML_TYPES[type_ids[n_layer]].name, size)
+    def of_tensors(cls, size: int, type_ids: Sequence[int], tensors: Sequence[np.ndarray], n_layer: int,
+                   layers: Sequence[int]) -> Geometry:
+        """The geometry of an engine's state tensors: r of each of ``layers`` (of the model's
+        ``n_layer``), then their s, (size, n_embd) arrays of ggml types ``type_ids``.  Without
+        tensors no row width or type is recorded anywhere; 1 and f32 are taken (no row of them
+        is ever read or written)."""
+        n_state = len(tensors) // 2
+        if not n_state:
+            return cls(n_layer, 1, 1, size=size, layers=tuple(layers))
+        return cls(n_layer, tensors[0].shape[1], tensors[n_state].shape[1], GGML_TYPES[type_ids[0]].name,
+                   GGML_TYPES[type_ids[n_state]].name, size, tuple(layers))
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers with state, sorted (every layer unless filtered)."""
+        return tuple(range(self.n_layer)) if self.layers is None else self.layers
+
+    @property
+    def n_state_layers(self) -> int:
+        """How many layers hold state: a blob's r sections (and s sections)."""
+        return self.n_layer if self.layers is None else len(self.layers)
+
+    def section_tensor(self, k: int) -> int:
+        """The model tensor (r of layer il: il; s: n_layer + il) of a blob's section k (r of the
+        layers with state, then their s): how messages name a section."""
+        n_state = self.n_state_layers
+        if self.layers is None or not 0 <= k < 2 * n_state:
+            return k
+        return self.layers[k] if k < n_state else self.n_layer + self.layers[k - n_state]
 
     @property
     def type_r(self) -> StateType:
@@ -389,30 +422,34 @@ class Geometry:
 
     @property
     def type_ids(self) -> tuple[int, ...]:
-        """The ggml type of every tensor of a blob: r of every layer, then s."""
-        return (self.type_r.type_id,) * self.n_layer + (self.type_s.type_id,) * self.n_layer
+        """The ggml type of every tensor section of a blob: r of every layer with state, then s."""
+        n_state = self.n_state_layers
+        return (self.type_r.type_id,) * n_state + (self.type_s.type_id,) * n_state
 
     @property
     def row_bytes(self) -> tuple[int, ...]:
-        """The row size of every tensor of a blob: r of every layer, then s."""
-        return (self.row_bytes_r,) * self.n_layer + (self.row_bytes_s,) * self.n_layer
+        """The row size of every tensor section of a blob: r of every layer with state, then s."""
+        n_state = self.n_state_layers
+        return (self.row_bytes_r,) * n_state + (self.row_bytes_s,) * n_state
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of one sequence's rows (every layer's r and s)."""
-        return self.n_layer * (self.row_bytes_r + self.row_bytes_s)
+        """Bytes of one sequence's rows (r and s of every layer with state)."""
+        return self.n_state_layers * (self.row_bytes_r + self.row_bytes_s)
 
     def sequence_blob_size(self) -> int:
         """Length of a one-cell sequence blob of this geometry."""
-        return (CELL_COUNT.size + CELL.size + DATA_HEADER.size + 2 * self.n_layer * TENSOR_HEADER.size
+        return (CELL_COUNT.size + CELL.size + DATA_HEADER.size + 2 * self.n_state_layers * TENSOR_HEADER.size
                 + self.state_bytes)
 
     def check_rows(self, rows: Sequence[Any], which: str) -> list[np.ndarray]:
-        """One sequence's ``which`` ("r" or "s") rows, one per layer, as contiguous arrays;
-        ``ArgumentError`` unless they have exactly this geometry's widths and storage dtype."""
+        """One sequence's ``which`` ("r" or "s") rows, one per layer with state (in layer order),
+        as contiguous arrays; ``ArgumentError`` unless they have exactly this geometry's widths and
+        storage dtype."""
         n_embd, dtype = (self.n_embd_r, self.type_r.numpy) if which == "r" else (self.n_embd_s, self.type_s.numpy)
-        if len(rows) != self.n_layer:
-            raise ArgumentError(f"{which}_rows has {len(rows)} rows, the geometry has {self.n_layer} layers")
+        if len(rows) != self.n_state_layers:
+            raise ArgumentError(f"{which}_rows has {len(rows)} rows, the geometry has {self.n_state_layers} "
+                                f"layers with state")
         out = []
         for il, row in enumerate(rows):
             array = np.asarray(row)
@@ -423,9 +460,13 @@ class Geometry:
         return out
 
     def key_text(self) -> str:
-        """What a store key holds of the geometry: every field but ``size``."""
-        return (f"n_layer={self.n_layer};n_embd_r={self.n_embd_r};n_embd_s={self.n_embd_s};"
+        """What a store key holds of the geometry: every field but ``size``.  A filter is appended
+        (``;layers=0,2``, ``;layers=`` for none); an unfiltered geometry's text is as it always was."""
+        text = (f"n_layer={self.n_layer};n_embd_r={self.n_embd_r};n_embd_s={self.n_embd_s};"
                 f"dtype_r={self.dtype_r};dtype_s={self.dtype_s}")
+        if self.layers is not None:
+            text += ";layers=" + ",".join(map(str, self.layers))
+        return text
 
 
 @dataclass(frozen=True)
@@ -460,7 +501,7 @@ class BlobTensor:
 class Blob:
     cells: tuple[BlobCell, ...]
     n_layer: int
-    tensors: tuple[BlobTensor, ...]   # [2*n_layer] r of every layer, then s
+    tensors: tuple[BlobTensor, ...]   # r of every layer with state, then s
     n_bytes: int
 
     @property
@@ -611,10 +652,14 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) 
         watch.cells(tuple(cells))
         watch.layers(n_layer, data_at + 4)
     tensors = []
-    for k in range(2 * n_layer):
-        name = tensor_name(k, n_layer)
-        (type_id, row_bytes), header_at = reader.unpack(
-            TENSOR_HEADER, field_name("tensor_header", tensor=k, n_layer=n_layer))
+    # a blob cannot say which layers its sections are: the cache's filter names them (and
+    # decides their count); without a cache every layer is taken to hold state (a range: a
+    # damaged n_layer of 2**32 costs nothing before the first section that is not there)
+    layers: Sequence[int] = range(n_layer) if cache is None or cache.layers is None else cache.layers
+    n_state = len(layers)
+    for k in range(2 * n_state):
+        name = tensor_name(cache.section_tensor(k) if cache is not None else k, n_layer)
+        (type_id, row_bytes), header_at = reader.unpack(TENSOR_HEADER, f"{name} type and row size")
         if cache is not None:
             if type_id != cache.type_ids[k]:
                 raise type_mismatch(name, header_at, type_id, cache.type_ids[k])
@@ -622,8 +667,8 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) 
                 raise row_bytes_mismatch(name, header_at + 4, row_bytes, cache.row_bytes[k])
         if watch is not None:
             watch.tensor(k, type_id, row_bytes, header_at)
-        rows_at = reader.skip(cell_count * row_bytes, field_name("rows", tensor=k, n_layer=n_layer))
-        tensors.append(BlobTensor("r" if k < n_layer else "s", k % n_layer, type_id, row_bytes, rows_at))
+        rows_at = reader.skip(cell_count * row_bytes, f"{name} rows")
+        tensors.append(BlobTensor("r" if k < n_state else "s", layers[k % n_state], type_id, row_bytes, rows_at))
     return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
 
 
@@ -631,7 +676,7 @@ def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Bl
     """Parse a state blob, raising ``StateError`` at its first defect.
 
     Without ``cache`` only the structure is checked (lengths, ``v_trans == 0``,
-    no trailing bytes).  With it, every rule of SPEC §5 for reading the blob
+    no trailing bytes).  With it, every rule of docs/concepts.md §5 for reading the blob
     into that cache at ``seq_id`` is checked too, in blob order: a sequence
     blob (``seq_id >= 0``) has at most one cell and no seq ids; a whole-cache
     blob (``seq_id == -1``) has at most ``size`` cells, each with at least one

@@ -6,7 +6,7 @@ its own prompt and output; no second model — and the model verifies all the
 clients' ``1 + K`` tokens in one batch.  The accepted drafts are kept, plus the
 model's own token at the first mismatch; the rest is rolled back with
 ``seq_rm(seq, p0, -1)``, which the cache answers from its history
-(``n_rollback = K``, SPEC §7) with no recomputation.
+(``n_rollback = K``, docs/rollback.md) with no recomputation.
 
 Decoding is greedy, so the output must be token-for-token the plain decoding's:
 the demo first serves the same clients without speculation, then with it, and

@@ -291,6 +291,9 @@ class Server:
             return f"no running client left to corrupt after step {self.stats.steps}"
         client = next(iter(self.running.values()))
         cell = self.cache.cell(client.slot)[2]  # the tail: the cell holding that sequence
-        row = self.cache.s[0][cell]
+        states = self.cache.s[0]
+        if states is None:   # a cache whose layer filter leaves layer 0 out
+            return f"layer 0 holds no SSM state to corrupt (layers={self.cache.layers})"
+        row = states[cell]
         row[...] = row[::-1].copy()
         return f"corrupted the layer-0 SSM state of client {client.number} (cell {cell}) after step {self.stats.steps}"

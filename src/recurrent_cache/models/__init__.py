@@ -10,7 +10,7 @@ GGUF files (``load_gguf``) or Hugging Face checkpoint directories
 (``load_hf``; ``load_model`` takes either).
 """
 
-from .gguf_io import load_gguf, write_gguf
+from .gguf_io import load_gguf, recurrent_layers, write_gguf
 from .hf import convert_hf_to_gguf, load_hf, load_model
 from .mamba import MambaHParams, MambaLayer, MambaModel, random_model
 from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model, random_mamba2_model
@@ -23,4 +23,4 @@ from .vocab import Vocabulary, escape
 __all__ = ["Mamba2HParams", "Mamba2Layer", "Mamba2Model", "MambaHParams", "MambaLayer", "MambaModel",
            "ModelError", "RecurrentModel", "ReferenceRun", "Sampler", "TRAINED_GGUF", "Vocabulary",
            "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf", "load_model",
-           "random_mamba2_model", "random_model", "trained_model", "training_facts", "write_gguf"]
+           "random_mamba2_model", "random_model", "recurrent_layers", "trained_model", "training_facts", "write_gguf"]

@@ -22,7 +22,7 @@ from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model
 from .recurrent import RecurrentModel
 from .vocab import Vocabulary
 
-__all__ = ["GGUF_MISSING", "import_gguf", "load_gguf", "write_gguf"]
+__all__ = ["GGUF_MISSING", "import_gguf", "load_gguf", "recurrent_layers", "write_gguf"]
 
 GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
                 "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
@@ -62,6 +62,41 @@ def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> Recurren
         raise ModelError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
     except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a key of the wrong type
         raise ModelError(f"{name}: not a valid Mamba GGUF file: {exc}") from None
+
+
+def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The layers of a GGUF model that hold recurrent state: the ``layers`` filter of the
+    ``RecurrentCache`` for it (every layer of a Mamba file; a hybrid's Mamba / RWKV layers).
+
+    llama.cpp's hybrids mark an attention layer by a per-layer
+    ``{arch}.attention.head_count_kv`` above 0; a layer with 0 (or a file without
+    the key: a pure recurrent model) is recurrent when it holds recurrent tensors
+    (``blk.{il}.ssm_*`` or RWKV's ``blk.{il}.time_mix_*``): a layer of neither
+    kind (Nemotron-H's FFN-only layers) has no state, as in llama.cpp.  Reads the
+    header only; a bad file raises ``ModelError`` naming it.
+    """
+    name = os.fspath(path)
+    try:
+        file = GGUFFile(name)
+        arch = file.fields.get("general.architecture")
+        n_layer = _Reader(file, str(arch)).key("block_count", int)
+        heads_kv = file.fields.get(f"{arch}.attention.head_count_kv", 0)
+    except ModelError as exc:
+        raise ModelError(f"{name}: {exc}") from None
+    except GGUFError as exc:
+        raise ModelError(f"{name}: not a valid GGUF file: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
+    per_layer = list(heads_kv) if isinstance(heads_kv, (list, tuple)) else [heads_kv] * n_layer
+    if len(per_layer) != n_layer or any(isinstance(h, bool) or not isinstance(h, int) for h in per_layer):
+        raise ModelError(f"{name}: GGUF key {arch}.attention.head_count_kv is {heads_kv!r}, not one integer "
+                         f"or {n_layer} of them")
+    holds_state = set()
+    for tensor in file.tensors:
+        parts = tensor.split(".", 2)   # blk.{il}.{name}
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2].startswith(("ssm_", "time_mix_")):
+            holds_state.add(int(parts[1]))
+    return tuple(il for il in range(n_layer) if per_layer[il] == 0 and il in holds_state)
 
 
 class _Reader:

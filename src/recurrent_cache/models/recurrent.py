@@ -170,7 +170,7 @@ class RecurrentModel(ABC):
         Group ``s`` starts from rows ``st.r(il)[s]`` / ``st.s(il)[s]`` and its
         final states are written back there; with a cache that keeps a rollback
         history (``n_rollback > 0``) the states after the group's earlier tokens
-        go into ``st.r_steps(il)`` / ``st.s_steps(il)`` (SPEC §7).  Returns the
+        go into ``st.r_steps(il)`` / ``st.s_steps(il)`` (docs/rollback.md).  Returns the
         logits of the ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``.
         """
         p = self.hparams

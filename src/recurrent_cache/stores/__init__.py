@@ -1,4 +1,4 @@
-"""Shared state stores: the second tier of the prefix-state cache (SPEC.md §8).
+"""Shared state stores: the second tier of the prefix-state cache (docs/prefix-cache.md).
 
 A store keeps *snapshots* — one sequence's state after a token prefix — where
 every process can reach them: ``DirectoryStore(path)`` on a file system (one
@@ -16,7 +16,7 @@ Entries and keys (``snapshot.py``)::
 
 ``namespace`` is the model's identity and must be set by the caller (a hash
 of the GGUF file, a model name and revision): the key holds it, the geometry
-(``n_layer``, ``n_embd_r``, ``n_embd_s``, ``dtype_r``, ``dtype_s``) and the
+(``n_layer``, ``n_embd_r``, ``n_embd_s``, ``dtype_r``, ``dtype_s``, a layer filter) and the
 tokens, and the entry's trailer holds a digest of the key and a CRC-32 of
 the bytes, so ``decode_snapshot`` returns None — never a wrong state, never
 an exception — for a truncated, damaged or foreign entry.

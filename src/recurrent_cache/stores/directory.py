@@ -3,7 +3,7 @@
 Layout, for a key whose digest (``sha256(key)[:16]``, hex) is ``D``::
 
     D.ggsq              -> D.CCCCCCCC.ggsq   a symbolic link: the key's current entry
-    D.CCCCCCCC.ggsq     the ggsq file (SPEC §5) of the entry, CCCCCCCC its CRC-32 in hex
+    D.CCCCCCCC.ggsq     the ggsq file (docs/concepts.md §5) of the entry, CCCCCCCC its CRC-32 in hex
     .D.<random>.tmp     a file being written (a writer killed now leaves only this)
     .D.<random>.lnk     a link being made, renamed over ``D.ggsq`` next
 
@@ -234,7 +234,7 @@ class DirectoryStore:
             if not stat.S_ISREG(st.st_mode):
                 return None
             size = st.st_size
-            if ggsq_declared_length(lambda offset, n: os.pread(handle, n, offset)) != size:
+            if ggsq_declared_length(lambda offset, n: os.pread(handle, n, offset), size) != size:
                 return None
             entry = bytearray(size + TRAILER_SIZE)
             view = memoryview(entry)

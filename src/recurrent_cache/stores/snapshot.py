@@ -1,6 +1,6 @@
 """Snapshot entries: the bytes a store keeps for one sequence state, and their keys.
 
-An *entry* is a 'ggsq' sequence file (SPEC.md §5: what llama.cpp's
+An *entry* is a 'ggsq' sequence file (docs/concepts.md §5: what llama.cpp's
 ``llama_state_seq_save_file`` writes — magic, version 3, the prefix's tokens,
 the one-cell state blob; entries of version 2, written before llama.cpp moved
 to 3, are still read) followed by a 32-byte *trailer*::
@@ -123,8 +123,11 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
                     geometry: Geometry) -> bytearray:
     """The entry for the state after ``tokens`` (its pos is ``len(tokens) - 1``) under ``key``.
 
-    ``r_rows[il]`` / ``s_rows[il]`` are layer ``il``'s rows, numpy arrays of
-    the cache's dtype (``cache.r[il][row]``).  The ggsq part is byte for byte
+    ``r_rows[k]`` / ``s_rows[k]`` are the rows of the k-th layer with state
+    (``geometry.state_layers[k]``; every layer unless filtered), numpy arrays of
+    the cache's dtype (``cache.r[il][row]``): a list over the filtered layers, as
+    ``cache.seq_state`` returns and ``cache.seq_restore`` takes them, and in the
+    order of the blob's sections.  The ggsq part is byte for byte
     what ``rc.save_seq_file`` writes for a sequence holding that state.  The
     rows are copied once, into the entry.
     """
@@ -148,14 +151,18 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
     return entry
 
 
-def ggsq_declared_length(read_at: Callable[[int, int], bytes]) -> int | None:
-    """The length a ggsq file says it has, from its headers alone; None if they are not a snapshot's.
+def ggsq_declared_length(read_at: Callable[[int, int], bytes], file_size: int) -> int | None:
+    """The length a ggsq file of ``file_size`` bytes says it has, from its headers alone; None if
+    they are not a snapshot's.
 
     ``read_at(offset, n)`` returns up to ``n`` bytes of the file at ``offset``.
     Reads the file header, the blob header and the first r and s tensor
     headers (every layer's rows of one kind have one size in a snapshot): four
     small reads, however large the file.  For a store that meets files it did
-    not write and must not read more than an entry can be.
+    not write and must not read more than an entry can be.  A layer filter
+    writes fewer sections than ``n_layer`` and the headers do not say how many:
+    a count (at most ``n_layer``) must fill ``file_size`` exactly with the s
+    header where that count puts it.
     """
     def unpack(layout: struct.Struct, offset: int) -> tuple[Any, ...] | None:
         data = read_at(offset, layout.size)
@@ -177,13 +184,23 @@ def ggsq_declared_length(read_at: Callable[[int, int], bytes]) -> int | None:
     tensors_at = data_at + DATA_HEADER.size
     if n_layer == 0:
         return int(tensors_at)
+    if file_size == tensors_at:   # a filter that keeps no layer
+        return int(tensors_at)
     r_header = unpack(TENSOR_HEADER, tensors_at)
     if r_header is None:
         return None
-    s_header = unpack(TENSOR_HEADER, tensors_at + n_layer * (TENSOR_HEADER.size + r_header[1]))
-    if s_header is None:
-        return None
-    return int(tensors_at + n_layer * (2 * TENSOR_HEADER.size + r_header[1] + s_header[1]))
+    # n sections of r and of s fill the file when (file_size - tensors_at) / n - 24 - r_bytes is the
+    # s row size the s header at n * (12 + r_bytes) records; n_layer (unfiltered) is tried first,
+    # and a count that does not divide the rest costs no read
+    rest = file_size - tensors_at
+    for n_state in range(n_layer, 0, -1):
+        s_bytes = rest // n_state - 2 * TENSOR_HEADER.size - r_header[1]
+        if rest % n_state or s_bytes < 0:
+            continue
+        s_header = unpack(TENSOR_HEADER, tensors_at + n_state * (TENSOR_HEADER.size + r_header[1]))
+        if s_header is not None and s_header[1] == s_bytes:
+            return int(file_size)
+    return None
 
 
 def entry_ggsq_length(key: str, entry: Any) -> int | None:
@@ -244,20 +261,21 @@ def decode_snapshot(entry: Any, key: str, geometry: Geometry, tokens: Any, *,
         return None
     offset = len(head)
     rows: list[np.ndarray] = []
-    dtypes = (geometry.type_r.numpy,) * geometry.n_layer + (geometry.type_s.numpy,) * geometry.n_layer
+    n_state = geometry.n_state_layers
+    dtypes = (geometry.type_r.numpy,) * n_state + (geometry.type_s.numpy,) * n_state
     for type_id, row_bytes, dtype in zip(geometry.type_ids, geometry.row_bytes, dtypes, strict=True):
         if TENSOR_HEADER.unpack_from(view, offset) != (type_id, row_bytes):
             return None
         offset += TENSOR_HEADER.size
         rows.append(np.frombuffer(view, dtype=np.uint8, count=row_bytes, offset=offset).view(dtype))
         offset += row_bytes
-    return rows[:geometry.n_layer], rows[geometry.n_layer:]
+    return rows[:n_state], rows[n_state:]
 
 
 # -- between a cache's rows and a snapshot -------------------------------------------
 
 def sequence_rows(cache: Any, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Copies of the rows holding sequence ``seq``'s state (one per layer), for ``encode_snapshot``.
+    """Copies of the rows holding sequence ``seq``'s state (one per layer with state), for ``encode_snapshot``.
 
     Reads the row of the sequence's cell (``src``: where its data lives; a
     cell that has none yet means zeros).  ``seq`` must hold a cell.

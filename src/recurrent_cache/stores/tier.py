@@ -1,4 +1,4 @@
-"""``StoreTier``: a store as the second tier of a ``PrefixCache`` (SPEC.md §8).
+"""``StoreTier``: a store as the second tier of a ``PrefixCache`` (docs/prefix-cache.md).
 
 ``rc.PrefixCache(cache, max_bytes, store=store, namespace=...)`` wraps
 ``store`` (a ``DirectoryStore``, a ``RedisStore``, or any object with the
