@@ -372,3 +372,28 @@ def test_a_caller_given_bare_framing_overrides_the_guess(rc):
         copy = rc.RecurrentCache(1, 2, 3, n_seq_max=4)
         assert copy.state_read(blob, -1, framing="bare") == len(blob)
         assert copy.state_write(-1) == blob
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrids_recordings_load_into_a_filtered_cache_and_write_back(rc, name):
+    """With the layer filter: every sequence blob and file of a hybrid loads (its KV section
+    skipped) and writes back, in llama.cpp's framing, as llama.cpp's PARTIAL_ONLY blob of that
+    sequence; the whole-context blob loads and writes back its own recurrent section."""
+    record = RECORDS[name]
+    shape = record["shape"]
+    cache = rc.RecurrentCache(shape["n_layer"], shape["n_embd_r"], shape["n_embd_s"],
+                              layers=shape["recurrent_layers"], n_seq_max=record["context"]["n_seq_max"])
+    partial = {item["seq_id"]: (DATA / item["file"]).read_bytes() for item in record["seq_blobs"] if item.get("flags")}
+    for item in record["seq_blobs"]:
+        if item.get("flags") or item["seq_id"] not in partial:
+            continue
+        cache.state_read((DATA / item["file"]).read_bytes(), item["seq_id"], kv_section=True)
+        assert cache.state_write(item["seq_id"], framing="llama") == partial[item["seq_id"]]
+    for item in record["seq_files"]:
+        tokens = load_seq_file(DATA / item["file"], cache, item["seq_id"], kv_section=True)
+        assert tokens.tolist() == item["tokens"]
+        assert cache.state_write(item["seq_id"], framing="llama") == partial[item["seq_id"]]
+    context = (DATA / record["context_blob"]["file"]).read_bytes()
+    cache.state_read(context, -1, arch=record["arch"], kv_section=True)
+    section_at = unframe(context, -1, kv_section=True).framing.section_offset
+    assert cache.state_write(-1) == context[section_at:]
