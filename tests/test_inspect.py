@@ -62,7 +62,7 @@ def test_sequence_file(cache, tmp_path, capsys):
     recurrent_cache.save_seq_file(path, cache, 3, list(range(20)))
     code, out, _ = run(capsys, path)
     assert code == 0
-    assert "sequence file ('ggsq' version 2)" in out
+    assert "sequence file ('ggsq' version 3)" in out
     assert "tokens: 20 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...]" in out
     assert "at byte 92, single-sequence" in out and "cells: 1" in out
 
@@ -80,7 +80,7 @@ def test_cell_list_is_cut_short_unless_asked(tmp_path, capsys):
 @pytest.mark.parametrize("content,message", [
     (b"", "truncated at byte 0 of 0"),
     (b"hello world, not a blob", "not a valid state blob"),
-    (struct.pack("<III", 0x67677371, 3, 0), "version 3"),
+    (struct.pack("<III", 0x67677371, 4, 0), "version 4 at byte 4, expected 3 or 2"),
     (struct.pack("<III", 0x67677371, 2, 5), "sequence file truncated"),
     (struct.pack("<IIII", 0, 1, 0, 0), "v_trans is 1"),
 ])

@@ -156,3 +156,37 @@ def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
     for name, result in results.items():
         assert result["accepted"] and result["within_tolerance"], (name, result.get("max_abs_diff"))
     assert ok
+
+
+def test_files_the_package_writes_load_in_llamacpp(rc, tmp_path):
+    """The package's own writers — ``state_write(framing="llama")`` for sequence and whole-context
+    blobs, ``save_seq_file`` (ggsq version 3) and ``save_session_file`` (ggsn version 10) — give
+    files llama.cpp loads and continues to its recorded logits, from states the package computed."""
+    _same_state_versions()
+    from recurrent_cache import save_seq_file, save_session_file
+    from recurrent_cache.models import load_gguf
+
+    record = RECORDS["mamba"]
+    model = load_gguf(ROOT / record["model_file"])
+    cache = model.new_cache(n_seq_max=record["context"]["n_seq_max"], engine=rc.ENGINE)
+    for op in record["ops"]:
+        if op["op"] == "seq_cp":
+            cache.seq_cp(op["src"], op["dst"], op["p0"], op["p1"])
+            continue
+        token, pos, seq, wants = zip(*op["tokens"])
+        batch = rc.Batch(token=list(token), pos=list(pos), seq_id=[[s] for s in seq], logits=[bool(w) for w in wants])
+        model.forward(cache.init_batch(batch, n_ubatch=record["context"]["n_ubatch"]))
+    out = tmp_path / "mamba"
+    out.mkdir()
+    for seq in record["sequences"]:
+        s = seq["seq_id"]
+        (out / f"seq{s}.blob").write_bytes(cache.state_write(s, framing="llama"))
+        save_seq_file(out / f"seq{s}.ggsq", cache, s, seq["tokens"])
+    (out / "context.blob").write_bytes(cache.state_write(-1, framing="llama", arch=record["arch"]))
+    save_session_file(out / "session.ggsn", cache, record["sequences"][0]["tokens"], record["arch"])
+    report, ok = recorder.check(tmp_path, DATA, tolerance=1e-3)
+    results = report["scenarios"]["mamba"]
+    assert len(results) == 2 * len(record["sequences"]) + 2
+    for name, result in results.items():
+        assert result["accepted"] and result["within_tolerance"], (name, result.get("max_abs_diff"))
+    assert ok

@@ -18,8 +18,8 @@ from recurrent_cache.errors import ArgumentError, SeqIdError, StateError
 MAGIC = 0x67677371
 
 
-def header(tokens):
-    return struct.pack("<III", MAGIC, 2, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+def header(tokens, version=3):
+    return struct.pack("<III", MAGIC, version, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
 
 
 def test_saved_file_is_header_tokens_and_sequence_blob(rc, tmp_path):
@@ -28,6 +28,8 @@ def test_saved_file_is_header_tokens_and_sequence_blob(rc, tmp_path):
     tokens = [5, -1, 2**31 - 1, 0]
     assert save_seq_file(path, cache, 3, np.array(tokens, dtype=np.int64)) == path.stat().st_size
     assert path.read_bytes() == header(tokens) + cache.state_write(3)
+    assert save_seq_file(path, cache, 3, tokens, version=2) == path.stat().st_size
+    assert path.read_bytes() == header(tokens, version=2) + cache.state_write(3)
 
 
 def test_load_restores_the_sequence_into_any_seq_id(rc, tmp_path):
@@ -65,7 +67,7 @@ def test_llamacpp_sequence_blob_in_a_file(rc, tmp_path):
     (lambda data: b"", "truncated: 0 bytes"),
     (lambda data: data[:11], "truncated: 11 bytes"),
     (lambda data: struct.pack("<I", 0x67676C61) + data[4:], "magic 0x67676c61 at byte 0"),
-    (lambda data: data[:4] + struct.pack("<I", 1) + data[8:], "version 1 at byte 4, expected 2"),
+    (lambda data: data[:4] + struct.pack("<I", 1) + data[8:], "version 1 at byte 4, expected 3 or 2"),
     (lambda data: data[:8] + struct.pack("<I", 2**32 - 1) + data[12:], "4294967295 tokens"),
     # one token fewer: the second token (2) is read as the blob's cell_count
     (lambda data: data[:8] + struct.pack("<I", 1) + data[12:], "at byte 16: sequence state blob has 2 cells"),

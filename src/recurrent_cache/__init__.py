@@ -20,7 +20,7 @@ from .errors import (ArgumentError, BatchError, ConfigError, CoreError, GGUFErro
                      StateError, UsageError)
 from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
 from .prefix_cache import PrefixCache
-from .seqfile import load_seq_file, save_seq_file
+from .seqfile import load_seq_file, load_session_file, save_seq_file, save_session_file
 from . import stores   # rc.stores.DirectoryStore / RedisStore (the redis client is imported when used)
 
 try:
@@ -43,5 +43,5 @@ __all__ = [
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError", "NoFreeCellError",
     "ModelError", "GGUFError", "SafetensorsError", "OutputError",
-    "get_include", "save_seq_file", "load_seq_file", "PrefixCache", "stores",
+    "get_include", "save_seq_file", "load_seq_file", "save_session_file", "load_session_file", "PrefixCache", "stores",
 ]

@@ -1,4 +1,4 @@
-"""``python -m recurrent_cache inspect FILE``: describe a state blob or a 'ggsq' sequence file.
+"""``python -m recurrent_cache inspect FILE``: describe a state blob or file in any framing.
 
 Needs no cache: the blob is parsed on its own, so any blob llama.cpp or this
 package wrote can be examined, whatever its shapes.  Prints the cells (pos,
@@ -24,12 +24,15 @@ import numpy as np
 
 from .errors import StateError
 from ._args import INT32_END
-from .state_format import GGML_TYPES, GGSQ, MAX_TOKENS, STATE_TYPES, BlobCell, check_cells, read_file
+from .state_format import (BARE, CONTEXT_BLOB, GGML_TYPES, GGSN, MAX_TOKENS, SEQ_BLOB, STATE_TYPES, BlobCell,
+                           check_cells, read_file)
 
 __all__ = ["describe", "describe_file"]
 
 _LIMIT = INT32_END - 1   # the constructor's largest size, n_layer and n_embd
 _BF16 = STATE_TYPES["bf16"].type_id   # stored as the upper half of a float32, widened by hand
+_FORMAT_NAMES = {BARE: "state blob", SEQ_BLOB: "state blob (llama_state_seq_get_data)",
+                 CONTEXT_BLOB: "state blob (llama_state_get_data)", GGSN.name: f"session file ({GGSN.name})"}
 
 
 class _TensorSummary:
@@ -126,22 +129,26 @@ class _Inspection:
         self.tensors[-1].feed(piece)
 
 
-def describe_file(file: Any, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = False) -> dict[str, Any]:
     """Everything ``inspect`` reports about the blob or sequence file at a binary file's position.
 
     Reads only what the headers claim (``state_format.read_file``) and keeps
     only the cells in memory; raises a ``RecurrentCacheError`` for anything no
     cache's ``state_read`` accepts, before reading the rows of a header that
-    no cache could hold.
+    no cache could hold.  ``kv_section``: a hybrid model's state, whose
+    attention KV section comes before the recurrent section.
     """
     inspection = _Inspection()
     try:
-        contents = read_file(file, "inspect", watch=inspection, rows=inspection.rows, max_tokens=max_tokens)
+        contents = read_file(file, "inspect", seq_id=None, watch=inspection, rows=inspection.rows,
+                             max_tokens=max_tokens, kv_section=kv_section)
     except StateError as exc:
         raise StateError(f"not a valid state blob or sequence file: {exc}") from None
-    blob = contents.blob
+    blob, framing = contents.blob, contents.framing
     return {
-        "format": "state blob" if contents.tokens is None else f"sequence file ({GGSQ.name})",
+        "format": _FORMAT_NAMES.get(framing.name, f"sequence file ({framing.name})"),
+        "framing": framing.name, "source_seq_id": framing.source_seq_id, "arch": framing.arch,
+        "kv_section": None if framing.kv_offset is None else [framing.kv_offset, contents.blob_offset],
         "tokens": None if contents.tokens is None else contents.tokens.tolist(),
         "blob_offset": contents.blob_offset, "blob_bytes": blob.n_bytes, "kind": blob.kind,
         "cell_count": blob.cell_count, "n_layer": blob.n_layer, "reads_into": inspection.fits,

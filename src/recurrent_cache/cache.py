@@ -21,9 +21,11 @@ from . import _args
 from ._args import as_flag, as_int, state_seq_id
 from ._config import Config
 from .batch import Batch
-from .errors import POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, engine_error
+from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
+                     engine_error)
 from .memory_state import MemoryState, MemoryStatus, ThreadGuard
-from .state_format import Geometry, blob_view, read_rest, target_view
+from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_too_small,
+                           target_view, unframe, write_all)
 
 __all__ = ["RecurrentCache"]
 
@@ -439,48 +441,78 @@ class RecurrentCache:
 
     # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 
-    def state_size(self, seq_id: int = -1) -> int:
-        """Length in bytes of ``state_write(seq_id)``."""
+    def state_size(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None) -> int:
+        """Length in bytes of ``state_write(seq_id, framing, arch)``."""
         seq_id = state_seq_id(seq_id, self.size, "state_size")
+        prefix = framing_prefix(framing, seq_id, arch)
         self._enter()
         try:
-            return self._core.state_size(seq_id)
+            return len(prefix) + self._core.state_size(seq_id)
         finally:
             self._leave()
 
-    def state_write(self, seq_id: int = -1) -> bytes:
+    def state_write(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None) -> bytes:
         """The state of the whole cache (``seq_id = -1``) or of one sequence, as llama.cpp writes it.
 
-        Raises ``SeqIdError`` for a ``seq_id`` outside ``[-1, size)`` (llama.cpp
-        would write an empty blob).
+        ``framing="bare"`` (the default) is the memory section alone, what
+        llama.cpp's recurrent memory writes; ``framing="llama"`` is what
+        current llama.cpp's context writes: ``llama_state_seq_get_data``'s
+        header (magic, ``seq_id``) before a sequence's section,
+        ``llama_state_get_data``'s architecture string ``arch`` (the model's,
+        e.g. ``"mamba"``) before the whole cache's.  Raises ``SeqIdError`` for a
+        ``seq_id`` outside ``[-1, size)`` (llama.cpp would write an empty blob).
         """
         seq_id = state_seq_id(seq_id, self.size, "state_write")
+        prefix = framing_prefix(framing, seq_id, arch)
         self._enter()
         try:
-            return self._core.state_write_bytes(seq_id)
+            section = self._core.state_write_bytes(seq_id)
         finally:
             self._leave()
+        return prefix + section if prefix else section
 
-    def state_write_into(self, target: object, seq_id: int = -1) -> int:
-        """Write ``state_write(seq_id)`` into ``target``; returns the bytes written.
+    def state_write_into(self, target: object, seq_id: int = -1, framing: str = "bare",
+                         arch: str | None = None) -> int:
+        """Write ``state_write(seq_id, framing, arch)`` into ``target``; returns the bytes written.
 
         ``target`` is a writable C-contiguous buffer (bytearray, memoryview,
-        numpy array, mmap) of at least ``state_size(seq_id)`` bytes, filled from
-        its start, or a binary file object, written at its position.  Rows go
-        from the state tensors to the target with no intermediate copy.
+        numpy array, mmap) of at least ``state_size(seq_id, framing, arch)``
+        bytes, filled from its start, or a binary file object, written at its
+        position.  Rows go from the state tensors to the target with no
+        intermediate copy.
         """
         seq_id = state_seq_id(seq_id, self.size, "state_write_into")
+        prefix = framing_prefix(framing, seq_id, arch)
         view = target_view(target)
         self._enter()
         try:
             if view is None:
-                return self._core.state_write_file(cast("IO[bytes]", target), seq_id)
-            return self._core.state_write_into(view, seq_id)
+                write_all(target, prefix)
+                return len(prefix) + self._core.state_write_file(cast("IO[bytes]", target), seq_id)
+            if not prefix:
+                return self._core.state_write_into(view, seq_id)
+            needed = len(prefix) + self._core.state_size(seq_id)
+            if len(view) < needed:
+                raise target_too_small(len(view), needed)
+            # the section first: the core refuses a target aliasing the cache before writing a byte
+            written = self._core.state_write_into(view[len(prefix):], seq_id)
         finally:
             self._leave()
+        view[:len(prefix)] = prefix
+        return len(prefix) + written
 
-    def state_read(self, data: object, seq_id: int = -1) -> int:
-        """Restore a blob of ``state_write`` (any bytes-like object); returns its length.
+    def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *,
+                   kv_section: bool = False, framing: str | None = None) -> int:
+        """Restore a state in any framing llama.cpp or this package writes; returns its length.
+
+        ``data`` (any bytes-like object) is a bare memory section, a
+        ``llama_state_seq_get_data`` blob, a ``llama_state_get_data`` blob
+        (its architecture name must be ``arch`` when given), or a 'ggsq' /
+        'ggsn' file's bytes (the tokens are not kept: see ``load_seq_file``);
+        the framing is found from the bytes.  ``kv_section=True``: the state is
+        a hybrid model's, whose memory begins with the attention KV section,
+        which is checked and skipped (the bytes cannot say so themselves).
+        ``framing="bare"`` skips the detection: ``data`` is a memory section.
 
         ``seq_id = -1`` replaces the whole cache; ``seq_id >= 0`` replaces that
         sequence with the blob's one cell (a 0-cell blob just removes it).  The
@@ -488,22 +520,39 @@ class RecurrentCache:
         byte offset leaves the cache, cells and rows, exactly as it was.
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
-        view = blob_view(data)
+        unframed = unframe(data, seq_id, arch, kv_section, bare=_bare_framing(framing))
+        self._read_section(unframed.section, seq_id, unframed.framing)
+        return unframed.framing.section_offset + len(unframed.section)
+
+    def _read_section(self, section: memoryview, seq_id: int, framing: Framing) -> None:
+        """Restore a bare memory section (the core's bytes) found in ``framing``."""
         self._enter()
         try:
-            n = self._core.state_read(view, seq_id)   # the blob carries no history: the core forgets it
+            self._core.state_read(section, seq_id)   # the blob carries no history: the core forgets it
+        except StateError as exc:
+            raise in_section(exc, framing) from None
         finally:
             self._leave()
-        return n
 
-    def state_read_from(self, file: object, seq_id: int = -1) -> int:
+    def state_read_from(self, file: object, seq_id: int = -1, arch: str | None = None, *,
+                        kv_section: bool = False) -> int:
         """``state_read`` of everything from a binary file's position to its end."""
         seq_id = state_seq_id(seq_id, self.size, "state_read_from")
         # bounded by this cache's state size, and checked as state_read checks the bytes
-        return self.state_read(read_rest(file, Geometry.of(self), seq_id), seq_id)
+        contents = read_file(file, "state_read_from", Geometry.of(self), seq_id, sequence_file=None, arch=arch,
+                             kv_section=kv_section)
+        self._read_section(blob_view(contents.data), seq_id, contents.framing)
+        return contents.blob_offset + len(contents.data)
 
     def __repr__(self) -> str:
         return (f"RecurrentCache(size={self.size}, used={self.used}, head={self.head}, "
                 f"n_layer={self.n_layer}, n_embd_r={self.n_embd_r}, n_embd_s={self.n_embd_s}, "
                 f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r}"
                 + (f", layers={self.layers!r})" if len(self.layers) != self.n_layer else ")"))
+
+
+def _bare_framing(framing: object) -> bool:
+    """Whether ``state_read``'s ``framing`` says "a bare section" (``None``: find out from the bytes)."""
+    if framing is None or framing == "bare":
+        return framing == "bare"
+    raise ArgumentError(f"state_read: unknown framing {framing!r} (None to detect it, or 'bare')")

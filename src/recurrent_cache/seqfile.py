@@ -1,8 +1,12 @@
-"""Sequence state files, as llama.cpp's ``llama_state_seq_save_file`` / ``_load_file`` write them.
+"""State files, as llama.cpp's ``llama_state_seq_save_file`` / ``llama_state_save_file`` write them.
 
-A file is ``state_format.GGSQ``'s header (``u32 magic 0x67677371 ('ggsq')``,
-``u32 version 2``, ``u32 n_token_count``), ``n_token_count x i32 token``,
-then the state blob of one sequence (docs/concepts.md §5), all little-endian.
+A sequence file is ``state_format.GGSQ``'s header (``u32 magic 'ggsq'``,
+``u32 version 3`` — 2 in June-2025 llama.cpp, the same bytes after it —,
+``u32 n_token_count``), ``n_token_count x i32 token``, then the memory section
+of one sequence (docs/concepts.md §5), all little-endian.  A session file (``GGSN``,
+'ggsn' version 10) has the same header, the tokens, then exactly what
+``llama_state_get_data`` writes: the architecture string and the whole cache's
+memory section.
 """
 
 from __future__ import annotations
@@ -16,32 +20,61 @@ import numpy as np
 
 from . import _args
 from .errors import ArgumentError, StateError
-from .state_format import GGSQ, MAX_TOKENS, Geometry, read_file, seq_file_header, write_all
+from .state_format import (GGSN, MAX_TOKENS, FileContents, Geometry, arch_string, read_file, seq_file_format,
+                           seq_file_header, write_all)
 
-__all__ = ["save_seq_file", "load_seq_file"]
+_Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
+__all__ = ["save_seq_file", "load_seq_file", "save_session_file", "load_session_file"]
 
 
-def save_seq_file(path: str | bytes | os.PathLike[str] | os.PathLike[bytes], cache: Any, seq_id: int,
-                  tokens: Any) -> int:
+def save_seq_file(path: _Path, cache: Any, seq_id: int, tokens: Any, *, version: int = 3) -> int:
     """Write sequence ``seq_id`` of ``cache`` and its ``tokens`` to ``path``; returns the file size.
 
-    The file is written under a temporary name in the same directory and
-    renamed over ``path`` only when complete, so ``path`` holds either its old
-    content or the whole new file, never part of one.
+    ``version`` 3 (the default) is what current llama.cpp reads; 2 is June-2025
+    llama.cpp's.  The file is written under a temporary name in the same
+    directory and renamed over ``path`` only when complete, so ``path`` holds
+    either its old content or the whole new file, never part of one.
     """
     path = _args.path(path, "save_seq_file: path")
+    framing = seq_file_format(version)
+    token_array = _file_tokens(tokens)
+    size = cache.state_size(seq_id)   # checks seq_id before a file is created
+    head = seq_file_header(token_array.shape[0], framing)
+    _write_atomically(path, (head, token_array), cache, seq_id)
+    return len(head) + 4 * int(token_array.shape[0]) + int(size)
+
+
+def save_session_file(path: _Path, cache: Any, tokens: Any, arch: str) -> int:
+    """Write the whole ``cache`` and ``tokens`` as llama.cpp's ``llama_state_save_file`` does
+    ('ggsn' version 10) for a model of architecture ``arch`` (e.g. "mamba"); returns the size."""
+    path = _args.path(path, "save_session_file: path")
+    token_array = _file_tokens(tokens)
+    name = arch_string(arch)
+    size = cache.state_size(-1)
+    head = seq_file_header(token_array.shape[0], GGSN)
+    _write_atomically(path, (head, token_array, name), cache, -1)
+    return len(head) + 4 * int(token_array.shape[0]) + len(name) + int(size)
+
+
+def _file_tokens(tokens: Any) -> np.ndarray:
     token_array = _args.tokens(tokens)
     if token_array.shape[0] >= 2**32:
         raise ArgumentError(f"{token_array.shape[0]} tokens do not fit a sequence file's u32 count")
-    size = cache.state_size(seq_id)   # checks seq_id before a file is created
+    return token_array
+
+
+def _write_atomically(path: str, head: tuple[Any, ...], cache: Any, seq_id: int) -> None:
+    """The ``head`` parts, then ``seq_id``'s memory section, written into a temporary file
+    renamed over ``path`` once complete and synced."""
     directory, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
     # os.open honours the umask (tempfile.mkstemp would leave the file 0600)
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(handle, "wb") as file:
-            write_all(file, seq_file_header(token_array.shape[0]))
-            write_all(file, token_array)
+            for part in head:
+                write_all(file, part)
             cache.state_write_into(file, seq_id)
             file.flush()
             os.fsync(file.fileno())
@@ -50,12 +83,12 @@ def save_seq_file(path: str | bytes | os.PathLike[str] | os.PathLike[bytes], cac
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
-    return GGSQ.header.size + 4 * int(token_array.shape[0]) + int(size)
 
 
-def load_seq_file(path: str | bytes | os.PathLike[str] | os.PathLike[bytes], cache: Any, seq_id: int, *,
-                  max_tokens: int = MAX_TOKENS) -> np.ndarray:
-    """Restore sequence ``seq_id`` of ``cache`` from a sequence file; returns its tokens (int32).
+def load_seq_file(path: _Path, cache: Any, seq_id: int, *, max_tokens: int = MAX_TOKENS,
+                  kv_section: bool = False) -> np.ndarray:
+    """Restore sequence ``seq_id`` of ``cache`` from a 'ggsq' file (version 3 or 2); returns
+    its tokens (int32).
 
     The whole file is checked before the cache changes: a ``StateError``
     (bad magic, version, token count or blob) leaves the cache as it was.
@@ -63,19 +96,37 @@ def load_seq_file(path: str | bytes | os.PathLike[str] | os.PathLike[bytes], cac
     ``max_tokens`` (llama.cpp's ``n_token_capacity``; default 2**26) and the
     blob no further than a sequence of this cache can be: a FIFO,
     ``/dev/zero`` or a huge file is rejected after a few bytes.
+    ``kv_section=True``: a hybrid model's file, whose attention KV section
+    (before the recurrent section) is checked and skipped.
     """
     path = _args.path(path, "load_seq_file: path")
     seq_id = _args.state_seq_id(seq_id, cache.size, "load_seq_file")
-    max_tokens = _args.count(max_tokens, "load_seq_file: max_tokens", 0, int32_only=False)
+    return _load(path, "load_seq_file", cache, seq_id, max_tokens, None, kv_section)
+
+
+def load_session_file(path: _Path, cache: Any, *, arch: str | None = None, max_tokens: int = MAX_TOKENS,
+                      kv_section: bool = False) -> np.ndarray:
+    """Restore the whole ``cache`` from a 'ggsn' session file (version 10); returns its tokens.
+
+    ``arch``, when given, must be the file's architecture name.  Checked as
+    ``load_seq_file`` checks: nothing changes unless the whole file is good.
+    """
+    path = _args.path(path, "load_session_file: path")
+    return _load(path, "load_session_file", cache, -1, max_tokens, arch, kv_section)
+
+
+def _load(path: str, op: str, cache: Any, seq_id: int, max_tokens: int, arch: str | None,
+          kv_section: bool) -> np.ndarray:
+    max_tokens = _args.count(max_tokens, f"{op}: max_tokens", 0, int32_only=False)
     with open(path, "rb") as file:
         try:
-            contents = read_file(file, path, Geometry.of(cache), seq_id, sequence_file=True,
-                                 max_tokens=max_tokens)
+            contents: FileContents = read_file(file, path, Geometry.of(cache), seq_id, sequence_file=True,
+                                               max_tokens=max_tokens, arch=arch, kv_section=kv_section)
         except StateError as exc:
             raise StateError(f"{path}: {exc}") from None
     try:
-        cache.state_read(contents.data, seq_id)
+        cache.state_read(contents.data, seq_id, framing="bare")
     except StateError as exc:   # checked above already: only a rule the parse does not know lands here
         raise StateError(f"{path}: the state blob at byte {contents.blob_offset}: {exc}") from None
-    assert contents.tokens is not None   # a sequence file always has them (sequence_file=True)
+    assert contents.tokens is not None   # a state file always has them (sequence_file=True)
     return contents.tokens

@@ -5,7 +5,13 @@ This module is the one source of the byte formats: the ggml type table
 ``CELL_COUNT``, ``CELL``, ``DATA_HEADER``, ``TENSOR_HEADER``), the sequence-file
 framing (``SeqFileFormat``: ``GGSQ``; another framing is one more instance),
 the cache ``Geometry`` every blob, sequence file, snapshot and store key is
-checked against, and the wording of every defect.  ``state_read``,
+checked against, and the wording of every defect.  The framings current
+llama.cpp puts around the memory section (docs/llamacpp_formats.md) are data
+here too: ``GGSQ`` (version 3) / ``GGSQ_V2`` / ``GGSN`` files,
+``SEQ_BLOB_HEADER`` (``llama_state_seq_get_data``), the architecture string
+(``llama_state_get_data``) and a hybrid's attention KV section; ``unframe`` /
+``read_file`` find them from the bytes and hand on the bare memory section, the
+only bytes the engines read.  ``state_read``,
 ``seqfile``, ``inspect``, the snapshot codec and the reference engine build
 and read their bytes from it; the compiled ``_state_io`` keeps its own loops,
 held to the same bytes by the tests.
@@ -49,7 +55,9 @@ __all__ = [
     "SeqFileFormat", "GGSQ", "MAX_TOKENS", "Geometry", "sequence_blob_header", "seq_file_header",
     "Blob", "BlobCell", "BlobTensor", "FileContents", "parse_blob", "parse_seq_file_header", "read_file",
     "blob_view", "target_view", "target_too_small", "target_aliases_cache", "read_rest", "write_all",
-    "check_cells",
+    "check_cells", "GGSQ_V2", "GGSN", "FILE_FORMATS", "BARE", "SEQ_BLOB", "CONTEXT_BLOB", "SEQ_BLOB_HEADER",
+    "SEQ_BLOB_MAGIC", "ARCH_LENGTH", "KV_STREAMS", "KV_DATA_HEADER", "KV_V_TRANS_HEADER", "seq_file_format",
+    "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section",
 ]
 
 
@@ -111,18 +119,48 @@ TENSOR_HEADER = Layout(("type", "i"), ("row_bytes", "Q"))
 
 @dataclass(frozen=True)
 class SeqFileFormat:
-    """One framing of a sequence file: ``header`` (starting with a magic and a version, ending
-    with the token count), the tokens as i32, then the state blob of one sequence."""
+    """One framing of a state file: ``header`` (a magic, a version, the token count), the
+    tokens as i32, then (``arch_string``) the architecture name, then the memory section:
+    of one sequence (``whole`` False) or of the whole cache."""
 
     name: str
     header: Layout
     magic: int
     version: int
+    whole: bool = False
+    arch_string: bool = False
 
 
-# llama.cpp's llama_state_seq_save_file: LLAMA_STATE_SEQ_MAGIC 'ggsq', LLAMA_STATE_SEQ_VERSION 2
-GGSQ = SeqFileFormat("'ggsq' version 2", Layout(("magic", "I"), ("version", "I"), ("n_token_count", "I")),
-                     0x67677371, 2)
+_FILE_HEADER = Layout(("magic", "I"), ("version", "I"), ("n_token_count", "I"))
+# llama.cpp's llama_state_seq_save_file: LLAMA_STATE_SEQ_MAGIC 'ggsq', LLAMA_STATE_SEQ_VERSION 3
+# (llama.cpp 0c1e57098); version 2 (June 2025) has the same bytes and is still read.
+GGSQ = SeqFileFormat("'ggsq' version 3", _FILE_HEADER, 0x67677371, 3)
+GGSQ_V2 = SeqFileFormat("'ggsq' version 2", _FILE_HEADER, 0x67677371, 2)
+# llama_state_save_file: LLAMA_SESSION_MAGIC 'ggsn', LLAMA_SESSION_VERSION 10: tokens, then
+# exactly a llama_state_get_data blob (the architecture string, the whole memory section).
+GGSN = SeqFileFormat("'ggsn' version 10", _FILE_HEADER, 0x6767736e, 10, whole=True, arch_string=True)
+FILE_FORMATS = (GGSQ, GGSQ_V2, GGSN)
+
+# The framings of a blob without tokens (``Framing.name``): the bare memory section (what this
+# package wrote before, and llama.cpp's memory itself writes), llama_state_seq_get_data's
+# (SEQ_BLOB_HEADER first) and llama_state_get_data's (the architecture string first).
+BARE = "bare"
+SEQ_BLOB = "llama sequence blob"
+CONTEXT_BLOB = "llama context blob"
+SEQ_BLOB_HEADER = Layout(("magic", "I"), ("seq_id", "i"))
+SEQ_BLOB_MAGIC = 0xaf143cd8
+ARCH_LENGTH = Layout(("arch_length", "I"))
+# Every recurrent or hybrid architecture name llama.cpp has is 4 to 64 of these characters.  Read
+# as a bare section, 4 of them make cell 0's pos at least 0x2d2d2d2d, which no sequence reaches:
+# that is what tells an architecture string from a bare section's cell count.
+MIN_ARCH, MAX_ARCH = 4, 64
+_ARCH_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+# llama.cpp's attention KV section (llama_kv_cache::state_write), before a hybrid's recurrent section.
+KV_STREAMS = Layout(("n_stream", "I"))
+KV_DATA_HEADER = Layout(("v_trans", "I"), ("n_layer", "I"))
+KV_V_TRANS_HEADER = Layout(("type", "i"), ("element_bytes", "I"), ("n_embd_v_gqa", "I"))
+
 
 # The most tokens a sequence file may hold unless the caller allows more (llama.cpp's
 # llama_state_seq_load_file takes the same bound as n_token_capacity): 2**26 tokens,
@@ -134,6 +172,47 @@ MAX_TOKENS = 2**26
 def seq_file_header(n_tokens: int, framing: SeqFileFormat = GGSQ) -> bytes:
     """The header of a sequence file of ``n_tokens`` tokens (the tokens follow it)."""
     return framing.header.pack(framing.magic, framing.version, n_tokens)
+
+
+def seq_file_format(version: Any) -> SeqFileFormat:
+    """The 'ggsq' framing of ``version`` (3, llama.cpp's current, or 2); ``ArgumentError`` else."""
+    for framing in (GGSQ, GGSQ_V2):
+        if version == framing.version and isinstance(version, int) and not isinstance(version, bool):
+            return framing
+    raise ArgumentError(f"unknown sequence file version {version!r} (expected 3 or 2)")
+
+
+def arch_string(arch: Any) -> bytes:
+    """llama_state_get_data's architecture string (u32 length + name); ``ArgumentError`` for a
+    name llama.cpp has no architecture for (4 to 64 lower-case letters, digits, '-', '_', '.')."""
+    if not isinstance(arch, str):
+        raise ArgumentError(f"arch must be an architecture name (str, e.g. 'mamba'), got {type(arch).__name__}")
+    name = arch.encode("ascii", "replace")
+    if not MIN_ARCH <= len(name) <= MAX_ARCH or not set(name) <= _ARCH_CHARS:
+        raise ArgumentError(f"arch {arch!r} is not an architecture name ({MIN_ARCH} to {MAX_ARCH} lower-case "
+                            f"letters, digits, '-', '_' or '.')")
+    return ARCH_LENGTH.pack(len(name)) + name
+
+
+def framing_prefix(framing: str, seq_id: int, arch: Any = None) -> bytes:
+    """The bytes before the memory section in ``framing`` ("bare" or "llama") of ``seq_id``'s
+    state: llama_state_seq_get_data's header for a sequence, llama_state_get_data's architecture
+    string ``arch`` for the whole cache (seq_id -1)."""
+    if framing == BARE:
+        if arch is not None:
+            raise ArgumentError("arch is written only with framing='llama' (the bare section has no name)")
+        return b""
+    if framing != "llama":
+        raise ArgumentError(f"unknown framing {framing!r} (expected 'bare' or 'llama')")
+    if seq_id >= 0:
+        if arch is not None:
+            raise ArgumentError("arch is written only for the whole cache (seq_id -1): "
+                                "llama_state_seq_get_data's header has no name")
+        return SEQ_BLOB_HEADER.pack(SEQ_BLOB_MAGIC, seq_id)
+    if arch is None:
+        raise ArgumentError("framing='llama' of the whole cache needs arch= (llama_state_get_data "
+                            "begins with the model's architecture name, e.g. 'mamba')")
+    return arch_string(arch)
 
 
 def sequence_blob_header(pos: int, n_layer: int) -> bytes:
@@ -840,9 +919,11 @@ class _FileReader:
         at = self.offset
         if self.length is not None and self.length - at < n:
             raise truncated(field, at, n, self.length)
-        if self.rows is None and self.kept is None and len(self.pending) <= n:
-            self.file.seek(n - len(self.pending), io.SEEK_CUR)
-            self.pending = b""
+        if self.rows is None and self.kept is None:
+            served = min(n, len(self.pending))   # bytes a peek read ahead, then the rest by seeking
+            self.pending = self.pending[served:]
+            if n > served:
+                self.file.seek(n - served, io.SEEK_CUR)
         else:
             got = 0
             for piece in self._pieces(n):
@@ -907,19 +988,23 @@ def read_rest(file: Any, cache: Geometry | None = None, seq_id: int = -1) -> byt
     return data
 
 
-def _seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS, framing: SeqFileFormat = GGSQ) -> np.ndarray:
-    """The tokens of a sequence file's header (``framing``); leaves the reader at the state blob."""
-    header = framing.header
+def _seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.ndarray, SeqFileFormat]:
+    """The tokens and framing of a state file's header (one of ``FILE_FORMATS``); leaves the
+    reader after the tokens."""
+    header = _FILE_HEADER
     head = reader.take(header.size, lambda at, n, length: StateError(
         f"sequence file truncated: {length} bytes, the header needs {header.size}"))
     fields = dict(zip(header.names, header.unpack(head), strict=True))
     magic, version, n_tokens = fields["magic"], fields["version"], fields["n_token_count"]
-    if magic != framing.magic:
+    same_magic = [framing for framing in FILE_FORMATS if framing.magic == magic]
+    if not same_magic:
         raise StateError(f"not a sequence file: magic 0x{magic:08x} at byte {header.offset('magic')}, "
-                         f"expected 0x{framing.magic:08x} ({framing.magic.to_bytes(4, 'big').decode()!r})")
-    if version != framing.version:
-        raise StateError(f"sequence file version {version} at byte {header.offset('version')}, "
-                         f"expected {framing.version}")
+                         f"expected 0x{GGSQ.magic:08x} ('ggsq') or 0x{GGSN.magic:08x} ('ggsn')")
+    framing = next((framing for framing in same_magic if framing.version == version), None)
+    if framing is None:
+        kind = "sequence file" if magic == GGSQ.magic else "session file"
+        raise StateError(f"{kind} version {version} at byte {header.offset('version')}, "
+                         f"expected {' or '.join(str(framing.version) for framing in same_magic)}")
     count_at = header.offset("n_token_count")
     if n_tokens > max_tokens:
         raise StateError(f"sequence file has {n_tokens} tokens (count at byte {count_at}), more than "
@@ -927,60 +1012,200 @@ def _seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS, framing: SeqFile
     tokens = reader.take(4 * n_tokens, lambda at, n, length: StateError(
         f"sequence file truncated: {n_tokens} tokens (count at byte {count_at}) need {n} bytes, "
         f"{length - at} left"))
-    return np.frombuffer(tokens, dtype="<i4").astype(np.int32)
+    return np.frombuffer(tokens, dtype="<i4").astype(np.int32), framing
 
 
-def _starts_with_magic(head: bytes, framing: SeqFileFormat = GGSQ) -> bool:
-    """Whether a file's first bytes are ``framing``'s magic (its first field, a u32)."""
-    return head[:4] == framing.magic.to_bytes(4, "little")
+def _file_magic(head: bytes) -> bool:
+    """Whether a file's first bytes are a state file's magic (its first field, a u32)."""
+    return len(head) == 4 and any(head == framing.magic.to_bytes(4, "little") for framing in FILE_FORMATS)
 
 
 def parse_seq_file_header(data: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.ndarray, int]:
     """The tokens of a 'ggsq' sequence file in memory and the offset where its state blob starts."""
     reader = _Reader(blob_view(data))
-    tokens = _seq_file_header(reader, max_tokens)
+    tokens, _ = _seq_file_header(reader, max_tokens)
     return tokens, reader.offset
+
+
+def _arch_name(head: bytes) -> str | None:
+    """The architecture name when ``head`` begins with an architecture string, else None."""
+    if len(head) < ARCH_LENGTH.size:
+        return None
+    (length,) = ARCH_LENGTH.unpack_from(head)
+    name = head[ARCH_LENGTH.size:ARCH_LENGTH.size + length]
+    if not MIN_ARCH <= length <= MAX_ARCH or len(name) != length or not set(name) <= _ARCH_CHARS:
+        return None
+    return name.decode("ascii")
+
+
+def _read_arch(reader: Any, arch: str | None) -> str:
+    """The architecture string at the cursor (it must be one), checked against ``arch``."""
+    at = reader.offset
+    name = _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH))
+    if name is None:
+        (length,), _ = reader.unpack(ARCH_LENGTH, "architecture string length")
+        raise StateError(f"the architecture string at byte {at} is not a name (length {length}, "
+                         f"expected {MIN_ARCH} to {MAX_ARCH} lower-case letters, digits, '-', '_', '.')")
+    if arch is not None and name != arch:
+        raise StateError(f"state is for architecture {name!r} (string at byte {at}), "
+                         f"the caller's model is {arch!r}")
+    reader.take(ARCH_LENGTH.size + len(name), _truncation("architecture string"))
+    return name
+
+
+@dataclass(frozen=True)
+class Framing:
+    """What came before the memory section: the framing's name (``BARE``, ``SEQ_BLOB``,
+    ``CONTEXT_BLOB`` or a ``SeqFileFormat``'s name), the tokens of a file, the source seq id of
+    a llama sequence blob, the architecture name, and the attention KV section's span."""
+
+    name: str
+    tokens: np.ndarray | None = None
+    source_seq_id: int | None = None
+    arch: str | None = None
+    kv_offset: int | None = None        # where a hybrid's KV section starts (None: not read)
+    section_offset: int = 0             # where the recurrent memory section starts
+
+    @property
+    def whole(self) -> bool | None:
+        """True when the framing holds the whole cache, False one sequence, None: the bytes say neither."""
+        if self.name in (SEQ_BLOB, GGSQ.name, GGSQ_V2.name):
+            return False
+        if self.name in (CONTEXT_BLOB, GGSN.name):
+            return True
+        return None
+
+
+def _read_framing(reader: Any, seq_id: int | None, arch: str | None, kv_section: bool,
+                  max_tokens: int = MAX_TOKENS, sequence_file: bool | None = None) -> Framing:
+    """Read every framing field up to the recurrent memory section (see ``Framing``).
+
+    ``seq_id`` None: any framing (``inspect``); -1: one of the whole cache; >= 0: one of a
+    sequence.  ``sequence_file`` True: a state file is required, False: a blob, None: either.
+    """
+    tokens, source, name = None, None, None
+    head = reader.peek(4)
+    if sequence_file or (sequence_file is None and _file_magic(head)):
+        tokens, file_format = _seq_file_header(reader, max_tokens)
+        framing = file_format.name
+        if file_format.arch_string:
+            name = _read_arch(reader, arch)
+    elif len(head) == 4 and struct.unpack("<I", head)[0] == SEQ_BLOB_MAGIC:
+        (_, source), _ = reader.unpack(SEQ_BLOB_HEADER, "sequence blob header (magic and seq id)")
+        framing = SEQ_BLOB
+    elif _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH)) is not None:
+        name = _read_arch(reader, arch)
+        framing = CONTEXT_BLOB
+    else:
+        framing = BARE
+    result = Framing(framing, tokens, source, name)
+    if seq_id is not None and result.whole is not None and result.whole != (seq_id < 0):
+        raise StateError(f"a {framing} holds " + ("the whole cache: read it with seq_id -1" if result.whole else
+                                                   "one sequence: read it with a seq_id >= 0, not -1"))
+    kv_at = None
+    if kv_section:
+        kv_at = reader.offset
+        _skip_kv_section(reader, seq_id)
+    return Framing(framing, tokens, source, name, kv_at, reader.offset)
+
+
+def _skip_kv_section(reader: Any, seq_id: int | None) -> None:
+    """Step over llama.cpp's attention KV section (docs/llamacpp_formats.md), checking that it
+    is whole and, for a sequence (``seq_id >= 0``), that every cell lists exactly one seq id."""
+    (n_stream,), _ = reader.unpack(KV_STREAMS, "KV section n_stream")
+    for stream in range(n_stream):
+        where = f"KV section stream {stream}"
+        (cell_count,), _ = reader.unpack(CELL_COUNT, f"{where} cell_count")
+        if cell_count == 0:
+            continue
+        for i in range(cell_count):
+            (_, n_seq_id), at = reader.unpack(CELL, f"{where} cell {i} pos and n_seq_id")
+            if seq_id is not None and seq_id >= 0 and n_seq_id != 1:
+                raise StateError(f"{where} cell {i} has n_seq_id {n_seq_id} at byte {at + 4} "
+                                 f"(a sequence's KV cell lists one seq id)")
+            reader.ids(n_seq_id, f"{where} cell {i} seq ids")
+        (v_trans, n_layer), at = reader.unpack(KV_DATA_HEADER, f"{where} v_trans and n_layer")
+        if v_trans not in (0, 1):
+            raise StateError(f"{where} v_trans is {v_trans} at byte {at}, expected 0 or 1")
+        for il in range(n_layer):
+            (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} K type and row size")
+            reader.skip(cell_count * row_bytes, f"{where} layer {il} K rows")
+        for il in range(n_layer):
+            if v_trans:
+                (_, element_bytes, n_embd), _ = reader.unpack(
+                    KV_V_TRANS_HEADER, f"{where} layer {il} V type, element size and width")
+                reader.skip(n_embd * cell_count * element_bytes, f"{where} layer {il} V rows")
+            else:
+                (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} V type and row size")
+                reader.skip(cell_count * row_bytes, f"{where} layer {il} V rows")
+
+
+@dataclass(frozen=True)
+class Unframed:
+    """A blob or file in memory split at its memory section: ``framing`` and ``section``
+    (a zero-copy view of the recurrent memory section)."""
+
+    framing: Framing
+    section: memoryview
+
+
+def unframe(data: Any, seq_id: int | None = None, arch: str | None = None, kv_section: bool = False,
+            max_tokens: int = MAX_TOKENS, bare: bool = False) -> Unframed:
+    """Find the framing of ``data`` (any of them, see ``Framing``) without being told which;
+    ``StateError`` naming the field and byte offset of a damaged header.  ``kv_section``: the
+    state is a hybrid model's, whose memory begins with an attention KV section (skipped).
+    ``bare``: the caller knows ``data`` is a memory section; nothing is detected."""
+    reader = _Reader(blob_view(data))
+    if bare:
+        return Unframed(Framing(BARE), reader.data)
+    framing = _read_framing(reader, seq_id, arch, kv_section, max_tokens)
+    return Unframed(framing, reader.data[reader.offset:])
+
+
+def in_section(exc: StateError, framing: Framing) -> StateError:
+    """A defect of the memory section, placed in the framed bytes."""
+    if not framing.section_offset:
+        return exc
+    return StateError(f"the state blob at byte {framing.section_offset}: {exc}")
 
 
 @dataclass(frozen=True)
 class FileContents:
-    """A state blob or a 'ggsq' sequence file, read and checked."""
+    """A state blob or file, read and checked."""
 
-    tokens: np.ndarray | None    # a sequence file's tokens (int32); None for a bare blob
-    blob_offset: int             # where the blob starts in the file
+    tokens: np.ndarray | None    # a state file's tokens (int32); None for a blob
+    blob_offset: int             # where the recurrent memory section starts in the file
     blob: Blob
-    data: Any                    # the blob's bytes (bytes-like); None when read with ``rows``
+    data: Any                    # the section's bytes (bytes-like); None when read with ``rows``
+    framing: Framing
 
 
-def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int = -1,
+def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | None = -1,
               sequence_file: bool | None = None, watch: Any = None, rows: Any = None,
-              max_tokens: int = MAX_TOKENS) -> FileContents:
-    """Read a blob (``sequence_file=False``), a 'ggsq' file (True) or either (None: by its magic)
-    from a binary file's position to its end, with every check of ``parse_blob``.
+              max_tokens: int = MAX_TOKENS, arch: str | None = None, kv_section: bool = False) -> FileContents:
+    """Read a blob (``sequence_file=False``), a state file (True) or either (None: by its magic)
+    in any framing (``_read_framing``) from a binary file's position to its end, with every
+    check of ``parse_blob`` on its memory section.
 
     Only what the headers claim is read, and one byte more to prove the file
     ends there: ``/dev/zero``, an endless FIFO or a huge file with a short
     header are rejected after a few bytes.  With ``cache`` the claims are
     checked against the cache on the way (a sequence blob of one cell, the
     cache's row sizes), so no more than the cache's own state is ever read.
-    A defect of the blob of a sequence file is reported at its offset in the file;
-    a sequence file with more than ``max_tokens`` tokens is refused at its header.
-    ``watch`` and ``rows`` are for ``inspect``: ``watch`` sees the headers
-    before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
+    A defect of the memory section is reported at its offset in the file;
+    a state file with more than ``max_tokens`` tokens is refused at its header.
+    ``watch`` and ``rows`` are for ``inspect`` (``seq_id`` None: any framing): ``watch`` sees
+    the headers before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
     read, which are then not kept (``data`` is None).
     """
     _check_file(file, op, "read", "reading")
     reader = _FileReader(file, op, rows)
-    tokens = None
-    if sequence_file or (sequence_file is None and _starts_with_magic(reader.peek(4))):
-        tokens = _seq_file_header(reader, max_tokens)
+    framing = _read_framing(reader, seq_id, arch, kv_section, max_tokens, sequence_file)
     blob_offset = reader.offset
     reader.rebase()
     try:
-        blob = _parse(reader, cache, seq_id, watch)
+        blob = _parse(reader, cache, -1 if seq_id is None else seq_id, watch)
         data = reader.finish()
     except StateError as exc:
-        if tokens is None:
-            raise
-        raise StateError(f"the state blob at byte {blob_offset}: {exc}") from None
-    return FileContents(tokens, blob_offset, blob, data)
+        raise in_section(exc, framing) from None
+    return FileContents(framing.tokens, blob_offset, blob, data, framing)

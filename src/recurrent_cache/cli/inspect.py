@@ -1,4 +1,4 @@
-"""``python -m recurrent_cache inspect FILE``: describe a state blob or a 'ggsq' sequence file.
+"""``python -m recurrent_cache inspect FILE``: describe a state blob or file in any framing.
 
 The parsing is ``blob_report.describe_file``'s; this module is the command:
 its options, the report as text or JSON, and the one-line errors.
@@ -34,6 +34,13 @@ def _number(value: float | None) -> str:
 def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
     """``describe_file``'s report as text, at most ``max_cells`` cells listed (0: all)."""
     print(f"{path}: {report['format']}")
+    if report["arch"] is not None:
+        print(f"architecture: {report['arch']}")
+    if report["source_seq_id"] is not None:
+        print(f"written from seq id: {report['source_seq_id']}")
+    if report["kv_section"] is not None:
+        start, end = report["kv_section"]
+        print(f"attention KV section: {end - start} bytes at byte {start} (skipped)")
     if report["tokens"] is not None:
         tokens = report["tokens"]
         shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
@@ -69,12 +76,15 @@ def _fits(fits: dict[str, Any]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options, checked: a bad value exits with one line."""
     parser = OneLineParser(prog="python -m recurrent_cache inspect",
-                           description="Describe a state blob (state_write) or a 'ggsq' sequence file "
-                                       "(llama_state_seq_save_file); exit status 1 unless a cache's "
-                                       "state_read accepts it.",
+                           description="Describe a state blob (state_write, llama_state_seq_get_data, "
+                                       "llama_state_get_data) or a 'ggsq' / 'ggsn' file "
+                                       "(llama_state_seq_save_file, llama_state_save_file); exit status 1 "
+                                       "unless a cache's state_read accepts it.",
                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="the blob or sequence file")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
+    parser.add_argument("--kv-section", action="store_true",
+                        help="a hybrid model's state: an attention KV section precedes the recurrent one")
     parser.add_argument("--max-cells", type=int_in(0, 2**63 - 1), default=32, metavar="N",
                         help="list at most N cells (default 32; 0 lists all)")
     parser.add_argument("--max-tokens", type=int_in(0, 2**63 - 1), default=MAX_TOKENS, metavar="N",
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with open(options.file, "rb") as file:
-            report = describe_file(file, options.max_tokens)
+            report = describe_file(file, options.max_tokens, options.kv_section)
     except RecurrentCacheError as exc:   # before ValueError: StateError and ArgumentError are ValueErrors
         print(f"inspect: {options.file}: {exc}", file=sys.stderr)
         return 1

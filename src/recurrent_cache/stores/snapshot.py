@@ -1,8 +1,9 @@
 """Snapshot entries: the bytes a store keeps for one sequence state, and their keys.
 
 An *entry* is a 'ggsq' sequence file (docs/concepts.md §5: what llama.cpp's
-``llama_state_seq_save_file`` writes — magic, version 2, the prefix's tokens,
-the one-cell state blob) followed by a 32-byte *trailer*::
+``llama_state_seq_save_file`` writes — magic, version 3, the prefix's tokens,
+the one-cell state blob; entries of version 2, written before llama.cpp moved
+to 3, are still read) followed by a 32-byte *trailer*::
 
     ggsq file                       n bytes
     trailer:  b"rcS1"               4 bytes   trailer magic and version
@@ -34,8 +35,8 @@ import numpy as np
 
 from .. import _args
 from ..errors import ArgumentError
-from ..state_format import (CELL, CELL_COUNT, DATA_HEADER, GGSQ, TENSOR_HEADER, Geometry, seq_file_header,
-                            sequence_blob_header)
+from ..state_format import (CELL, CELL_COUNT, DATA_HEADER, GGSQ, GGSQ_V2, TENSOR_HEADER, Geometry, SeqFileFormat,
+                            seq_file_header, sequence_blob_header)
 
 __all__ = ["Geometry", "snapshot_key", "encode_snapshot", "decode_snapshot", "check_entry",
            "sequence_rows", "restore_rows", "prefix_keys", "ggsq_declared_length",
@@ -97,11 +98,13 @@ def _ggsq_length(n_tokens: int, geometry: Geometry) -> int:
     return GGSQ.header.size + 4 * n_tokens + geometry.sequence_blob_size()
 
 
-def _ggsq_head(token_array: np.ndarray, geometry: Geometry) -> bytes:
-    """The bytes of a snapshot's ggsq file before its first tensor header: the file's header,
-    the tokens, the one-cell blob's cell and layer count (its pos is the last token's)."""
+def _ggsq_head(token_array: np.ndarray, geometry: Geometry, framing: SeqFileFormat = GGSQ) -> bytes:
+    """The bytes of a snapshot's ggsq file before its first tensor header: the file's header
+    (``framing``: version 3, or 2 for an entry written before), the tokens, the one-cell blob's
+    cell and layer count (its pos is the last token's)."""
     n_tokens = token_array.size
-    return seq_file_header(n_tokens) + token_array.tobytes() + sequence_blob_header(n_tokens - 1, geometry.n_layer)
+    return (seq_file_header(n_tokens, framing) + token_array.tobytes()
+            + sequence_blob_header(n_tokens - 1, geometry.n_layer))
 
 
 def key_digest(key: str) -> bytes:
@@ -166,7 +169,7 @@ def ggsq_declared_length(read_at: Callable[[int, int], bytes], file_size: int) -
         return layout.unpack(data) if len(data) == layout.size else None
 
     file_header = unpack(GGSQ.header, 0)
-    if file_header is None or file_header[:2] != (GGSQ.magic, GGSQ.version):
+    if file_header is None or file_header[:2] not in ((GGSQ.magic, GGSQ.version), (GGSQ_V2.magic, GGSQ_V2.version)):
         return None
     blob_at = GGSQ.header.size + 4 * file_header[2]
     # a snapshot's blob: one cell (pos, no seq ids), then v_trans and n_layer
@@ -254,7 +257,7 @@ def decode_snapshot(entry: Any, key: str, geometry: Geometry, tokens: Any, *,
     head = _ggsq_head(token_array, geometry)
     if len(view) - TRAILER_SIZE != _ggsq_length(n_tokens, geometry):
         return None
-    if view[:len(head)] != head:
+    if view[:len(head)] != head and view[:len(head)] != _ggsq_head(token_array, geometry, GGSQ_V2):
         return None
     offset = len(head)
     rows: list[np.ndarray] = []
