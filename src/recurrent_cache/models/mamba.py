@@ -33,8 +33,8 @@ import numpy as np
 from .. import _args
 from ..errors import ModelError
 from ._storage import StateStorage
-from .recurrent import (RecurrentModel, ReferenceRun, StepStates, causal_conv, checked_tensor,
-                        conv_steps, conv_window, rms_norm, softplus, silu)
+from .recurrent import (RecurrentModel, ReferenceRun, StepStates, causal_conv, checked_layers, conv_steps, conv_window,
+                        rms_norm, softplus, silu)
 from .vocab import Vocabulary
 
 __all__ = ["ARCH", "LAYER_TENSORS", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
@@ -149,14 +149,8 @@ class MambaModel(RecurrentModel):
                  output_norm: Any, output: Any = None, dtype: Any = np.float64,
                  vocab: Vocabulary | None = None) -> None:
         super().__init__(hparams, token_embd, output_norm, output, dtype, vocab)
-        p = hparams
-        if len(layers) != p.n_layer:
-            raise ModelError(f"{len(layers)} layers for a model of n_layer = {p.n_layer}")
-        shapes = layer_shapes(p)
-        self.layers = [
-            MambaLayer(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", self.dtype)
-                          for name, tensor in LAYER_TENSORS.items()})
-            for il, layer in enumerate(layers)]
+        self.layers = checked_layers(layers, hparams.n_layer, MambaLayer, LAYER_TENSORS, layer_shapes(hparams),
+                                     self.dtype)
 
     def mixer(self, layer: MambaLayer, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
               storage_r: StateStorage, storage_s: StateStorage, m: int = 0,

@@ -34,7 +34,7 @@ import numpy as np
 
 from ._storage import StateStorage
 from ..errors import ModelError
-from .recurrent import (RecurrentModel, StepStates, causal_conv, checked_tensor, conv_steps,
+from .recurrent import (RecurrentModel, StepStates, causal_conv, checked_layers, conv_steps,
                         conv_window, rms_norm, silu, softplus)
 from .vocab import Vocabulary
 
@@ -172,14 +172,8 @@ class Mamba2Model(RecurrentModel):
                  output_norm: Any, output: Any = None, dtype: Any = np.float64,
                  vocab: Vocabulary | None = None) -> None:
         super().__init__(hparams, token_embd, output_norm, output, dtype, vocab)
-        p = hparams
-        if len(layers) != p.n_layer:
-            raise ModelError(f"{len(layers)} layers for a model of n_layer = {p.n_layer}")
-        shapes = layer_shapes(p)
-        self.layers = [
-            Mamba2Layer(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", self.dtype)
-                           for name, tensor in LAYER_TENSORS.items()})
-            for il, layer in enumerate(layers)]
+        self.layers = checked_layers(layers, hparams.n_layer, Mamba2Layer, LAYER_TENSORS, layer_shapes(hparams),
+                                     self.dtype)
 
     def mixer(self, layer: Mamba2Layer, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
               storage_r: StateStorage, storage_s: StateStorage, m: int = 0,

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from .vocab import Vocabulary
 if TYPE_CHECKING:
     from ..cache import RecurrentCache
 
-__all__ = ["ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "checked_tensor",
+__all__ = ["ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "checked_layers", "checked_tensor",
            "rms_norm", "silu", "softplus"]
 
 
@@ -66,6 +67,20 @@ class ModelShape(Protocol):
     @property
     def n_embd_s(self) -> int: ...
     def describe(self) -> str: ...
+
+
+Layer = TypeVar("Layer")
+
+
+def checked_layers(layers: Sequence[Any], n_layer: int, make: Callable[..., Layer], tensors: dict[str, str],
+                   shapes: dict[str, tuple[int, ...]], dtype: np.dtype[Any]) -> list[Layer]:
+    """``n_layer`` layers built by ``make`` from ``layers``' weights (attribute -> GGUF tensor name in
+    ``tensors``), each checked by ``checked_tensor`` as ``blk.{il}.{tensor}``; ``ModelError`` otherwise."""
+    if len(layers) != n_layer:
+        raise ModelError(f"{len(layers)} layers for a model of n_layer = {n_layer}")
+    return [make(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", dtype)
+                    for name, tensor in tensors.items()})
+            for il, layer in enumerate(layers)]
 
 
 def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype[Any] | type) -> np.ndarray:
