@@ -294,3 +294,17 @@ def test_tokenizer_json_gives_the_vocabulary(tmp_path, capsys):
     capsys.readouterr()
     assert command_line(["generate", "--model", str(tmp_path), "-n", "5", "--temperature", "0", "def f(x"]) == 0
     assert "def f(x" in capsys.readouterr().out
+
+    # the demo serves clients from the checkpoint directory and checks each against its solo run
+    assert command_line(["demo", "--model", str(tmp_path), "--clients", "3", "--parallel", "2",
+                         "--n-predict", "4", "--quiet"]) == 0
+    assert "verification     PASSED: 3 of 3 clients" in capsys.readouterr().out
+
+
+def test_the_demo_serves_a_mamba2_checkpoint_directory(tmp_path, capsys):
+    """``demo --model DIR`` on a Mamba-2 checkpoint (token ids only: no tokenizer.json)."""
+    build_checkpoint(tmp_path, "mamba2", dict(vocab_size=256, n_groups=2, num_heads=8, head_dim=8), "f32", None)
+    assert command_line(["demo", "--model", str(tmp_path), "--clients", "3", "--parallel", "2",
+                         "--n-predict", "4", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "Mamba-2" in out and "verification     PASSED: 3 of 3 clients" in out
