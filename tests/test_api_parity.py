@@ -8,6 +8,9 @@ the C API call: ``_engines.Core`` (the memory core) and ``_engines.Placement``.
 import inspect
 
 import numpy as np
+
+from recurrent_cache.state_format import STATE_TYPES
+from recurrent_cache.storage import NumpyStorage
 import pytest
 
 import recurrent_cache
@@ -19,8 +22,9 @@ def protocol_members(protocol: type) -> set[str]:
 
 
 def engine_objects(name):
-    tensors = [np.zeros((4, 2), np.float32), np.zeros((4, 3), np.float32)]
-    core, split = _engines.load(name).build(4, tensors, 2, [0, 0], 1, (0,))
+    f32 = STATE_TYPES["f32"]
+    kinds = (np.zeros((1, 4, 2), np.float32), np.zeros((1, 4, 3), np.float32))
+    core, split = _engines.load(name).build(4, NumpyStorage(), kinds, (f32, f32), 2, [0, 0], 1, (0,))
     batch = recurrent_cache.Batch(token=[1, 2], seq_id=[0, 1], pos=[0, 0])
     placement = split(batch.seq_id_flat, batch.seq_id_offset, batch.pos, None, False, 512, False)
     return {_engines.Core: core, _engines.Placement: placement}

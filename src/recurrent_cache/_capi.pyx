@@ -93,6 +93,9 @@ cdef Context context_for(object cache):
     if not isinstance(core, MemoryCore):
         raise errors.ArgumentError("the C API needs the compiled engine; this cache runs on the "
                                    f"{cache.engine} engine")
+    if not core.host_rows:
+        raise errors.ConfigError(f"the C API reads and writes state rows in host memory; this cache's "
+                                 f"storage is {core.storage!r}: use storage='numpy' or torch on 'cpu'")
     context = Context.__new__(Context)
     context.core = core
     context.cache = cache

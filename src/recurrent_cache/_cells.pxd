@@ -13,6 +13,7 @@ bitset scanned a 64-bit word at a time.  Writes go through ``set32`` /
 O(changes) instead of copying every cell.
 """
 
+from ._moves cimport RowLog
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef enum:
@@ -120,6 +121,7 @@ cdef struct History:
     Py_ssize_t* row_bytes       # [n_tensors]
     char** hist_data            # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
     int32_t* tags               # [size * n_rollback]
+    RowLog* log                 # NULL: move the bytes above; else record the moves (a device storage's)
 
 # the history rows follow a copy plan (a zeroed row has none)
 cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int32_t* copy_src,

@@ -14,6 +14,8 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 
+from ._moves cimport SPACE_CELLS, SPACE_HIST, SPACE_STEPS, log_copy, log_copy_plan
+
 cdef extern from "rc_bits.h":
     int rc_ctz64(uint64_t x) noexcept nogil
 
@@ -518,7 +520,9 @@ cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int
     cdef int code
     if not h.n_rollback:
         return RC_OK
-    for k in range(h.n_tensors):
+    if h.log != NULL:
+        log_copy_plan(h.log, SPACE_HIST, h.n_rollback, head, n, copy_src, zero)
+    for k in range(h.n_tensors if h.log == NULL else 0):
         row = h.n_rollback * h.row_bytes[k]
         code = rows_apply_plan(h.hist_data[k], row, row, head, n, copy_src, zero)
         if code != RC_OK:
@@ -539,7 +543,9 @@ cdef void history_keep_start_states(const History* h, int32_t head, int32_t n_se
         if zero[g] or q < 0 or q < last_pos[g] - h.n_rollback:
             continue                              # no state yet, or outside the window
         slot = slot_of(h, cell, q)
-        for k in range(h.n_tensors):
+        if h.log != NULL:
+            log_copy(h.log, SPACE_HIST, slot, SPACE_CELLS, cell)
+        for k in range(h.n_tensors if h.log == NULL else 0):
             memcpy(h.hist_data[k] + slot * h.row_bytes[k],
                    h.tensor_data[k] + <Py_ssize_t>cell * h.row_bytes[k], h.row_bytes[k])
         h.tags[slot] = q + 1
@@ -553,7 +559,9 @@ cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogi
 cdef void history_file(const History* h, int32_t cell, int32_t q, char** rows, Py_ssize_t row) noexcept nogil:
     """Keep row `row` of every rows[k] as the state after position q of cell (a step state the model wrote)."""
     cdef Py_ssize_t k, slot = slot_of(h, cell, q)
-    for k in range(h.n_tensors):
+    if h.log != NULL:   # rows: the step scratch
+        log_copy(h.log, SPACE_HIST, slot, SPACE_STEPS, row)
+    for k in range(h.n_tensors if h.log == NULL else 0):
         memcpy(h.hist_data[k] + slot * h.row_bytes[k], rows[k] + row * h.row_bytes[k], h.row_bytes[k])
     h.tags[slot] = q + 1
 
@@ -600,11 +608,15 @@ cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) n
         leave(c, seq)
         join(c, target, seq)
         c.src[target] = target
-        for k in range(h.n_tensors):   # the branch keeps the history it had
+        for j in range(n if h.log != NULL else 0):   # the branch keeps the history it had
+            log_copy(h.log, SPACE_HIST, target * n + j, SPACE_HIST, cell * n + j)
+        for k in range(h.n_tensors if h.log == NULL else 0):
             memcpy(h.hist_data[k] + target * n * h.row_bytes[k], h.hist_data[k] + cell * n * h.row_bytes[k],
                    n * h.row_bytes[k])
         memcpy(h.tags + target * n, h.tags + cell * n, n * sizeof(int32_t))
-    for k in range(h.n_tensors):
+    if h.log != NULL:
+        log_copy(h.log, SPACE_CELLS, target, SPACE_HIST, slot)
+    for k in range(h.n_tensors if h.log == NULL else 0):
         memcpy(h.tensor_data[k] + target * h.row_bytes[k], h.hist_data[k] + slot * h.row_bytes[k], h.row_bytes[k])
     c.pos[target] = q
     for j in range(n):   # states after q and later are gone

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from . import _args
 from .errors import ConfigError
 from .state_format import STATE_TYPES, Geometry, StateType
+from .storage import Storage
 
 __all__ = ["Config"]
 
@@ -41,9 +40,9 @@ class Config:
         """The ggml type id of every state tensor: r of each layer with state, then s."""
         return [self.dtype_r.type_id] * len(self.layers) + [self.dtype_s.type_id] * len(self.layers)
 
-    def allocate(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Zeroed tensors ``r`` (size, n_embd_r) and ``s`` (size, n_embd_s) of each layer with state,
-        in layer order (nothing for the others)."""
-        r = [np.zeros((self.size, self.n_embd_r), dtype=self.dtype_r.numpy) for _ in self.layers]
-        s = [np.zeros((self.size, self.n_embd_s), dtype=self.dtype_s.numpy) for _ in self.layers]
-        return r, s
+    def allocate(self, storage: Storage) -> tuple[Any, Any]:
+        """The zeroed r and s tensors of ``storage``: ``[n_state, size, n_embd_r]`` and
+        ``[n_state, size, n_embd_s]`` (row k of axis 0: the k-th layer with state)."""
+        n_state = len(self.layers)
+        return (storage.allocate((n_state, self.size, self.n_embd_r), self.dtype_r),
+                storage.allocate((n_state, self.size, self.n_embd_s), self.dtype_s))

@@ -14,6 +14,7 @@ from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, uint8_t, uint64_t
 
 from ._cells cimport Cells, History
+from ._moves cimport RowLog
 from ._split cimport Split
 from ._state_io cimport BlobDefect
 
@@ -39,6 +40,10 @@ cdef struct Core:
     int32_t pending_n_seqs       # 0: none pending
     int32_t pending_m            # step states per group
     int32_t* pending_last_pos    # [size] each group's last position
+    # a storage the core cannot address (device memory): moves are recorded in log (history.log
+    # points at it) and the MemoryCore hands them to the storage at the end of each call
+    bint logged
+    RowLog log
 
 # a ubatch: find_slot, copy plan, row and history moves, start states filed, step states
 # expected (m per group: core_steps); RC_OK or an RC_ERR_* code (the cells may then have moved)
@@ -68,10 +73,22 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
 
 cdef class MemoryCore:
     cdef Core core
-    cdef object tensors          # keeps the state arrays alive
-    cdef readonly tuple layers   # the layers with state, sorted
-    cdef object history_arrays   # (history arrays, tags)
-    cdef list step_arrays        # the step scratch, one array per tensor (views of it stay valid)
+    cdef readonly object storage     # where the tensors below live (``recurrent_cache.storage``)
+    cdef readonly tuple dtypes       # the StateType of r and of s
+    cdef readonly tuple kinds        # the cells' tensors: r [n_state, size, n_embd_r], s [.., n_embd_s]
+    cdef readonly tuple layers       # the layers with state, sorted
+    cdef tuple history_kinds         # the same per kind for the history: [n_state, size * n_rollback, n_embd]
+    cdef object tags                 # [size, n_rollback] int32: the history's tags (host memory)
+    cdef tuple step_kinds            # the step scratch per kind: [n_state, capacity, n_embd] (views stay valid)
+    cdef list stage                  # logged: host copies of the cells' tensors per kind, for state I/O
+    cdef dict host_views             # space -> the numpy views the C code addresses, kept alive
     cdef int reserve_steps(self, Py_ssize_t rows) except -1
+    cdef int flush(self) except -1
+    cdef list staged(self)
+    cdef stage_cells(self)
+    cdef const unsigned char[::1] host_row(self, object given, Py_ssize_t k)
+    cdef object as_storage_rows(self, list rows, Py_ssize_t kind)
+    cdef list host_of(self, tuple tensors)
+    cdef address(self, str space, list host, char** pointers)
     cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length)

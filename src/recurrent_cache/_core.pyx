@@ -14,7 +14,7 @@ the start of the next changing call, whichever API makes it.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport PyObject
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 import numpy as np
@@ -27,6 +27,8 @@ from ._cells cimport (CHECK_COUNT, CHECK_DANGLING, CHECK_EMPTY, CHECK_FREE_BIT, 
                       cells_seq_pos_min, cells_seq_rm, cells_tail_in_range, history_apply_plan, history_file,
                       history_forget, history_forget_all, history_keep_start_states, history_rollback,
                       history_rollback_min, history_steps, rows_apply_plan)
+from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_NONE, SPACE_STAGE, SPACE_STEPS, SPACE_ZERO, log_copy,
+                      log_copy_plan, log_init, log_pending, log_release, log_reset)
 from ._split cimport Split
 from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW_BYTES, BLOB_ERR_SEQ_ID_RANGE,
                          BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE, BLOB_OK, FIELD_CELL, FIELD_CELL_COUNT,
@@ -76,7 +78,7 @@ cdef void core_file_steps(Core* core) noexcept nogil:
 cdef int grow_steps(Core* core, Py_ssize_t rows) noexcept with gil:
     try:
         (<MemoryCore>core.owner).reserve_steps(rows)
-    except MemoryError:
+    except Exception:   # MemoryError, or a storage that could not allocate (a device out of memory)
         return RC_ERR_NO_MEMORY
     return RC_OK
 
@@ -118,7 +120,9 @@ cdef int apply_plan(Core* core, int32_t head, int32_t n) noexcept nogil:
     """Move the rows and their histories as the copy plan in the core's scratch says."""
     cdef Py_ssize_t k
     cdef int code
-    for k in range(core.n_tensors):
+    if core.logged:
+        log_copy_plan(&core.log, SPACE_CELLS, 1, head, n, core.plan_copy_src, core.plan_zero)
+    for k in range(core.n_tensors if not core.logged else 0):
         code = rows_apply_plan(core.tensor_data[k], core.row_bytes[k], core.row_bytes[k], head, n,
                                core.plan_copy_src, core.plan_zero)
         if code != RC_OK:
@@ -192,7 +196,9 @@ cdef void core_clear(Core* core) noexcept nogil:
     cdef Py_ssize_t k
     core.pending_n_seqs = 0   # the rows it would file into are gone
     cells_clear(&core.cells)
-    for k in range(core.n_tensors):
+    for k in range(core.cells.size if core.logged else 0):
+        log_copy(&core.log, SPACE_CELLS, k, SPACE_ZERO, 0)
+    for k in range(core.n_tensors if not core.logged else 0):
         memset(core.tensor_data[k], 0, <size_t>core.cells.size * <size_t>core.row_bytes[k])
     history_forget_all(&core.history, core.cells.size)
     core.generation += 1
@@ -225,7 +231,7 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
         return code
     cell = core.cells.head
     core.cells.src[cell] = cell
-    for k in range(core.n_tensors):
+    for k in range(core.n_tensors if rows != NULL else 0):   # NULL: the caller writes the rows (logged)
         memcpy(core.tensor_data[k] + <Py_ssize_t>cell * core.row_bytes[k], rows[k], core.row_bytes[k])
     history_forget(&core.history, cell)   # another sequence's past is not this one's
     return cell
@@ -234,6 +240,7 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
 cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                          BlobDefect* defect) noexcept nogil:
     cdef BlobLayout layout
+    cdef Py_ssize_t k
     cdef int code = check_blob(&core.cells, seq_id, data, length, core.n_layer, core.n_tensors, core.type_ids,
                                core.row_bytes, &layout, defect)
     if code != BLOB_OK:
@@ -243,6 +250,12 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
     code = restore_blob(&core.cells, data, &layout, seq_id, core.n_tensors, core.tensor_data, core.row_bytes)
     if code != RC_OK:
         return code
+    if core.logged:   # the rows went to the staging copies (tensor_data): hand them to the storage
+        if seq_id < 0:
+            for k in range(layout.cell_count):
+                log_copy(&core.log, SPACE_CELLS, k, SPACE_STAGE, k)
+        elif layout.cell_count:
+            log_copy(&core.log, SPACE_CELLS, core.cells.head, SPACE_STAGE, core.cells.head)
     # the blob carries no history (llama.cpp's bytes)
     if seq_id < 0:
         history_forget_all(&core.history, core.cells.size)
@@ -266,27 +279,30 @@ cdef bint shares_rows(const Core* core, const void* p, Py_ssize_t n) noexcept:
 
 cdef class MemoryCore:
     """A cache's memory core: the cells, the state tensors' rows, the rollback history and the
-    change counter (compiled engine object; ``_engines.MemoryCoreEngine`` is its interface).
+    change counter (compiled engine object; ``_engines.Core`` is its interface).
 
-    The facade (``recurrent_cache.cache``) validates arguments; this class trusts them and
-    only guards what could corrupt memory.
+    The tensors come from a storage (``recurrent_cache.storage``): one per kind (r, s) of
+    shape ``[n_state, size, n_embd]``.  A storage with host views is moved in C; any other
+    gets the recorded moves at the end of every call (``flush``).  The facade validates
+    arguments; this class trusts them and only guards what could corrupt memory.
     """
 
-    def __cinit__(self, int32_t size, list tensors, int32_t n_rollback, type_ids, int32_t n_layer, tuple layers):
-        cdef Py_ssize_t k, n, n_tensors = len(tensors), n_state = len(layers)
-        cdef char[:, ::1] view
+    def __cinit__(self, int32_t size, object storage, tuple kinds, tuple dtypes, int32_t n_rollback, type_ids,
+                  int32_t n_layer, tuple layers):
+        cdef Py_ssize_t k, n, n_state = len(layers), n_tensors = 2 * n_state
         cdef int32_t[:, ::1] tag_view
-        if (size < 1 or n_rollback < 0 or len(type_ids) != n_tensors or n_tensors != 2 * n_state
-                or list(layers) != sorted(set(layers)) or any(not 0 <= il < n_layer for il in layers)):
+        if (size < 1 or n_rollback < 0 or len(type_ids) != n_tensors or len(kinds) != 2 or len(dtypes) != 2
+                or list(layers) != sorted(set(layers)) or any(not 0 <= il < n_layer for il in layers)
+                or any(tuple(t.shape)[:2] != (n_state, size) for t in kinds)):
             raise ValueError(f"size {size}, n_rollback {n_rollback}, {len(type_ids)} type ids "
-                             f"for {n_tensors} tensors of layers {layers} of {n_layer}")
+                             f"for the tensors of layers {layers} of {n_layer}")
         memset(&self.core, 0, sizeof(Core))
         self.core.owner = <PyObject*>self
         if cells_init(&self.core.cells, size) != RC_OK:
             raise MemoryError(f"cannot allocate a cell table of {size} cells")
+        self.storage, self.kinds, self.dtypes, self.layers = storage, kinds, dtypes, layers
         self.core.n_tensors = n_tensors
         self.core.n_layer = n_layer
-        self.layers = layers
         self.core.layer_tensor = <Py_ssize_t*>malloc(max(1, 2 * n_layer) * sizeof(Py_ssize_t))
         if self.core.layer_tensor == NULL:
             raise MemoryError("cannot allocate the layer table")
@@ -296,11 +312,11 @@ cdef class MemoryCore:
             self.core.layer_tensor[<Py_ssize_t>layers[k]] = k
             self.core.layer_tensor[n_layer + <Py_ssize_t>layers[k]] = n_state + k
         n = max(1, n_tensors)
-        self.core.tensor_data = <char**>malloc(n * sizeof(char*))
+        self.core.tensor_data = <char**>calloc(n, sizeof(char*))
         self.core.row_bytes = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
         self.core.type_ids = <int32_t*>malloc(n * sizeof(int32_t))
-        self.core.step_data = <char**>malloc(n * sizeof(char*))
-        self.core.history.hist_data = <char**>malloc(n * sizeof(char*))
+        self.core.step_data = <char**>calloc(n, sizeof(char*))
+        self.core.history.hist_data = <char**>calloc(n, sizeof(char*))
         # allocated once: a plan covers at most every cell, a ubatch at most size groups
         self.core.plan_copy_src = <int32_t*>malloc(size * sizeof(int32_t))
         self.core.plan_zero = <uint8_t*>malloc(size)
@@ -311,33 +327,36 @@ cdef class MemoryCore:
                 or self.core.pending_last_pos == NULL):
             raise MemoryError("cannot allocate the tensor table")
         for k in range(n_tensors):
-            array = tensors[k]
-            if not array.flags.c_contiguous or array.ndim != 2 or array.shape[0] != size:
-                raise ValueError("state tensors must be C-contiguous (size, n_embd) arrays")
-            view = array.view("u1").reshape(array.shape[0], -1)
-            self.core.tensor_data[k] = &view[0, 0]
-            self.core.row_bytes[k] = view.shape[1]
+            self.core.row_bytes[k] = dtypes[k // n_state].itemsize * kinds[k // n_state].shape[2]
             self.core.type_ids[k] = type_ids[k]
-        self.tensors = tensors
+        self.host_views = {}
+        self.core.logged = n_tensors > 0 and storage.host_view(kinds[0]) is None
         self.core.self_check = RC_SELF_CHECK
         self.core.history.n_tensors = n_tensors
         self.core.history.tensor_data = self.core.tensor_data
         self.core.history.row_bytes = self.core.row_bytes
-        # history[k][c, q % n_rollback]: the state after position q of cell c's tensor k
-        history = [np.zeros((size, n_rollback, t.shape[1]), dtype=t.dtype) for t in tensors] if n_rollback else []
-        tags = np.zeros((size, max(1, n_rollback)), dtype=np.int32)
-        tag_view = tags
-        for k in range(len(history)):
-            view = history[k].view("u1").reshape(size, -1)
-            self.core.history.hist_data[k] = &view[0, 0]
-        self.core.history.tags = &tag_view[0, 0]
         self.core.history.n_rollback = n_rollback
-        self.history_arrays = (history, tags[:, :n_rollback])
-        self.step_arrays = []
+        # history[kind][k, c * n_rollback + q % n_rollback]: the state after position q of cell c
+        self.history_kinds = tuple(storage.allocate((n_state, size * n_rollback, t.shape[2]), dtype)
+                                   for t, dtype in zip(kinds, dtypes)) if n_rollback and n_state else ()
+        self.tags = np.zeros((size, max(1, n_rollback)), dtype=np.int32)
+        tag_view = self.tags
+        self.core.history.tags = &tag_view[0, 0]
+        self.tags = self.tags[:, :n_rollback]
+        if self.core.logged:
+            if not log_init(&self.core.log, size, <Py_ssize_t>size * n_rollback):
+                raise MemoryError("cannot allocate the move log")
+            self.core.history.log = &self.core.log
+        else:
+            self.address("cells", self.host_of(kinds), self.core.tensor_data)
+            self.address("history", self.host_of(self.history_kinds), self.core.history.hist_data)
+        self.stage = []
+        self.step_kinds = ()
         self.reserve_steps(0)
 
     def __dealloc__(self):
         cells_release(&self.core.cells)
+        log_release(&self.core.log)
         free(self.core.history.hist_data)
         free(self.core.tensor_data)
         free(self.core.layer_tensor)
@@ -348,21 +367,109 @@ cdef class MemoryCore:
         free(self.core.plan_zero)
         free(self.core.pending_last_pos)
 
-    cdef int reserve_steps(self, Py_ssize_t rows) except -1:
-        """Room for ``rows`` step states per tensor.  Grown as new arrays: a view the model
-        still holds of the old scratch keeps its memory (its writes are then lost, never stray)."""
-        cdef Py_ssize_t k
+    cdef list host_of(self, tuple tensors):
+        """The storage's host views of ``tensors`` (r, s; checked: the C code writes through them)."""
+        views = [self.storage.host_view(t) for t in tensors]
+        for view, tensor, dtype in zip(views, tensors, self.dtypes):
+            if (not isinstance(view, np.ndarray) or not view.flags.c_contiguous
+                    or view.shape != tuple(tensor.shape) or view.dtype.itemsize != dtype.itemsize):
+                raise ValueError(f"{self.storage!r} gave no C-contiguous host view of its own tensor")
+        return views
+
+    cdef address(self, str space, list host, char** pointers):
+        """Set pointers[kind * n_state + k] to layer k's rows of each kind's host array (kept alive)."""
+        cdef Py_ssize_t kind, k, n_state = len(self.layers)
         cdef char[:, ::1] view
-        if rows <= self.core.step_capacity and self.step_arrays:
+        self.host_views[space] = host
+        for kind in range(len(host)):
+            for k in range(n_state):
+                if host[kind].shape[1]:
+                    view = host[kind][k].view(np.uint8).reshape(host[kind].shape[1], -1)
+                    pointers[kind * n_state + k] = &view[0, 0]
+
+    cdef int reserve_steps(self, Py_ssize_t rows) except -1:
+        """Room for ``rows`` step states per tensor.  Grown as new tensors: a view the model
+        still holds of the old scratch keeps its memory (its writes are then lost, never stray)."""
+        if rows <= self.core.step_capacity and self.step_kinds:
             return 0
         rows = max(rows, 2 * self.core.step_capacity, 1)
-        arrays = [np.zeros((rows, t.shape[1]), dtype=t.dtype) for t in self.tensors]
-        for k in range(self.core.n_tensors):
-            view = arrays[k].view("u1").reshape(rows, -1)
-            self.core.step_data[k] = &view[0, 0]
-        self.step_arrays = arrays
+        if self.core.logged:
+            self.flush()   # pending moves may read the old scratch
+        kinds = tuple(self.storage.allocate((len(self.layers), rows, t.shape[2]), dtype)
+                      for t, dtype in zip(self.kinds, self.dtypes))
+        if not self.core.logged:
+            self.address("steps", self.host_of(kinds), self.core.step_data)
+        self.step_kinds = kinds
         self.core.step_capacity = rows
         return 0
+
+    cdef int flush(self) except -1:
+        """Hand the recorded moves to the storage: all rows taken first, then written."""
+        cdef Py_ssize_t d, i, n, row
+        cdef int source
+        cdef list groups = []
+        if not log_pending(&self.core.log):
+            return 0
+        spaces = (self.kinds, self.history_kinds, self.step_kinds, self.stage)
+        try:
+            for d in range(2):
+                n = self.core.log.n_touched[d]
+                sources = np.empty(n, dtype=np.int8)
+                dst = np.empty(n, dtype=np.int64)
+                src = np.empty(n, dtype=np.int64)
+                for i in range(n):
+                    row = self.core.log.touched[d][i]
+                    dst[i], sources[i], src[i] = row, self.core.log.from_space[d][row], self.core.log.from_row[d][row]
+                for source in (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_STAGE, SPACE_ZERO):
+                    chosen = sources == source
+                    if source == d:
+                        chosen &= src != dst   # a row that ends as it began
+                    if chosen.any():
+                        groups.append((d, source, dst[chosen], src[chosen]))
+            taken = []
+            for d, source, rows, from_rows in groups:
+                if source == SPACE_STAGE:
+                    taken.append([self.storage.from_host(stage[:, from_rows], dtype)
+                                  for stage, dtype in zip(self.stage, self.dtypes)])
+                elif source != SPACE_ZERO:
+                    taken.append([self.storage.take(t, from_rows) for t in spaces[source]])
+                else:
+                    taken.append(None)
+            for (d, source, rows, _), values in zip(groups, taken):
+                for kind in range(len(spaces[d])):
+                    if values is None:
+                        self.storage.zero(spaces[d][kind], rows)
+                    else:
+                        self.storage.put(spaces[d][kind], rows, values[kind])
+        finally:
+            log_reset(&self.core.log)
+        return 0
+
+    def flush_moves(self):
+        """Execute the moves the last core call recorded (a logged storage's; nothing otherwise)."""
+        if self.core.logged:
+            self.flush()
+
+    @property
+    def host_rows(self):
+        """Whether the C code moves the rows itself (a storage with host views: the C API works)."""
+        return not self.core.logged
+
+    cdef stage_cells(self):
+        """A logged core's staging copies, made equal to the cells' rows (one transfer per kind)."""
+        cdef Py_ssize_t kind
+        if self.core.logged and self.core.n_tensors:
+            stage = self.staged()
+            for kind in range(2):
+                stage[kind][...] = self.storage.to_host(self.kinds[kind])
+
+    cdef list staged(self):
+        """The host copies of the cells' tensors a logged core reads blobs into and writes them from."""
+        cdef Py_ssize_t kind
+        if self.core.logged and not self.stage and self.core.n_tensors:
+            self.stage = [np.zeros(tuple(t.shape), dtype=dtype.numpy) for t, dtype in zip(self.kinds, self.dtypes)]
+            self.address("stage", self.stage, self.core.tensor_data)
+        return self.stage
 
     # -- what the facade reads -----------------------------------------------------------
 
@@ -439,14 +546,19 @@ cdef class MemoryCore:
     def history(self):
         """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (docs/rollback.md);
         ``tags[c, q % n_rollback] == q + 1`` marks the state after ``q`` as held in cell c."""
+        cdef int32_t size = self.core.cells.size, n = self.core.history.n_rollback
         core_file_steps(&self.core)
-        history, tags = self.history_arrays
-        return tags.copy(), [array.copy() for array in history]
+        self.flush_moves()
+        history = [self.storage.to_host(t) for t in self.history_kinds]
+        return self.tags.copy(), [array[k].reshape(size, n, array.shape[2]) for array in history
+                                  for k in range(array.shape[0])]
 
     def step_rows(self, int32_t k, int32_t n_seqs, int32_t m):
-        """[n_seqs, m, n_embd] view of the scratch the model writes tensor k's step states into."""
-        array = self.step_arrays[k]
-        return array[:n_seqs * m].reshape(n_seqs, m, array.shape[1])
+        """[n_seqs, m, n_embd] view of the scratch the model writes tensor k's step states into
+        (a tensor of the cache's storage)."""
+        cdef Py_ssize_t n_state = len(self.layers)
+        tensor = self.step_kinds[k // n_state][k % n_state]
+        return tensor[:n_seqs * m].reshape(n_seqs, m, tensor.shape[1])
 
     def steps(self, int32_t n_seq_tokens):
         """m: step states per group the model writes for a ubatch of n_seq_tokens tokens per group."""
@@ -454,40 +566,63 @@ cdef class MemoryCore:
 
     # -- changes -------------------------------------------------------------------------
 
+    # each call below hands its recorded moves to a logged storage before it returns
+
     def clear(self):
         core_clear(&self.core)
+        self.flush_moves()
 
     def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
-        return core_seq_rm(&self.core, seq, p0, p1)
+        removed = core_seq_rm(&self.core, seq, p0, p1)
+        self.flush_moves()
+        return removed
 
     def seq_cp(self, int32_t seq_src, int32_t seq_dst):
         core_seq_cp(&self.core, seq_src, seq_dst)
+        self.flush_moves()
 
     def seq_keep(self, int32_t seq):
-        return core_seq_keep(&self.core, seq)
+        code = core_seq_keep(&self.core, seq)
+        self.flush_moves()
+        return code
 
     def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
-        return core_seq_add(&self.core, seq, p0, p1, shift)
+        code = core_seq_add(&self.core, seq, p0, p1, shift)
+        self.flush_moves()
+        return code
 
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
-        return core_seq_div(&self.core, seq, p0, p1, d)
+        code = core_seq_div(&self.core, seq, p0, p1, d)
+        self.flush_moves()
+        return code
 
     def rollback_min(self, int32_t seq):
-        return core_rollback_min(&self.core, seq)
+        q = core_rollback_min(&self.core, seq)
+        self.flush_moves()
+        return q
 
     def restore(self, int32_t seq, int32_t pos, list rows):
-        """``seq`` (in no cell) gets a cell at ``pos`` holding ``rows`` (one C-contiguous row per
-        tensor, of its row size), history cleared; the cell, or a negative code (nothing changed)."""
-        cdef Py_ssize_t k
+        """``seq`` (in no cell) gets a cell at ``pos`` holding ``rows`` (one row per tensor: r of each
+        layer with state, then s; numpy arrays of its row size, or tensors of the cache's storage),
+        history cleared; the cell, or a negative code (nothing changed)."""
+        cdef Py_ssize_t k, n_state = len(self.layers)
         cdef const unsigned char[::1] row
         cdef const char** pointers
         cdef list views = []
+        cdef int32_t cell
         if len(rows) != self.core.n_tensors:
             raise ValueError(f"{len(rows)} rows for {self.core.n_tensors} tensors")
+        if self.core.logged:
+            # rows of the storage's own type are written by it (on its device: no host transfer)
+            kinds = [self.as_storage_rows(rows[kind * n_state:(kind + 1) * n_state], kind) for kind in range(2)]
+            cell = core_restore(&self.core, seq, pos, NULL)
+            self.flush_moves()
+            if cell >= 0:
+                for kind in range(2):
+                    self.storage.put(self.kinds[kind], np.array([cell], dtype=np.int64), kinds[kind])
+            return cell
         for k in range(self.core.n_tensors):
-            row = np.ascontiguousarray(rows[k]).reshape(-1).view(np.uint8)
-            if row.shape[0] != self.core.row_bytes[k]:
-                raise ValueError(f"row {k} has {row.shape[0]} bytes, the tensor's rows {self.core.row_bytes[k]}")
+            row = self.host_row(rows[k], k)
             views.append(row)
         pointers = <const char**>malloc(max(1, self.core.n_tensors) * sizeof(char*))
         if pointers == NULL:
@@ -503,6 +638,24 @@ cdef class MemoryCore:
         finally:
             free(pointers)
 
+    cdef const unsigned char[::1] host_row(self, object given, Py_ssize_t k):
+        """Row ``given`` of tensor k as bytes in host memory (a host storage's tensor is a numpy array)."""
+        cdef const unsigned char[::1] row
+        if not isinstance(given, np.ndarray):
+            given = self.storage.to_host(given[None, None])[0, 0]
+        row = np.ascontiguousarray(given).reshape(-1).view(np.uint8)
+        if row.shape[0] != self.core.row_bytes[k]:
+            raise ValueError(f"row {k} has {row.shape[0]} bytes, the tensor's rows {self.core.row_bytes[k]}")
+        return row
+
+    cdef object as_storage_rows(self, list rows, Py_ssize_t kind):
+        """[n_state, 1, n_embd] tensor of the storage holding one row per layer of ``kind``."""
+        cdef Py_ssize_t n_state = len(self.layers)
+        width = self.kinds[kind].shape[2]
+        if any(tuple(row.shape) != (width,) for row in rows):
+            raise ValueError(f"rows of kind {kind} must have shape ({width},)")
+        return self.storage.stack(rows, self.dtypes[kind])[:, None]
+
     # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 
     def state_size(self, int32_t seq_id):
@@ -514,8 +667,11 @@ cdef class MemoryCore:
         cdef Core* c = &self.core
         cdef Py_ssize_t off, n
         cdef int32_t n_ranges
-        cdef int32_t* begin = alloc_ranges(c.cells.size)
-        cdef int32_t* end = begin + max_ranges(c.cells.size)
+        cdef int32_t* begin
+        cdef int32_t* end
+        self.stage_cells()
+        begin = alloc_ranges(c.cells.size)
+        end = begin + max_ranges(c.cells.size)
         try:
             # Ranges, size and meta are taken with the GIL held and no Python code
             # in between; the copies then need only the ranges, so another
@@ -558,8 +714,11 @@ cdef class MemoryCore:
         cdef unsigned char header[TENSOR_HEADER_BYTES]
         cdef bytes meta = PyBytes_FromStringAndSize(NULL, n_meta + DATA_HEADER_BYTES)
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
-        cdef int32_t* begin = alloc_ranges(c.cells.size)
-        cdef int32_t* end = begin + max_ranges(c.cells.size)
+        cdef int32_t* begin
+        cdef int32_t* end
+        self.stage_cells()
+        begin = alloc_ranges(c.cells.size)
+        end = begin + max_ranges(c.cells.size)
         try:
             n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
             # the allocations above may have run Python code (a finalizer) that changed the cache
@@ -596,8 +755,10 @@ cdef class MemoryCore:
             # the blob lies in the cache's own rows, which the restore overwrites: read a
             # copy, so the blob is read as it was when the call began
             return self.state_read(bytes(data), seq_id)
+        self.staged()
         with nogil:
             code = core_state_read(&self.core, seq_id, p, length, &defect)
+        self.flush_moves()
         if code != RC_OK:
             if code <= BLOB_ERR_TRUNCATED:   # the blob codes are -30 and below
                 raise self.blob_error(code, &defect, length)

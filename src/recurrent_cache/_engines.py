@@ -14,9 +14,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import IO, NamedTuple, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
+
+from .state_format import StateType
+from .storage import Storage
 
 __all__ = ["Core", "Engine", "NAMES", "Placement", "Split", "load"]
 
@@ -46,7 +49,7 @@ class Core(Protocol):
     def check(self) -> str | None: ...
     def history(self) -> tuple[np.ndarray, list[np.ndarray]]: ...
     def steps(self, n_seq_tokens: int) -> int: ...
-    def step_rows(self, k: int, n_seqs: int, m: int) -> np.ndarray: ...
+    def step_rows(self, k: int, n_seqs: int, m: int) -> Any: ...
     def clear(self) -> None: ...
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool: ...
     def seq_cp(self, seq_src: int, seq_dst: int) -> None: ...
@@ -54,7 +57,7 @@ class Core(Protocol):
     def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> int: ...
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> int: ...
     def rollback_min(self, seq: int) -> int: ...
-    def restore(self, seq: int, pos: int, rows: list[np.ndarray]) -> int: ...
+    def restore(self, seq: int, pos: int, rows: list[Any]) -> int: ...
     def state_size(self, seq_id: int) -> int: ...
     def state_write_bytes(self, seq_id: int) -> bytes: ...
     def state_write_into(self, view: memoryview, seq_id: int) -> int: ...
@@ -90,22 +93,30 @@ Split = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, bool, i
 
 class Engine(NamedTuple):
     name: str
-    # build(size, tensors: r of each layer with state then their s, n_rollback, ggml type ids,
-    # the model's n_layer, the layers with state): a memory core over the tensors, and the batch
-    # split bound to it (an engine's placements apply to its own core only)
-    build: Callable[[int, list[np.ndarray], int, list[int], int, tuple[int, ...]], tuple[Core, Split]]
+    # build(size, storage, kinds: the cells' r and s tensors [n_state, size, n_embd] of that storage,
+    # their StateTypes, n_rollback, ggml type ids (r of each layer with state, then s), the model's
+    # n_layer, the layers with state): a memory core over the tensors, and the batch split bound to
+    # it (an engine's placements apply to its own core only)
+    build: Callable[[int, Storage, tuple[Any, Any], tuple[StateType, StateType], int, list[int], int,
+                     tuple[int, ...]], tuple[Core, Split]]
 
 
-def _build_compiled(size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
-                    layers: tuple[int, ...]) -> tuple[Core, Split]:
+def _build_compiled(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes: tuple[StateType, StateType],
+                    n_rollback: int, type_ids: list[int], n_layer: int, layers: tuple[int, ...]) -> tuple[Core, Split]:
     from . import _core, _placement
-    core = _core.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers)
+    core = _core.MemoryCore(size, storage, kinds, dtypes, n_rollback, type_ids, n_layer, layers)
     return core, functools.partial(_placement.split_batch, core)
 
 
-def _build_reference(size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
-                     layers: tuple[int, ...]) -> tuple[Core, Split]:
+def _build_reference(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes: tuple[StateType, StateType],
+                     n_rollback: int, type_ids: list[int], n_layer: int, layers: tuple[int, ...]) -> tuple[Core, Split]:
     from . import reference
+    host = [storage.host_view(kind) for kind in kinds]
+    if any(view is None for view in host):
+        from .errors import ConfigError
+        raise ConfigError(f"the reference engine moves rows in host memory; {storage!r} has none: "
+                          "use the compiled engine")
+    tensors = [view[k] for view in host if view is not None for k in range(len(layers))]
     core = reference.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers)
     return core, functools.partial(reference.split_batch, core)
 

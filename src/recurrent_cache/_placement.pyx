@@ -81,6 +81,7 @@ cdef class Placement:
             code = core_apply_ubatch(&core.core, &self.split, u, &self.seq_id_flat[0])
             if code == RC_OK:
                 code = self.keep_plan(core.core.cells.head, core.core.cells.n)
+        core.flush_moves()   # a logged storage moves its rows now (a failed apply may have moved some too)
         return code
 
     cdef int keep_plan(self, int32_t head, int32_t n) noexcept nogil:

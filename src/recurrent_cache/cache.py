@@ -12,7 +12,7 @@ touched, so the cache is left exactly as it was.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import IO, Literal, cast
+from typing import IO, Any, Literal, cast
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from .batch import Batch
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus, ThreadGuard
+from .storage import Storage, storage_for
 from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_too_small,
                            target_view, unframe, write_all)
 
@@ -72,22 +73,30 @@ class RecurrentCache:
     def __init__(self, n_layer: int, n_embd_r: int, n_embd_s: int, n_seq_max: int = 1,
                  size: int | None = None, dtype_r: str = "f32", dtype_s: str = "f32",
                  n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None,
-                 layers: Iterable[int] | None = None) -> None:
+                 layers: Iterable[int] | None = None, storage: str | Storage = "numpy",
+                 device: Any = None) -> None:
         self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s, layers)
         self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
-        r, s = self._config.allocate()
-        placed_r: list[np.ndarray | None] = [None] * self._config.n_layer
-        placed_s: list[np.ndarray | None] = [None] * self._config.n_layer
+        self._storage = storage_for(storage, device)
+        kinds = self._config.allocate(self._storage)
+        placed_r: list[Any] = [None] * self._config.n_layer
+        placed_s: list[Any] = [None] * self._config.n_layer
         for k, il in enumerate(self._config.layers):
-            placed_r[il], placed_s[il] = r[k], s[k]
+            placed_r[il], placed_s[il] = kinds[0][k], kinds[1][k]
         # r[il] / s[il] of a layer without state is None (tuples of n_layer entries either way)
-        self.r: tuple[np.ndarray | None, ...] = tuple(placed_r)
-        self.s: tuple[np.ndarray | None, ...] = tuple(placed_s)
-        self._core, self._split = self._engine.build(self._config.size, r + s, self._n_rollback,
-                                                     self._config.type_ids(), self._config.n_layer,
-                                                     self._config.layers)
+        self.r: tuple[Any, ...] = tuple(placed_r)
+        self.s: tuple[Any, ...] = tuple(placed_s)
+        self._core, self._split = self._engine.build(self._config.size, self._storage, kinds,
+                                                     (self._config.dtype_r, self._config.dtype_s),
+                                                     self._n_rollback, self._config.type_ids(),
+                                                     self._config.n_layer, self._config.layers)
         self._guard = ThreadGuard()
+
+    @property
+    def storage(self) -> Storage:
+        """Where the state tensors live (``recurrent_cache.storage``): numpy, or torch on a device."""
+        return self._storage
 
     # -- one thread at a time ----------------------------------------------------------
 

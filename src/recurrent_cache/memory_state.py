@@ -20,6 +20,7 @@ import numpy as np
 
 from ._args import index
 from .errors import OutOfRangeError, UsageError, engine_error
+from .storage import Tensor
 
 if TYPE_CHECKING:
     from ._engines import Core, Placement
@@ -332,7 +333,7 @@ class MemoryState:
             self._ubatch = Ubatch(self._placement, self._u, self._batch, self._pos)
         return self._ubatch
 
-    def _rows(self, tensors: tuple[np.ndarray | None, ...], il: int) -> np.ndarray:
+    def _rows(self, tensors: tuple[Tensor | None, ...], il: int) -> Tensor:
         if type(il) is not int or not 0 <= il < len(tensors):   # the common case skips the general check
             il = index(il, "layer index", len(tensors), OutOfRangeError)
         rows = tensors[il]
@@ -345,15 +346,16 @@ class MemoryState:
                              "other sequences now")
         return rows[self._rows_slice]
 
-    def r(self, il: int) -> np.ndarray:
-        """Rows head .. head+n_seqs-1 of layer il's r tensor: group s is row s."""
+    def r(self, il: int) -> Tensor:
+        """Rows head .. head+n_seqs-1 of layer il's r tensor: group s is row s (a view, of the
+        cache's storage: a numpy array, or a torch tensor on the cache's device)."""
         return self._rows(self._cache.r, il)
 
-    def s(self, il: int) -> np.ndarray:
+    def s(self, il: int) -> Tensor:
         """Rows head .. head+n_seqs-1 of layer il's s tensor: group s is row s."""
         return self._rows(self._cache.s, il)
 
-    def _steps(self, first: int, il: int) -> np.ndarray:
+    def _steps(self, first: int, il: int) -> Tensor:
         il = index(il, "layer index", self._cache.n_layer, OutOfRangeError)
         self._rows(self._cache.r, il)   # a layer with state, applied, and the cache unchanged since
         n_seqs = 0 if self._placement is None else self.ubatch.n_seqs
@@ -361,7 +363,7 @@ class MemoryState:
         k = il if len(layers) == self._cache.n_layer else layers.index(il)   # the core's tensor of il
         return self._core.step_rows(first * len(layers) + k, n_seqs, self._m)
 
-    def r_steps(self, il: int) -> np.ndarray:
+    def r_steps(self, il: int) -> Tensor:
         """[n_seqs, m, n_embd_r] where the model writes, with ``n_rollback > 0``, layer il's r state
         after each token but the last of every group: entry ``[g, j]`` is the state after token
         ``n_seq_tokens - 1 - m + j`` of group g, ``m = min(n_rollback, n_seq_tokens - 1)`` (docs/rollback.md).
@@ -369,7 +371,7 @@ class MemoryState:
         the C API) files it into the history, so write it before that call."""
         return self._steps(0, il)
 
-    def s_steps(self, il: int) -> np.ndarray:
+    def s_steps(self, il: int) -> Tensor:
         """[n_seqs, m, n_embd_s]: as ``r_steps`` for layer il's s state."""
         return self._steps(1, il)
 

@@ -1,0 +1,215 @@
+"""Where a cache's state tensors live: the storage interface and the two storages that ship.
+
+The memory core decides which rows move, are zeroed, are filed into the rollback history
+or restored; a *storage* owns the tensors those rows live in.  Each kind of state (r,
+then s) is one tensor ``[n_state_layers, rows, width]`` whose ``[k]`` is the rows of the
+k-th layer with state, so a decision that moves some rows is one call per kind, whatever
+the number of layers or rows.
+
+A storage whose tensors are in host memory hands the core a numpy view of them
+(``host_view``); the core then moves rows itself, in C, without the GIL (the numpy storage,
+torch on ``cpu``; the C API needs this).  A storage that returns None there (torch on a GPU)
+gets the core's decisions as index arrays at the end of each call: every row gathered
+first (``take``), then written (``put``, ``zero``) — see docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .errors import ConfigError
+from .state_format import STATE_TYPES, StateType
+
+__all__ = ["NumpyStorage", "Storage", "Tensor", "TorchStorage", "storage_for"]
+
+# A tensor of a cache's storage: numpy.ndarray (numpy), torch.Tensor (torch), or what another
+# storage allocates.  Both support the indexing, slicing and reshape the package applies to rows.
+Tensor = Any
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What the core needs of a storage.  ``tensor`` arguments are tensors it allocated;
+    ``rows`` are int64 numpy index arrays along axis 1 (a row index within each layer)."""
+
+    @property
+    def name(self) -> str:
+        """``"numpy"``, ``"torch"``, …: how the tensors are typed."""
+
+    @property
+    def device(self) -> str:
+        """Where they are (``"cpu"``, ``"cuda:0"``, …)."""
+
+    def allocate(self, shape: tuple[int, ...], dtype: StateType) -> Any:
+        """A zeroed, C-contiguous tensor of ``shape`` holding ``dtype`` numbers."""
+
+    def host_view(self, tensor: Any) -> np.ndarray | None:
+        """``tensor``'s memory as a numpy array of ``dtype.numpy`` (shared, not a copy) that the
+        core may read and write in C, or None when the core must hand its moves over as indices."""
+
+    def take(self, tensor: Any, rows: np.ndarray) -> Any:
+        """A new tensor holding ``tensor[:, rows]``."""
+
+    def put(self, tensor: Any, rows: np.ndarray, values: Any) -> None:
+        """``tensor[:, rows] = values`` (values as ``take`` or ``from_host`` made them)."""
+
+    def zero(self, tensor: Any, rows: np.ndarray) -> None:
+        """``tensor[:, rows] = 0``."""
+
+    def stack(self, rows: Sequence[Any], dtype: StateType) -> Any:
+        """A tensor of this storage ``[len(rows), width]`` from rows of ``dtype`` (numpy arrays or
+        tensors of this storage; the numpy ones in one transfer)."""
+
+    def to_host(self, tensor: Any) -> np.ndarray:
+        """A numpy copy of ``tensor`` (one transfer)."""
+
+    def from_host(self, array: np.ndarray, dtype: StateType) -> Any:
+        """A tensor of this storage holding ``array`` (one transfer)."""
+
+
+class NumpyStorage:
+    """The default: numpy arrays in host memory, moved by the core in C."""
+
+    name = "numpy"
+    device = "cpu"
+
+    def allocate(self, shape: tuple[int, ...], dtype: StateType) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype.numpy)
+
+    def host_view(self, tensor: np.ndarray) -> np.ndarray:
+        return tensor
+
+    def take(self, tensor: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return tensor[:, rows]
+
+    def put(self, tensor: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+        tensor[:, rows] = values
+
+    def zero(self, tensor: np.ndarray, rows: np.ndarray) -> None:
+        tensor[:, rows] = 0
+
+    def stack(self, rows: Sequence[Any], dtype: StateType) -> np.ndarray:
+        return np.stack([np.asarray(row).view(dtype.numpy) for row in rows]) if rows else \
+            np.zeros((0, 0), dtype.numpy)
+
+    def to_host(self, tensor: np.ndarray) -> np.ndarray:
+        return tensor.copy()
+
+    def from_host(self, array: np.ndarray, dtype: StateType) -> np.ndarray:
+        return np.ascontiguousarray(array, dtype=dtype.numpy)
+
+    def __repr__(self) -> str:
+        return "NumpyStorage()"
+
+
+def _torch() -> Any:
+    try:
+        return importlib.import_module("torch")
+    except ImportError as exc:
+        raise ConfigError("storage='torch' needs PyTorch: pip install 'recurrent_cache[torch]'") from exc
+
+
+class TorchStorage:
+    """torch tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ``"mps"``, …): f32, f16 and bf16 as
+    ``torch.float32`` / ``float16`` / ``bfloat16``.
+
+    host_access: whether the core may move rows in the tensors' memory itself (only for
+    ``cpu``, the default there).  False on ``cpu`` runs exactly the index-array path a GPU
+    runs, which tests and benchmarks use to measure it without one.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: Any = None, host_access: bool | None = None) -> None:
+        torch = self._torch = _torch()
+        try:
+            self._device = torch.device("cpu" if device is None else device)
+            torch.empty(0, device=self._device)
+        except (RuntimeError, TypeError, ValueError) as exc:   # torch's words for a device it lacks
+            raise ConfigError(f"device {device!r}: {str(exc).splitlines()[0]}") from None
+        on_host = self._device.type == "cpu"
+        if host_access is None:
+            host_access = on_host
+        if host_access and not on_host:
+            raise ConfigError(f"host_access=True needs device 'cpu', not {str(self._device)!r}")
+        self.host_access = bool(host_access)
+        self._types = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    def torch_dtype(self, dtype: StateType) -> Any:
+        """The torch dtype a state type is stored as."""
+        return self._types[dtype.name]
+
+    def allocate(self, shape: tuple[int, ...], dtype: StateType) -> Any:
+        return self._torch.zeros(shape, dtype=self._types[dtype.name], device=self._device)
+
+    def host_view(self, tensor: Any) -> np.ndarray | None:
+        if not self.host_access:
+            return None
+        shape = tuple(tensor.shape)
+        # through uint8: numpy has no bfloat16 of torch's, but the bits are the same
+        raw: np.ndarray = tensor.view(self._torch.uint8).numpy()
+        return raw.view(_numpy_of(tensor, self._torch)).reshape(shape)
+
+    def _index(self, rows: np.ndarray) -> Any:
+        return self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self._device)
+
+    def take(self, tensor: Any, rows: np.ndarray) -> Any:
+        return tensor.index_select(1, self._index(rows))
+
+    def put(self, tensor: Any, rows: np.ndarray, values: Any) -> None:
+        tensor.index_copy_(1, self._index(rows), values)
+
+    def zero(self, tensor: Any, rows: np.ndarray) -> None:
+        tensor.index_fill_(1, self._index(rows), 0)
+
+    def stack(self, rows: Sequence[Any], dtype: StateType) -> Any:
+        if all(isinstance(row, np.ndarray) for row in rows):
+            return self.from_host(np.stack(rows) if rows else np.zeros((0, 0), dtype.numpy), dtype)
+        torch = self._torch
+        return torch.stack([self.from_host(row, dtype) if isinstance(row, np.ndarray) else row for row in rows]
+                           ).to(device=self._device, dtype=self._types[dtype.name])
+
+    def to_host(self, tensor: Any) -> np.ndarray:
+        host = tensor.detach().to("cpu").contiguous()
+        return np.asarray(host.view(self._torch.uint8).numpy().view(_numpy_of(tensor, self._torch))
+                          .reshape(tuple(tensor.shape)))
+
+    def from_host(self, array: np.ndarray, dtype: StateType) -> Any:
+        array = np.ascontiguousarray(array, dtype=dtype.numpy)
+        raw = self._torch.from_numpy(array.view(np.uint8).reshape(-1))
+        return raw.view(self._types[dtype.name]).reshape(array.shape).to(self._device)
+
+    def __repr__(self) -> str:
+        return f"TorchStorage(device={self.device!r}, host_access={self.host_access})"
+
+
+def _numpy_of(tensor: Any, torch: Any) -> np.dtype[Any]:
+    """The numpy dtype a cache uses for a torch tensor's dtype (bf16: the state type's)."""
+    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    return STATE_TYPES[names[tensor.dtype]].numpy
+
+
+def storage_for(storage: Any, device: Any) -> Storage:
+    """The storage a cache's ``storage=`` / ``device=`` arguments name (checked)."""
+    if isinstance(storage, str):
+        if storage == "numpy":
+            if device is not None and str(device) != "cpu":
+                raise ConfigError(f"storage='numpy' keeps states in host memory; device {device!r} "
+                                  "needs storage='torch'")
+            return NumpyStorage()
+        if storage == "torch":
+            return TorchStorage(device)
+        raise ConfigError(f"unknown storage {storage!r} (expected 'numpy', 'torch' or a Storage object)")
+    if not isinstance(storage, Storage):
+        raise ConfigError(f"storage must be 'numpy', 'torch' or a Storage object, not {type(storage).__name__}")
+    if device is not None:
+        raise ConfigError(f"device {device!r} is given with a storage object, which has its own device")
+    return storage
