@@ -24,7 +24,7 @@ from .batch import Batch
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus, ThreadGuard
-from .storage import Storage, storage_for
+from .storage import Storage, Tensor, storage_for
 from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_too_small,
                            target_view, unframe, write_all)
 
@@ -79,7 +79,7 @@ class RecurrentCache:
         self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
         self._storage = storage_for(storage, device)
-        kinds = self._config.allocate(self._storage)
+        kinds = self._tensors = self._config.allocate(self._storage)
         placed_r: list[Any] = [None] * self._config.n_layer
         placed_s: list[Any] = [None] * self._config.n_layer
         for k, il in enumerate(self._config.layers):
@@ -92,6 +92,13 @@ class RecurrentCache:
                                                      self._n_rollback, self._config.type_ids(),
                                                      self._config.n_layer, self._config.layers)
         self._guard = ThreadGuard()
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        """The state tensors of the cache's storage: r ``[n_state, size, n_embd_r]`` and s
+        ``[n_state, size, n_embd_s]``, ``n_state = len(layers)``; ``r[il]`` is ``tensors[0][k]`` for the
+        k-th layer with state.  A kernel that takes state indices reads and writes these by row."""
+        return self._tensors
 
     @property
     def storage(self) -> Storage:
@@ -329,7 +336,7 @@ class RecurrentCache:
         finally:
             self._leave()
 
-    def seq_state(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def seq_state(self, seq: int) -> tuple[list[Tensor], list[Tensor]]:
         """Copies of ``seq``'s state: its r rows and s rows, one per layer with state (``layers``,
         in layer order; every layer unless filtered) — zeros while its cell has no state yet (it
         was placed by a fork and no ubatch has run since).  The lists skip the layers without
@@ -347,20 +354,20 @@ class RecurrentCache:
             if cell < 0:
                 raise ArgumentError(f"seq_state: sequence {seq} holds no cell, so it has no state")
             src = self._core.cell(cell)[1]   # the row its data lives in; -1: none yet
-
-            def take(rows: np.ndarray) -> np.ndarray:
-                return rows[src].copy() if src >= 0 else np.zeros_like(rows[0])
-
-            return ([take(rows) for rows in self.r if rows is not None],
-                    [take(rows) for rows in self.s if rows is not None])
+            kinds = [self._storage.take(tensor, np.array([src])) if src >= 0
+                     else self._storage.allocate((tensor.shape[0], 1, tensor.shape[2]), dtype)
+                     for tensor, dtype in zip(self.tensors, (self._config.dtype_r, self._config.dtype_s))]
+            return ([kinds[0][k, 0] for k in range(len(self.layers))],
+                    [kinds[1][k, 0] for k in range(len(self.layers))])
         finally:
             self._leave()
 
-    def seq_restore(self, seq: int, pos: int, r_rows: Sequence[np.ndarray], s_rows: Sequence[np.ndarray]) -> int:
+    def seq_restore(self, seq: int, pos: int, r_rows: Sequence[Tensor], s_rows: Sequence[Tensor]) -> int:
         """Give ``seq``, which must hold no cell, a cell of its own at position ``pos`` holding
         exactly these rows (byte for byte): ``r_rows[k]`` / ``s_rows[k]``, one per layer with state
-        (the k-th of ``layers``, as ``seq_state`` returns them), each a 1-D array of ``n_embd_r`` /
-        ``n_embd_s`` values of the tensor's dtype.  The cell keeps no
+        (the k-th of ``layers``, as ``seq_state`` returns them), each a 1-D row of ``n_embd_r`` /
+        ``n_embd_s`` values of the tensor's dtype: a numpy array, or a tensor of the cache's
+        storage (a torch cache takes torch rows from any device).  The cell keeps no
         rollback history (another sequence's past is not this one's).  Returns the cell.
 
         Placed as ``state_read`` of a one-cell blob would place it (a sequence without a cell
@@ -379,22 +386,28 @@ class RecurrentCache:
             raise engine_error(cell, what=f"seq_restore of seq_id {seq} at pos {pos}", seq=seq, size=self.size)
         return cell
 
-    def _rows_of(self, which: str, given: Sequence[np.ndarray], kind: str) -> list[np.ndarray]:
-        """``given`` checked as one row per layer with state of the ``kind`` tensors' dtype and
-        width, C-contiguous."""
+    def _rows_of(self, which: str, given: Sequence[Tensor], kind: str) -> list[Tensor]:
+        """``given`` checked as one row per layer with state of the ``kind`` tensors' dtype and width:
+        numpy arrays (made C-contiguous) or tensors of the storage's type."""
         tensors = [t for t in (self.r if kind == "r" else self.s) if t is not None]
+        dtype = self._config.dtype_r if kind == "r" else self._config.dtype_s
+        width = self.n_embd_r if kind == "r" else self.n_embd_s
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != len(tensors):
             raise ArgumentError(f"seq_restore: {which}_rows must be a sequence of {len(tensors)} rows "
                                 f"(one per layer with state), got {type(given).__name__}"
                                 + (f" of {len(given)}" if isinstance(given, Sequence) else ""))
         rows = []
         for il, (row, tensor) in enumerate(zip(given, tensors)):
-            if not isinstance(row, np.ndarray) or row.dtype != tensor.dtype or row.shape != tensor.shape[1:]:
-                got = (f"{row.dtype} array of shape {row.shape}" if isinstance(row, np.ndarray)
-                       else type(row).__name__)
+            if isinstance(row, np.ndarray):
+                fits = row.dtype == dtype.numpy and row.shape == (width,)
+            else:
+                fits = type(row) is type(tensor) and row.dtype == tensor.dtype and tuple(row.shape) == (width,)
+            if not fits:
+                got = (f"{row.dtype} array of shape {tuple(row.shape)}" if hasattr(row, "dtype")
+                       and hasattr(row, "shape") else type(row).__name__)
                 raise ArgumentError(f"seq_restore: {which}_rows[{il}] must be a {tensor.dtype} array of shape "
-                                    f"{tensor.shape[1:]}, got a {got}")
-            rows.append(np.ascontiguousarray(row))
+                                    f"{(width,)}, got a {got}")
+            rows.append(np.ascontiguousarray(row) if isinstance(row, np.ndarray) else row)
         return rows
 
     # -- batches -------------------------------------------------------------------------

@@ -96,6 +96,8 @@ import numpy as np
 
 from ._args import count, in_range, index, text
 from .errors import ArgumentError, NoFreeCellError, PositionError, SeqIdError
+from .state_format import STATE_TYPES
+from .storage import Tensor
 from .stores import Geometry, StoreTier
 
 __all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
@@ -236,13 +238,16 @@ class PrefixCache:
         self.namespace = namespace
         # the layers with state only (a layer filter leaves the others None): a snapshot holds
         # one row of each, in layer order, as cache.seq_state / seq_restore list them
-        self._r = [tensor for tensor in cache.r if tensor is not None]
-        self._s = [tensor for tensor in cache.s if tensor is not None]
-        self.snapshot_bytes = sum(t.shape[1] * t.itemsize for t in self._r + self._s)
+        self._storage = cache.storage
+        self._dtypes = (STATE_TYPES[cache.dtype_r], STATE_TYPES[cache.dtype_s])
+        self._n_state = len(cache.layers)
+        self.snapshot_bytes = self._n_state * (cache.n_embd_r * self._dtypes[0].itemsize
+                                               + cache.n_embd_s * self._dtypes[1].itemsize)
         self.capacity = self.max_bytes // max(1, self.snapshot_bytes)
-        # The pools: snapshot slot i is row i of every layer's r and s pool.
-        self._pool_r = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._r]
-        self._pool_s = [np.empty((self.capacity, t.shape[1]), t.dtype) for t in self._s]
+        # The pools, in the cache's storage (on its device): snapshot slot i is row i of
+        # pools[0] (r, [n_state, capacity, n_embd_r]) and of pools[1] (s).
+        self._pools = tuple(self._storage.allocate((self._n_state, self.capacity, tensor.shape[2]), dtype)
+                            for tensor, dtype in zip(cache.tensors, self._dtypes))
         self._held: dict[int, _Snapshot] = {}   # slot -> the snapshot in it
         self._free_slots: list[int] = []        # slots freed by evictions; slots from len(_held) up are unused
         # Paths whose state was evicted or not let in, so that plan still finds the junctions
@@ -301,8 +306,7 @@ class PrefixCache:
             found = None
         elif held is not None:
             length, found = held.length, held
-            r_rows = [pool[held.slot] for pool in self._pool_r]
-            s_rows = [pool[held.slot] for pool in self._pool_s]
+            r_rows, s_rows = self._slot_rows(held.slot)
         else:
             self._stats["lookups"] += 1
             self._stats["tokens_recomputed"] += n_tokens
@@ -367,7 +371,7 @@ class PrefixCache:
                                 f"needs position {n_tokens - 1}")
         # All-or-nothing: the cache is read (which can raise: another thread inside it) before
         # anything here changes; what follows only moves numpy rows and never raises.
-        r_rows, s_rows = self._rows_of(int(seq))
+        rows = self._rows_of(int(seq))
         self._stats["saves"] += 1
         node, tail = self._path(data, n_tokens, create=False)
         known = node.tails.get(tail) if node is not None else None
@@ -385,24 +389,42 @@ class PrefixCache:
                     known = self._add(data, n_tokens, -1, kind)
                 self._ghost(known)
                 if self._tier is not None:
-                    self._write(known, data, r_rows, s_rows)
+                    self._write(known, data, rows)
                 return False
         if known is None:
             known = self._add(data, n_tokens, -1, kind)
         slot = self._take_slot(known)
-        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
-            pool[slot] = row
+        self._fill(slot, rows)
         self._touch(known)
         if self._tier is not None:
-            self._write(known, data, [pool[slot] for pool in self._pool_r], [pool[slot] for pool in self._pool_s])
+            self._write(known, data, rows)
         return True
 
-    def _rows_of(self, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Views of the rows holding ``seq``'s state (zeros when its cell has no data yet, docs/concepts.md §2)."""
+    def _rows_of(self, seq: int) -> tuple[Tensor, Tensor]:
+        """Copies of ``seq``'s r and s rows, ``[n_state, 1, n_embd]`` each, in the cache's storage
+        (zeros when its cell has no data yet, docs/concepts.md §2): one gather per kind."""
         src = self.cache.cell(self.cache.cell(seq)[2])[1]
         if src < 0:
-            return [np.zeros_like(t[0]) for t in self._r], [np.zeros_like(t[0]) for t in self._s]
-        return [t[src] for t in self._r], [t[src] for t in self._s]
+            return self._zeros(1)
+        found = np.array([src], dtype=np.int64)
+        r, s = (self._storage.take(tensor, found) for tensor in self.cache.tensors)
+        return r, s
+
+    def _zeros(self, n: int) -> tuple[Tensor, Tensor]:
+        r, s = (self._storage.allocate((self._n_state, n, pool.shape[2]), dtype)
+                for pool, dtype in zip(self._pools, self._dtypes))
+        return r, s
+
+    def _fill(self, slot: int, rows: tuple[Tensor, Tensor]) -> None:
+        """Pool slot ``slot`` := ``rows`` (``[n_state, 1, n_embd]`` per kind): one write per kind."""
+        where = np.array([slot], dtype=np.int64)
+        for pool, kind_rows in zip(self._pools, rows):
+            self._storage.put(pool, where, kind_rows)
+
+    def _slot_rows(self, slot: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Views of pool slot ``slot``: one r and one s row per layer with state."""
+        return ([self._pools[0][k, slot] for k in range(self._n_state)],
+                [self._pools[1][k, slot] for k in range(self._n_state)])
 
     def stats(self) -> dict[str, int]:
         """Counters for operators.
@@ -670,10 +692,13 @@ class PrefixCache:
             node = node.parent
         return np.frombuffer(b"".join(reversed(blocks)) + snapshot.tail, _TOKEN)
 
-    def _write(self, snapshot: _Snapshot, data: bytes, r_rows: list[np.ndarray], s_rows: list[np.ndarray]) -> None:
-        """Write-through: hand ``snapshot``'s state (rows read during the call only) to the store."""
+    def _write(self, snapshot: _Snapshot, data: bytes, rows: tuple[Tensor, Tensor]) -> None:
+        """Write-through: hand ``snapshot``'s state (``[n_state, 1, n_embd]`` per kind, read during
+        the call only) to the store, as host rows (one transfer per kind)."""
         assert self._tier is not None
-        confirmed = self._tier.put(np.frombuffer(data, _TOKEN), r_rows, s_rows)
+        r, s = (self._storage.to_host(kind_rows) for kind_rows in rows)
+        confirmed = self._tier.put(np.frombuffer(data, _TOKEN), [r[k, 0] for k in range(self._n_state)],
+                                   [s[k, 0] for k in range(self._n_state)])
         snapshot.stored = snapshot.stored or confirmed   # "had it already" keeps an earlier confirmation
         self._store_stats["store_puts"] += 1
         self._store_stats["store_written"] += int(confirmed)
@@ -682,9 +707,9 @@ class PrefixCache:
         """An evicted snapshot whose write the store did not confirm is offered again."""
         if self._tier is None or snapshot.stored:
             return
-        slot = snapshot.slot
-        self._write(snapshot, self._tokens_of(snapshot).tobytes(),
-                    [pool[slot] for pool in self._pool_r], [pool[slot] for pool in self._pool_s])
+        where = np.array([snapshot.slot], dtype=np.int64)
+        r, s = (self._storage.take(pool, where) for pool in self._pools)
+        self._write(snapshot, self._tokens_of(snapshot).tobytes(), (r, s))
         self._store_stats["store_spills"] += 1
 
     def _fetch(self, data: bytes, n_tokens: int,
@@ -708,15 +733,17 @@ class PrefixCache:
         if found is None:
             return None
         n, r_rows, s_rows = found
-        pools = self._pool_r + self._pool_s
+        n_state = self._n_state
+        widths = [pool.shape[2] for pool in self._pools]
+        kinds = [(dtype, width) for dtype, width in zip(self._dtypes, widths) for _ in range(n_state)]
         rows = list(r_rows) + list(s_rows)
-        if not (n in lengths and len(r_rows) == len(self._r) and len(s_rows) == len(self._s) and all(
-                np.asarray(row).nbytes == pool[0].nbytes for row, pool in zip(rows, pools))):
+        if not (n in lengths and len(r_rows) == n_state and len(s_rows) == n_state and all(
+                np.asarray(row).nbytes == width * dtype.itemsize for row, (dtype, width) in zip(rows, kinds))):
             return None   # rows that do not fit this cache: a miss, never a wrong state
         # by the bytes: bf16 rows may be ml_dtypes.bfloat16 on one side and uint16 on the other
-        typed = [np.ascontiguousarray(row).view(np.uint8).reshape(-1).view(pool.dtype)
-                 for row, pool in zip(rows, pools)]
-        return n, typed[:len(self._r)], typed[len(self._r):]
+        typed = [np.ascontiguousarray(row).view(np.uint8).reshape(-1).view(dtype.numpy)
+                 for row, (dtype, _) in zip(rows, kinds)]
+        return n, typed[:n_state], typed[n_state:]
 
     def _promote(self, data: bytes, n: int, r_rows: list[np.ndarray], s_rows: list[np.ndarray]) -> _Snapshot | None:
         """A store hit of the first ``n`` tokens of ``data`` into memory; None if nothing can be evicted."""
@@ -731,8 +758,9 @@ class PrefixCache:
             del self._ghosts[snapshot]
         if snapshot.slot < 0:
             self._take_slot(snapshot)
-        for pool, row in zip(self._pool_r + self._pool_s, r_rows + s_rows):
-            pool[snapshot.slot] = row
+        r, s = (self._storage.from_host(np.stack(rows)[:, None], dtype) if rows else self._zeros(1)[i]
+                for i, (rows, dtype) in enumerate(zip((r_rows, s_rows), self._dtypes)))
+        self._fill(snapshot.slot, (r, s))
         snapshot.stored = True
         return snapshot
 
