@@ -257,6 +257,28 @@ def test_embedding_input(device):
     np.testing.assert_allclose(got.cpu().numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype", ["f32", "f16", "bf16"])
+def test_storage_rounds_like_the_numpy_storage(state_dtype, device):
+    """Bit for bit, through float32 first: the last values are float64 just above a tie of the storage dtype,
+    which a direct float64 conversion rounds up and ggml's float32-first conversion rounds to even (down)."""
+    rng = np.random.default_rng(1)
+    values = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-6, 6, 4000),
+                             [0.0, -0.0, np.inf, -np.inf, 1e6, -1e-9, 1 + 2.0 ** -11 + 2.0 ** -40,
+                              1 + 2.0 ** -8 + 2.0 ** -40]])
+    numpy_storage = StateStorage.named(state_dtype)
+    storage = torch_forward.TorchStorage({"f32": torch.float32, "f16": torch.float16,
+                                          "bf16": torch.bfloat16}[state_dtype])
+    encoded = storage.encode(torch.from_numpy(values).to(device))
+    with np.errstate(over="ignore"):   # 1e6 is inf in f16, on both sides
+        expected = numpy_storage.encode(values)
+        expected_rounded = numpy_storage.round(values)
+    np.testing.assert_array_equal(numpy_storage.decode(tensor_as_numpy(encoded, expected.dtype), np.float64),
+                                  numpy_storage.decode(expected, np.float64))
+    rounded = storage.round(torch.from_numpy(values).to(device)).cpu().numpy()
+    np.testing.assert_array_equal(rounded, expected_rounded)
+
+
 def test_weights_are_converted_once_per_device():
     model = mamba1(np.float32)
     cpu = torch.device("cpu")

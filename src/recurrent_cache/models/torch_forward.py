@@ -82,6 +82,9 @@ def device_weights(model: RecurrentModel, device: torch.device) -> DeviceWeights
     per_device = _DEVICE_WEIGHTS.setdefault(model, {})
     weights = per_device.get(device)
     if weights is None:
+        if device.type == "mps" and model.dtype == np.float64:
+            raise ModelError("a float64 model cannot run on mps (Apple GPUs have no float64): "
+                             "load it with dtype=np.float32")
         def converted(array: np.ndarray) -> Tensor:
             # on the CPU a writable array is shared, not copied (torch warns about read-only ones)
             tensor = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
