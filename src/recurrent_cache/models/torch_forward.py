@@ -140,7 +140,7 @@ def forward_ubatch(model: RecurrentModel, st: Any, r_rows: list[Any], s_rows: li
         x = x + out
         finals.append((conv, ssm, steps))
 
-    # written after every layer ran: with f32 rows and an f32 model, ``decode`` hands out the rows themselves
+    # written once every layer has run, so that an error in any layer leaves every row as it was
     for il, (r, s, (conv, ssm, steps)) in enumerate(zip(r_rows, s_rows, finals)):
         r.copy_(storage_r.encode(conv.reshape(n_seqs, p.n_embd_r)))
         s.copy_(storage_s.encode(ssm.reshape(n_seqs, p.n_embd_s)))
