@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -33,10 +33,12 @@ from ._storage import StateStorage
 from .vocab import Vocabulary
 
 if TYPE_CHECKING:
+    import torch
+
     from ..cache import RecurrentCache
 
-__all__ = ["ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "checked_layers", "checked_tensor",
-           "rms_norm", "silu", "softplus"]
+__all__ = ["HostRows", "ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "TorchRows", "checked_layers",
+           "checked_tensor", "rms_norm", "silu", "softplus"]
 
 
 # Per layer, the states after a ubatch's last m-1 .. 1 tokens: (conv [n_seqs, m, ...], ssm [n_seqs, m, ...]).
@@ -67,6 +69,18 @@ class ModelShape(Protocol):
     @property
     def n_embd_s(self) -> int: ...
     def describe(self) -> str: ...
+
+
+class HostRows(Protocol):
+    """A batch state whose state rows are numpy arrays (a cache with numpy storage): the numpy forward."""
+
+    def r(self, il: int) -> np.ndarray: ...
+
+
+class TorchRows(Protocol):
+    """A batch state whose state rows are torch tensors (a cache with torch storage): the torch forward."""
+
+    def r(self, il: int) -> torch.Tensor: ...
 
 
 Layer = TypeVar("Layer")
@@ -168,38 +182,53 @@ class RecurrentModel(ABC):
 
     # -- running on the cache ---------------------------------------------------
 
-    def forward(self, st: Any) -> np.ndarray:
+    @overload
+    def forward(self, st: HostRows) -> np.ndarray: ...
+    @overload
+    def forward(self, st: TorchRows) -> torch.Tensor: ...
+
+    def forward(self, st: Any) -> np.ndarray | torch.Tensor:
         """Run every ubatch of ``st`` (from ``cache.init_batch``), applying each in turn.
 
         Returns the logits of the output tokens, shape ``[n_outputs, n_vocab]``:
-        row ``i`` belongs to batch index ``st.out_ids[i]``.
+        row ``i`` belongs to batch index ``st.out_ids[i]``.  Where the cache keeps
+        its states decides where the model runs: numpy rows, the numpy forward and
+        a numpy array; torch rows, the torch forward (``torch_forward.py``) on their
+        device and a torch tensor on that device, in the model's dtype.
         """
         if st.status != MemoryStatus.SUCCESS:
             raise ModelError(f"cannot run a batch whose init_batch status is {st.status.name}")
         logits = [self.forward_ubatch(st) for _ in st]
+        if logits and not isinstance(logits[0], np.ndarray):
+            from .torch_forward import concatenated   # torch rows: torch is installed
+
+            return concatenated(logits)
         return np.concatenate(logits) if logits else np.zeros((0, self.hparams.n_vocab), self.dtype)
 
-    def forward_ubatch(self, st: Any) -> np.ndarray:
+    @overload
+    def forward_ubatch(self, st: HostRows) -> np.ndarray: ...
+    @overload
+    def forward_ubatch(self, st: TorchRows) -> torch.Tensor: ...
+
+    def forward_ubatch(self, st: Any) -> np.ndarray | torch.Tensor:
         """Run the ubatch that ``st`` has just applied, updating its state rows in place.
 
         Group ``s`` starts from rows ``st.r(il)[s]`` / ``st.s(il)[s]`` and its
         final states are written back there; with a cache that keeps a rollback
         history (``n_rollback > 0``) the states after the group's earlier tokens
         go into ``st.r_steps(il)`` / ``st.s_steps(il)`` (docs/rollback.md).  Returns the
-        logits of the ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``.
+        logits of the ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``:
+        a numpy array, or a torch tensor on the rows' device when the rows are torch
+        tensors (``forward``).
         """
+        r_rows, s_rows = self.state_rows(st)
+        if not isinstance(r_rows[0], np.ndarray):
+            from .torch_forward import forward_ubatch   # torch rows: torch is installed
+
+            return forward_ubatch(self, st, r_rows, s_rows)
         p = self.hparams
         ub = st.ubatch
         n_seqs, n_seq_tokens = ub.n_seqs, ub.n_seq_tokens
-        try:
-            r_rows = [st.r(il) for il in range(p.n_layer)]
-            s_rows = [st.s(il) for il in range(p.n_layer)]
-        except IndexError:
-            raise ModelError(f"the cache has fewer than the model's {p.n_layer} layers "
-                             "(use model.new_cache())") from None
-        if r_rows[0].shape[1] != p.n_embd_r or s_rows[0].shape[1] != p.n_embd_s:
-            raise ModelError(f"the cache rows are {r_rows[0].shape[1]} / {s_rows[0].shape[1]} wide; "
-                             f"this model needs {p.n_embd_r} / {p.n_embd_s} (use model.new_cache())")
         storage_r, storage_s = StateStorage(r_rows[0].dtype), StateStorage(s_rows[0].dtype)
         conv = [storage_r.decode(rows, self.dtype).reshape(n_seqs, p.conv_channels, p.d_conv - 1) for rows in r_rows]
         ssm = [storage_s.decode(rows, self.dtype).reshape(n_seqs, p.d_inner, p.d_state) for rows in s_rows]
@@ -217,6 +246,21 @@ class RecurrentModel(ABC):
                 st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape(n_seqs, m, p.n_embd_s))
         return self.logits(x.reshape(ub.n_tokens, p.n_embd)[ub.output])
 
+    def state_rows(self, st: Any) -> tuple[list[Any], list[Any]]:
+        """The r and s rows of every layer for ``st``'s applied ubatch (numpy arrays or torch tensors),
+        or ``ModelError`` when the cache is not shaped for this model."""
+        p = self.hparams
+        try:
+            r_rows = [st.r(il) for il in range(p.n_layer)]
+            s_rows = [st.s(il) for il in range(p.n_layer)]
+        except IndexError:
+            raise ModelError(f"the cache has fewer than the model's {p.n_layer} layers "
+                             "(use model.new_cache())") from None
+        if r_rows[0].shape[1] != p.n_embd_r or s_rows[0].shape[1] != p.n_embd_s:
+            raise ModelError(f"the cache rows are {r_rows[0].shape[1]} / {s_rows[0].shape[1]} wide; "
+                             f"this model needs {p.n_embd_r} / {p.n_embd_s} (use model.new_cache())")
+        return r_rows, s_rows
+
     # -- the layers ---------------------------------------------------------------
 
     def zero_states(self, n_seqs: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -228,18 +272,25 @@ class RecurrentModel(ABC):
 
     def embed(self, tokens: np.ndarray | None, embd: np.ndarray | None = None) -> np.ndarray:
         """The input rows: ``token_embd`` of ``tokens`` (ids checked), or ``embd`` itself when tokens is None."""
-        p = self.hparams
         if tokens is None:
-            if embd is None or embd.ndim != 2 or embd.shape[1] != p.n_embd:
-                raise ModelError(f"embedding input of shape {None if embd is None else embd.shape}; "
-                                 f"this model has n_embd {p.n_embd}")
-            return embd.astype(self.dtype)
-        tokens = np.asarray(tokens)
-        bad = (tokens < 0) | (tokens >= p.n_vocab)
-        if bad.any():
-            raise ModelError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {p.n_vocab})")
-        embedded: np.ndarray = self.token_embd[tokens]
+            return self.checked_embd(embd).astype(self.dtype)
+        embedded: np.ndarray = self.token_embd[self.checked_tokens(tokens)]
         return embedded
+
+    def checked_tokens(self, tokens: Any) -> np.ndarray:
+        """``tokens`` as an array, or ``ModelError`` naming the first id outside the vocabulary."""
+        ids = np.asarray(tokens)
+        bad = (ids < 0) | (ids >= self.hparams.n_vocab)
+        if bad.any():
+            raise ModelError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.hparams.n_vocab})")
+        return ids
+
+    def checked_embd(self, embd: np.ndarray | None) -> np.ndarray:
+        """Embedding input ``[n_tokens, n_embd]`` itself, or ``ModelError`` naming its shape."""
+        if embd is None or embd.ndim != 2 or embd.shape[1] != self.hparams.n_embd:
+            raise ModelError(f"embedding input of shape {None if embd is None else embd.shape}; "
+                             f"this model has n_embd {self.hparams.n_embd}")
+        return embd
 
     def run_layers(self, x: np.ndarray, conv: list[np.ndarray], ssm: list[np.ndarray],
                    storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
