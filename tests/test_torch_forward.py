@@ -24,65 +24,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: the torch forward runs on the CPU only here"))]
 
 
-# TEMPORARY, until RecurrentCache(storage="torch", device=...) lands (issue 19): a numpy-storage cache's
-# MemoryState whose rows are handed out as torch tensors.  On the CPU they are torch.from_numpy views of the
-# cache's own rows, so the cache sees every write; on another device they are copies, written back before
-# the next ubatch is applied (and so before the cache files the step states into its history).  When
-# merging, build the torch side with RecurrentCache(..., storage="torch", device=device) and drop this class.
-class TorchRowsOf:
-    """``st`` (a MemoryState of a numpy-storage cache) with its rows as torch tensors on ``device``."""
-
-    def __init__(self, st, device: str) -> None:
-        self.st = st
-        self.device = torch.device(device)
-        self.handed_out = {}   # (kind, il) -> (the cache's numpy rows, the tensor handed out)
-
-    @property
-    def status(self):
-        return self.st.status
-
-    @property
-    def ubatch(self):
-        return self.st.ubatch
-
-    @property
-    def out_ids(self):
-        return self.st.out_ids
-
-    def __iter__(self):
-        for ub in self.st:   # advancing this applies the next ubatch: write back before that
-            self.handed_out = {}
-            yield ub
-            for rows, tensor in self.handed_out.values():
-                if tensor.device.type != "cpu":
-                    rows[...] = tensor_as_numpy(tensor, rows.dtype)
-
-    def _tensor(self, kind: str, il: int):
-        if (kind, il) not in self.handed_out:
-            rows = getattr(self.st, kind)(il)
-            self.handed_out[kind, il] = (rows, numpy_as_tensor(rows).to(self.device))
-        return self.handed_out[kind, il][1]
-
-    def r(self, il):
-        return self._tensor("r", il)
-
-    def s(self, il):
-        return self._tensor("s", il)
-
-    def r_steps(self, il):
-        return self._tensor("r_steps", il)
-
-    def s_steps(self, il):
-        return self._tensor("s_steps", il)
-
-
-def numpy_as_tensor(rows: np.ndarray):
-    """A torch view of numpy state rows (bf16, whether ml_dtypes' or raw uint16 bits: the same bits)."""
-    if rows.dtype.itemsize == 2 and rows.dtype != np.float16:
-        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(rows)
-
-
 def tensor_as_numpy(tensor, dtype: np.dtype) -> np.ndarray:
     """A host copy of a state tensor as the cache's numpy dtype."""
     if tensor.dtype == torch.bfloat16:
@@ -134,13 +75,14 @@ TOLERANCE = {
 
 class Pair:
     """One model served from two caches of the same shape: the numpy forward on one, the torch forward on
-    the other (through torch rows on ``device``)."""
+    the other (a torch-storage cache on ``device``)."""
 
     def __init__(self, model, dtype: str, device: str, n_rollback: int = 2) -> None:
         self.model, self.device = model, device
         self.tolerance = TOLERANCE[model.dtype.type][dtype]
         self.on_numpy = model.new_cache(n_seq_max=4, dtype=dtype, n_rollback=n_rollback)
-        self.on_torch = model.new_cache(n_seq_max=4, dtype=dtype, n_rollback=n_rollback)
+        self.on_torch = model.new_cache(n_seq_max=4, dtype=dtype, n_rollback=n_rollback, storage="torch",
+                                        device=device)
         self.storage = StateStorage.named(dtype)
         self.worst = 0.0   # the largest relative difference seen
         self.step_states = 0   # step-state tensors compared that hold something (m > 0)
@@ -162,7 +104,7 @@ class Pair:
     def run(self, batch: rc.Batch, n_ubatch: int) -> None:
         """``batch`` on both caches, ubatch by ubatch; logits, rows and step states compared after each."""
         st_numpy = self.on_numpy.init_batch(batch, n_ubatch)
-        st_torch = TorchRowsOf(self.on_torch.init_batch(batch, n_ubatch), self.device)
+        st_torch = self.on_torch.init_batch(batch, n_ubatch)
         n_layer = self.model.hparams.n_layer
         for u, _ in enumerate(zip(st_numpy, st_torch)):
             expected = self.model.forward_ubatch(st_numpy)
@@ -242,7 +184,7 @@ def test_forward_returns_a_tensor_on_the_rows_device(architecture, device):
     batch = rc.Batch(token=[3, 1, 4, 1, 5, 9, 2, 6], seq_id=[0] * 5 + [1] * 3, pos=list(range(5)) + list(range(3)),
                      logits=[1] * 8)
     expected = model.forward(model.new_cache(n_seq_max=2).init_batch(batch, 2))
-    got = model.forward(TorchRowsOf(model.new_cache(n_seq_max=2).init_batch(batch, 2), device))
+    got = model.forward(model.new_cache(n_seq_max=2, storage="torch", device=device).init_batch(batch, 2))
     assert isinstance(got, torch.Tensor) and got.device.type == device and got.dtype == torch.float64
     np.testing.assert_allclose(got.cpu().numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
 
@@ -253,7 +195,7 @@ def test_embedding_input(device):
     embd = np.random.default_rng(3).standard_normal((4, model.hparams.n_embd))
     batch = rc.Batch(embd=embd, seq_id=[0, 0, 1, 1], pos=[0, 1, 0, 1], logits=[1] * 4)
     expected = model.forward(model.new_cache(n_seq_max=2).init_batch(batch))
-    got = model.forward(TorchRowsOf(model.new_cache(n_seq_max=2).init_batch(batch), device))
+    got = model.forward(model.new_cache(n_seq_max=2, storage="torch", device=device).init_batch(batch))
     np.testing.assert_allclose(got.cpu().numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
 
 
@@ -267,7 +209,7 @@ def test_storage_rounds_like_the_numpy_storage(state_dtype, device):
                              [0.0, -0.0, np.inf, -np.inf, 1e6, -1e-9, 1 + 2.0 ** -11 + 2.0 ** -40,
                               1 + 2.0 ** -8 + 2.0 ** -40]])
     numpy_storage = StateStorage.named(state_dtype)
-    storage = torch_forward.TorchStorage({"f32": torch.float32, "f16": torch.float16,
+    storage = torch_forward.TorchStateStorage({"f32": torch.float32, "f16": torch.float16,
                                           "bf16": torch.bfloat16}[state_dtype])
     encoded = storage.encode(torch.from_numpy(values).to(device))
     with np.errstate(over="ignore"):   # 1e6 is inf in f16, on both sides
@@ -293,28 +235,38 @@ def test_bad_token_changes_no_state():
     """A token outside the vocabulary is refused before any row is written: the cache holds what the numpy
     forward leaves (the rows its apply placed, untouched by the model)."""
     model = mamba1(np.float64)
-    caches = [model.new_cache(n_seq_max=2, n_rollback=2) for _ in range(2)]
+    caches = [model.new_cache(n_seq_max=2, n_rollback=2, storage=storage) for storage in ("numpy", "torch")]
     for cache in caches:
         model.forward(cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0] * 3)))
     bad = rc.Batch(token=[4, 5, 64, 7], seq_id=[0, 0, 1, 1], pos=[3, 4, 0, 1])
     with pytest.raises(ModelError, match="token id 64"):
         model.forward(caches[0].init_batch(bad))
     with pytest.raises(ModelError, match="token id 64"):
-        model.forward(TorchRowsOf(caches[1].init_batch(bad), "cpu"))
+        model.forward(caches[1].init_batch(bad))
     for expected, got in zip(caches[0].r + caches[0].s, caches[1].r + caches[1].s):
-        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(got.numpy(), expected)
 
 
 def test_state_rows_of_another_dtype_are_refused():
     model = mamba1(np.float64)
-    st = model.new_cache().init_batch(rc.Batch(token=[1]))
+    st = model.new_cache(storage="torch").init_batch(rc.Batch(token=[1]))
 
-    class Float64Rows(TorchRowsOf):
-        def _tensor(self, kind, il):
-            return super()._tensor(kind, il).to(torch.float64)
+    class Float64Rows:
+        """A memory state whose rows a caller converted to float64 (no cache stores those)."""
+
+        status, ubatch, out_ids = st.status, st.ubatch, st.out_ids
+
+        def __iter__(self):
+            return iter(st)
+
+        def r(self, il):
+            return st.r(il).to(torch.float64)
+
+        def s(self, il):
+            return st.s(il).to(torch.float64)
 
     with pytest.raises(ModelError, match="torch.float64"):
-        model.forward(Float64Rows(st, "cpu"))
+        model.forward(Float64Rows())
 
 
 def test_package_imports_and_runs_without_torch():

@@ -251,8 +251,8 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
     if code != RC_OK:
         return code
     if core.logged:   # the rows went to the staging copies (tensor_data): hand them to the storage
-        if seq_id < 0:
-            for k in range(layout.cell_count):
+        if seq_id < 0:   # the blob's rows, then zeros (the rest of the cache is cleared)
+            for k in range(core.cells.size):
                 log_copy(&core.log, SPACE_CELLS, k, SPACE_STAGE, k)
         elif layout.cell_count:
             log_copy(&core.log, SPACE_CELLS, core.cells.head, SPACE_STAGE, core.cells.head)

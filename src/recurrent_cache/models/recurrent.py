@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..memory_state import MemoryStatus
+from ..storage import Storage
 from ._storage import StateStorage
 from .vocab import Vocabulary
 
@@ -171,14 +172,17 @@ class RecurrentModel(ABC):
         return self.output is self.token_embd
 
     def new_cache(self, n_seq_max: int = 1, size: int | None = None, dtype: str = "f32", n_rollback: int = 0,
-                  engine: Literal["compiled", "reference"] | None = None) -> RecurrentCache:
+                  engine: Literal["compiled", "reference"] | None = None, storage: str | Storage = "numpy",
+                  device: Any = None) -> RecurrentCache:
         """A ``RecurrentCache`` shaped for this model, with ``dtype`` states ("f32", "f16", "bf16");
-        ``n_rollback`` past states per cell for speculative decoding (the model writes them)."""
+        ``n_rollback`` past states per cell for speculative decoding (the model writes them);
+        ``storage`` / ``device`` as ``RecurrentCache`` takes them (``forward`` then runs on that device)."""
         from .. import RecurrentCache
 
         p = self.hparams
         return RecurrentCache(p.n_layer, p.n_embd_r, p.n_embd_s, n_seq_max=n_seq_max, size=size,
-                              dtype_r=dtype, dtype_s=dtype, n_rollback=n_rollback, engine=engine)
+                              dtype_r=dtype, dtype_s=dtype, n_rollback=n_rollback, engine=engine,
+                              storage=storage, device=device)
 
     # -- running on the cache ---------------------------------------------------
 

@@ -31,7 +31,7 @@ from .mamba import MambaModel
 from .mamba2 import Mamba2Model
 from .recurrent import RecurrentModel
 
-__all__ = ["DeviceWeights", "TorchStorage", "concatenated", "device_weights", "forward_ubatch"]
+__all__ = ["DeviceWeights", "TorchStateStorage", "concatenated", "device_weights", "forward_ubatch"]
 
 Tensor = torch.Tensor
 Weights = dict[str, Tensor]   # one layer's weights by ``MambaLayer`` / ``Mamba2Layer`` field name
@@ -39,7 +39,7 @@ Weights = dict[str, Tensor]   # one layer's weights by ``MambaLayer`` / ``Mamba2
 _COMPUTE_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
-class TorchStorage:
+class TorchStateStorage:
     """The storage dtype of one state tensor in torch (f32, f16, bf16): ``StateStorage``'s rounding."""
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -120,7 +120,7 @@ def forward_ubatch(model: RecurrentModel, st: Any, r_rows: list[Any], s_rows: li
     device = r_rows[0].device
     dtype = _COMPUTE_DTYPES[model.dtype]
     weights = device_weights(model, device)
-    storage_r, storage_s = TorchStorage(r_rows[0].dtype), TorchStorage(s_rows[0].dtype)
+    storage_r, storage_s = TorchStateStorage(r_rows[0].dtype), TorchStateStorage(s_rows[0].dtype)
 
     # the input is checked before any state is read or written: a bad token leaves the cache as it was
     if ub.token is None:
@@ -155,7 +155,7 @@ def forward_ubatch(model: RecurrentModel, st: Any, r_rows: list[Any], s_rows: li
 
 # One block: (model, its layer's weights, u [n_seqs, n_tokens, n_embd] normed, conv, ssm, storage_r, storage_s, m)
 # -> (output to add to the residual, conv after, ssm after, the step states (conv, ssm) when m > 0).
-Mixer = Callable[[Any, Weights, Tensor, Tensor, Tensor, TorchStorage, TorchStorage, int],
+Mixer = Callable[[Any, Weights, Tensor, Tensor, Tensor, TorchStateStorage, TorchStateStorage, int],
                  tuple[Tensor, Tensor, Tensor, "tuple[Tensor, Tensor] | None"]]
 
 
@@ -182,7 +182,7 @@ def _softplus(v: Tensor) -> Tensor:
     return torch.where(v > 20.0, v, torch.log1p(torch.exp(torch.clamp(v, max=20.0))))
 
 
-def _conv_window(conv: Tensor, inputs: Tensor, storage_r: TorchStorage) -> Tensor:
+def _conv_window(conv: Tensor, inputs: Tensor, storage_r: TorchStateStorage) -> Tensor:
     """recurrent.conv_window's window: the state then the inputs rounded as stored, [n_seqs, channels, d_conv-1+n]."""
     return torch.cat([conv, storage_r.round(inputs).transpose(1, 2)], dim=2)
 
@@ -202,8 +202,8 @@ def _conv_after(window: Tensor, d_conv: int, m: int) -> tuple[Tensor, Tensor | N
     return window[:, :, n_tokens:], steps
 
 
-def _mamba_mixer(model: MambaModel, w: Weights, u: Tensor, conv: Tensor, ssm: Tensor, storage_r: TorchStorage,
-                 storage_s: TorchStorage, m: int) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+def _mamba_mixer(model: MambaModel, w: Weights, u: Tensor, conv: Tensor, ssm: Tensor, storage_r: TorchStateStorage,
+                 storage_s: TorchStateStorage, m: int) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """``MambaModel.mixer`` in torch."""
     p = model.hparams
     n_tokens = u.shape[1]
@@ -235,8 +235,8 @@ def _mamba_mixer(model: MambaModel, w: Weights, u: Tensor, conv: Tensor, ssm: Te
     return ((y + xc * w["ssm_d"]) * _silu(z)) @ w["ssm_out"].T, conv, ssm, steps
 
 
-def _mamba2_mixer(model: Mamba2Model, w: Weights, u: Tensor, conv: Tensor, ssm: Tensor, storage_r: TorchStorage,
-                  storage_s: TorchStorage, m: int) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+def _mamba2_mixer(model: Mamba2Model, w: Weights, u: Tensor, conv: Tensor, ssm: Tensor, storage_r: TorchStateStorage,
+                  storage_s: TorchStateStorage, m: int) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """``Mamba2Model.mixer`` in torch."""
     p = model.hparams
     n_seqs, n_tokens = u.shape[:2]
