@@ -31,7 +31,8 @@ from ..models import RecurrentModel, ModelError, write_gguf
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
 from .clients import make_clients, print_clients
-from .model_options import add_model_options, build_model, model_name
+from .model_options import (add_model_options, add_storage_options, build_model, model_name, storage_refusal,
+                            where_states_live)
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in, text
 from .serving import Client, Server, Stats, new_cache, progress_bar
 from .verification import TOLERANCE, fail, verify
@@ -47,16 +48,17 @@ examples:
   python -m recurrent_cache demo --fork --parallel 3 --n-predict 64
   python -m recurrent_cache demo --prefix-cache --store /tmp/states  # run it twice
   python -m recurrent_cache demo --speculative 4
+  python -m recurrent_cache demo --storage torch                   # states and model on torch (cpu)
   python -m recurrent_cache demo --random-weights --write-model random.gguf
 """
 
 # The defaults of the options a mode may refuse: they are None after parsing unless given.
 DEFAULTS = {"clients": 8, "parallel": 5, "n_predict": 32, "ubatch": 16, "temperature": DEFAULT_TEMPERATURE,
-            "top_k": DEFAULT_TOP_K, "dtype": "f32", "seed": 0}
+            "top_k": DEFAULT_TOP_K, "dtype": "f32", "seed": 0, "storage": "numpy"}
 
 # What each mode reads besides --model / --random-weights / --compute / --quiet; any other option
 # given with it is refused.  ("seed" of --write-model: only with --random-weights, see refusal.)
-SERVING = {"parallel", "n_predict", "ubatch", "dtype", "seed", "corrupt_step"}
+SERVING = {"parallel", "n_predict", "ubatch", "dtype", "seed", "corrupt_step", "storage", "device"}
 READS = {
     "": SERVING | {"clients", "temperature", "top_k"},
     "--fork": SERVING | {"fork", "temperature", "top_k"},
@@ -92,6 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int_in(0, 1_000_000),
                         help=f"sample from the k most likely tokens only, 0: all (default {DEFAULT_TOP_K})")
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), help="state storage type (default f32)")
+    add_storage_options(parser)
     modes = parser.add_argument_group("modes (one at a time; each refuses the options it does not use)")
     modes.add_argument("--fork", action="store_true",
                        help="one prompt forked with seq_cp into --parallel sampled continuations")
@@ -139,7 +142,7 @@ def refusal(options: argparse.Namespace) -> str:
     if ignored:
         shown = ", ".join(ignored[:-1]) + " and " + ignored[-1] if len(ignored) > 1 else ignored[0]
         return f"{shown} would be ignored by {mode}: {WHY[mode]}"
-    return greedy_refusal(options.temperature, options.top_k)
+    return greedy_refusal(options.temperature, options.top_k) or storage_refusal(options)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +174,7 @@ def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:
     count = options.parallel if options.fork else options.clients
     clients = make_clients(model, count, options.n_predict, options.temperature, options.top_k, options.seed,
                            same_prompt=options.fork)
-    cache = new_cache(model, options.parallel, options.dtype)
+    cache = new_cache(model, options.parallel, options.dtype, storage=options.storage, device=options.device)
     progress = progress_bar(sum(client.n_predict for client in clients), options.quiet)
     server = Server(model, cache, options.ubatch, progress, options.corrupt_step)
     start = time.perf_counter()
@@ -203,7 +206,8 @@ def report(options: argparse.Namespace, model: RecurrentModel, clients: list[Cli
     mode = f"1 prompt forked into {len(clients)} sequences" if options.fork else \
         f"{len(clients)} ({options.parallel} at a time)"
     print(f"model            {model.hparams.describe()} ({model_name(options)})")
-    print(f"cache            {cells} cells, {options.dtype} states, n_ubatch {options.ubatch}")
+    print(f"cache            {cells} cells, {options.dtype} states{where_states_live(options)}, "
+          f"n_ubatch {options.ubatch}")
     print(f"clients          {mode}")
     print_clients(model, clients, samplers=True)
     print(f"tokens           {processed} processed ({stats.prompt_tokens} prompt + {stats.decode_tokens} decode), "

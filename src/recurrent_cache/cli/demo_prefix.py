@@ -40,7 +40,7 @@ import numpy as np
 import recurrent_cache as rc
 
 from ..models import RecurrentModel, ReferenceRun, Sampler
-from .model_options import model_identity, model_name
+from .model_options import model_identity, model_name, where_states_live
 from .options import USER_ERROR
 from .serving import Client, Server, new_cache
 from .verification import TOLERANCE, fail, relative_difference
@@ -135,7 +135,8 @@ def serve(model: RecurrentModel, options: argparse.Namespace, conversations: lis
           namespace: str = "") -> tuple[ConversationServer, float, dict[str, int]]:
     """All turns of all conversations through one cache, with or without a PrefixCache (and its
     store): the server, the seconds it took, and the prefix cache's stats."""
-    cache = new_cache(model, options.parallel, options.dtype)
+    cache = new_cache(model, options.parallel, options.dtype, storage=options.storage,
+                      device=options.device)
     pc = (rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store, namespace=namespace)
           if prefix_cache else None)
     server = ConversationServer(model, cache, options.ubatch, conversations, pc,
@@ -198,7 +199,8 @@ def run(options: argparse.Namespace, model: RecurrentModel) -> int:
     prompt_tokens = sum(len(r.prompt) for r in requests)
     computed = with_pc.stats.prompt_tokens
     print(f"model            {model.hparams.describe()} ({model_name(options)})")
-    print(f"cache            {options.parallel} cells, {options.dtype} states, n_ubatch {options.ubatch}")
+    print(f"cache            {options.parallel} cells, {options.dtype} states{where_states_live(options)}, "
+          f"n_ubatch {options.ubatch}")
     print(f"clients          {options.clients} conversations of {TURNS} turns ({options.parallel} requests at a time), "
           f"{N_SYSTEM_PROMPTS} shared system prompts, {options.n_predict} tokens generated per turn")
     print(f"prefix cache     block_size {BLOCK_SIZE}, max_bytes {MAX_BYTES / 2**20:g} MiB: "

@@ -26,7 +26,7 @@ import recurrent_cache as rc
 
 from ..models import RecurrentModel
 from .clients import make_clients, print_clients
-from .model_options import model_name
+from .model_options import model_name, where_states_live
 from .serving import Client, Feed, Server, new_cache
 from .verification import TOLERANCE, fail, verify
 
@@ -113,7 +113,8 @@ def serve(model: RecurrentModel, options: argparse.Namespace, k: int,
     """The demo's clients, greedy, served with drafts of up to ``k`` tokens (0: plain decoding):
     the clients, the server, what speculation did, and the seconds it took."""
     clients = make_clients(model, options.clients, options.n_predict, 0.0, 0, options.seed)
-    cache = new_cache(model, options.parallel, options.dtype, n_rollback=k)
+    cache = new_cache(model, options.parallel, options.dtype, n_rollback=k, storage=options.storage,
+                      device=options.device)
     server = (SpeculativeServer(model, cache, options.ubatch, k, corrupt_step) if k else
               Server(model, cache, options.ubatch, corrupt_step=corrupt_step))
     start = time.perf_counter()
@@ -130,8 +131,8 @@ def run(options: argparse.Namespace, model: RecurrentModel) -> int:
     clients, server, spec, seconds = serve(model, options, k, options.corrupt_step)
     generated = sum(len(client.tokens) for client in clients)
     print(f"model            {model.hparams.describe()} ({model_name(options)})")
-    print(f"cache            {options.parallel} cells, {options.dtype} states, n_rollback {k}, "
-          f"n_ubatch {options.ubatch}")
+    print(f"cache            {options.parallel} cells, {options.dtype} states{where_states_live(options)}, "
+          f"n_rollback {k}, n_ubatch {options.ubatch}")
     print(f"clients          {len(clients)} ({options.parallel} at a time), greedy, drafts of up to "
           f"{k} tokens by prompt lookup")
     print_clients(model, clients, samplers=False)

@@ -24,9 +24,10 @@ from typing import TextIO
 from ..errors import ConfigError
 from ..models import RecurrentModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
-from .model_options import add_model_options, build_model
+from .model_options import add_model_options, add_storage_options, build_model, storage_refusal
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
 from .serving import Client, Server, new_cache
+from .verification import TOLERANCE, verify
 
 __all__ = ["EXAMPLES", "TextStream", "generate", "main", "parse_args"]
 
@@ -38,6 +39,7 @@ examples:
   python -m recurrent_cache generate "def fibonacci(n):"
   python -m recurrent_cache generate "import os" -n 400 --temperature 0.8 --top-k 20 --seed 3
   python -m recurrent_cache generate "class Stack:" --temperature 0 > continuation.txt
+  python -m recurrent_cache generate "def main():" --storage torch --device cpu
 """
 
 
@@ -60,10 +62,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="n_ubatch: most prompt tokens per ubatch (default 64)")
     parser.add_argument("--dtype", choices=STATE_DTYPES, default="f32", help="state storage type")
     add_model_options(parser)
+    add_storage_options(parser)
     options = parser.parse_args(argv)
-    problem = greedy_refusal(options.temperature, options.top_k)
+    problem = greedy_refusal(options.temperature, options.top_k) or storage_refusal(options)
     if problem:
         parser.error(problem)
+    options.storage = options.storage or "numpy"
     if options.top_k is None:
         options.top_k = DEFAULT_TOP_K
     return options
@@ -86,13 +90,21 @@ class TextStream:
 
 def generate(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
              dtype: str, stream: TextStream | None = None) -> tuple[list[int], dict[str, float]]:
-    """Run ``prompt`` then generate ``n_predict`` tokens on a fresh one-cell cache.
+    """Run ``prompt`` then generate ``n_predict`` tokens on a fresh one-cell numpy cache.
 
     Stops early at the vocabulary's end-of-text token (kept as the last token).
     Returns the generated tokens and the figures: seconds of the prompt and of
     the generation, and the cache's state per sequence in bytes.
     """
-    cache = new_cache(model, 1, dtype)
+    client, figures = serve(model, prompt, n_predict, sampler, n_ubatch, dtype, stream)
+    return client.tokens, figures
+
+
+def serve(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
+          dtype: str, stream: TextStream | None = None, storage: str = "numpy",
+          device: str | None = None) -> tuple[Client, dict[str, float]]:
+    """``generate`` on a cache in ``storage`` (on ``device``): the served client and the figures."""
+    cache = new_cache(model, 1, dtype, storage=storage, device=device)
     eos = model.vocab.eos if model.vocab is not None else None
     server = Server(model, cache, n_ubatch)
     client = Client(0, prompt, n_predict, sampler)
@@ -115,7 +127,7 @@ def generate(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: 
         "size": cache.size,
         "pos_max": cache.seq_pos_max(0),
     }
-    return client.tokens, figures
+    return client, figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = TextStream(sys.stdout)
     sys.stdout.write(options.prompt)
     try:
-        tokens, figures = generate(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream)
+        client, figures = serve(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream,
+                                options.storage, options.device)
     except ConfigError as exc:
         print(f"generate: {exc}", file=sys.stderr)
         return USER_ERROR
@@ -155,11 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n--- {name}: {p.describe()}, {sampler}", file=sys.stderr)
     print(f"--- prompt {len(prompt)} tokens in {figures['prompt_seconds']:.3f} s "
           f"({len(prompt) / figures['prompt_seconds']:.0f} tokens/s, ubatches of {options.ubatch}); "
-          f"generated {len(tokens)} tokens in {figures['generate_seconds']:.3f} s "
-          f"({len(tokens) / figures['generate_seconds']:.0f} tokens/s)", file=sys.stderr)
+          f"generated {len(client.tokens)} tokens in {figures['generate_seconds']:.3f} s "
+          f"({len(client.tokens) / figures['generate_seconds']:.0f} tokens/s)", file=sys.stderr)
     print(f"--- cache: {figures['cells_used']} of {figures['size']} cell used, holding sequence 0 up to "
           f"position {figures['pos_max']}; its state is {figures['state_bytes']:,} bytes "
           f"({options.dtype}; {p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values) "
           f"whatever the length", file=sys.stderr)
+    if options.storage != "numpy":
+        return verify_against_numpy(model, client, options)
+    return 0
+
+
+def verify_against_numpy(model: RecurrentModel, client: Client, options: argparse.Namespace) -> int:
+    """A run on another storage checked against the numpy forward run alone: the exit status."""
+    problems, worst = verify(model, [client], options.dtype)
+    if problems:   # on stderr: stdout holds the text
+        print(f"\n*** VERIFICATION FAILED: the {options.storage} run differs from the numpy forward ***",
+              file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(f"--- verified: the numpy forward alone gives the same {len(client.tokens)} tokens and last logits "
+          f"within {worst:.1e} relative (tolerance {TOLERANCE[options.dtype]:g})", file=sys.stderr)
     return 0
 

@@ -17,7 +17,8 @@ import numpy as np
 from ..models import Mamba2Model, RecurrentModel, load_model, random_model, trained_model
 from .options import text
 
-__all__ = ["COMPUTE_DTYPES", "add_model_options", "build_model", "model_identity", "model_name"]
+__all__ = ["COMPUTE_DTYPES", "add_model_options", "add_storage_options", "build_model", "model_identity",
+           "model_name", "storage_refusal", "where_states_live"]
 
 COMPUTE_DTYPES: dict[str, type[np.floating[Any]]] = {"f32": np.float32, "f64": np.float64}
 
@@ -31,6 +32,27 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--random-weights", action="store_true", help="a random model instead, seeded by --seed")
     parser.add_argument("--compute", choices=sorted(COMPUTE_DTYPES), default="f32",
                         help="model arithmetic (default f32, as the model was trained)")
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    """``--storage`` and ``--device``: where the states live and the model runs."""
+    parser.add_argument("--storage", choices=["numpy", "torch"],
+                        help="where the states live and the model runs: numpy (default) or torch, whose run "
+                             "is verified against the numpy forward (needs recurrent_cache[torch])")
+    parser.add_argument("--device", type=text("device"),
+                        help="the torch device (cpu, cuda, cuda:1, mps; default cpu); needs --storage torch")
+
+
+def storage_refusal(options: argparse.Namespace) -> str:
+    """Why the storage options cannot be served together ("" when they can)."""
+    if options.device is not None and options.storage != "torch":
+        return f"--device {options.device} needs --storage torch (numpy states live in host memory)"
+    return ""
+
+
+def where_states_live(options: argparse.Namespace) -> str:
+    """How the reports name the storage: "" for numpy, else " on torch cpu" and the like."""
+    return "" if options.storage == "numpy" else f" on torch {options.device or 'cpu'}"
 
 
 def build_model(options: argparse.Namespace) -> RecurrentModel:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -31,15 +31,24 @@ __all__ = ["Client", "Feed", "NoProgress", "Progress", "Server", "Stats", "build
            "new_cache", "progress_bar"]
 
 
-def new_cache(model: RecurrentModel, n_seq_max: int, dtype: str, n_rollback: int = 0) -> rc.RecurrentCache:
-    """A cache of ``n_seq_max`` cells for ``model``; ``ConfigError`` (saying which and why)
-    when it cannot be had."""
+def new_cache(model: RecurrentModel, n_seq_max: int, dtype: str, n_rollback: int = 0, storage: str = "numpy",
+              device: str | None = None) -> rc.RecurrentCache:
+    """A cache of ``n_seq_max`` cells for ``model`` in ``storage`` (on ``device``); ``ConfigError``
+    (saying which and why) when it cannot be had."""
     try:
-        cache: rc.RecurrentCache = model.new_cache(n_seq_max=n_seq_max, dtype=dtype, n_rollback=n_rollback)
+        cache: rc.RecurrentCache = model.new_cache(n_seq_max=n_seq_max, dtype=dtype, n_rollback=n_rollback,
+                                                   storage=storage, device=device)
     except (MemoryError, rc.RecurrentCacheError) as exc:
         rollback = f" with n_rollback {n_rollback}" if n_rollback else ""
         raise rc.ConfigError(f"cannot allocate {n_seq_max} state cells{rollback} for this model: {exc}") from exc
     return cache
+
+
+def host_logits(logits: Any) -> np.ndarray:
+    """Logits as a host numpy array (the torch forward returns a tensor on the cache's device)."""
+    if isinstance(logits, np.ndarray):
+        return logits
+    return np.asarray(logits.detach().cpu().numpy())
 
 
 @dataclass(eq=False)
@@ -220,7 +229,7 @@ class Server:
                 st.apply()
             stats.peak_used = max(stats.peak_used, cache.used)
             with stats.timing("model"):
-                logits.append(self.model.forward_ubatch(st))
+                logits.append(host_logits(self.model.forward_ubatch(st)))
             stats.ubatches += 1
             with stats.timing("cache"):
                 more = st.next()
@@ -295,5 +304,5 @@ class Server:
         if states is None:   # a cache whose layer filter leaves layer 0 out
             return f"layer 0 holds no SSM state to corrupt (layers={self.cache.layers})"
         row = states[cell]
-        row[...] = row[::-1].copy()
+        row[...] = row.flip(0) if hasattr(row, "flip") else row[::-1].copy()   # torch has no negative steps
         return f"corrupted the layer-0 SSM state of client {client.number} (cell {cell}) after step {self.stats.steps}"
