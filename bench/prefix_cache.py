@@ -348,7 +348,7 @@ def bandwidth_table(shapes: dict[str, tuple[int, int, int]], rounds: int) -> boo
         nbytes = pc.snapshot_bytes
         row = cache.cell(0)[2]
         other = 1 - row
-        pool_r, pool_s = pc._pool_r, pc._pool_s   # noqa: SLF001 - the same rows restore copies from
+        held_r, held_s = cache.seq_state(0)   # rows of the snapshot's shape, as restore copies them
 
         def restore() -> None:
             cache.seq_rm(1, -1, -1)
@@ -356,7 +356,7 @@ def bandwidth_table(shapes: dict[str, tuple[int, int, int]], rounds: int) -> boo
 
         # the baseline: the same rows between the same arrays, views prepared outside the clock
         targets = [cache.r[il][other] for il in range(n_layer)] + [cache.s[il][other] for il in range(n_layer)]
-        sources = [pool[0] for pool in pool_r] + [pool[0] for pool in pool_s]
+        sources = held_r + held_s
 
         def numpy_copy() -> None:
             cache.seq_rm(1, -1, -1)

@@ -23,7 +23,7 @@ from ._config import Config
 from .batch import Batch
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
                      engine_error)
-from .memory_state import MemoryState, MemoryStatus, ThreadGuard
+from .memory_state import MemoryState, MemoryStatus, RowViews, ThreadGuard
 from .storage import Storage, Tensor, storage_for
 from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_too_small,
                            target_view, unframe, write_all)
@@ -92,6 +92,7 @@ class RecurrentCache:
                                                      self._n_rollback, self._config.type_ids(),
                                                      self._config.n_layer, self._config.layers)
         self._guard = ThreadGuard()
+        self._views = RowViews()
 
     @property
     def tensors(self) -> tuple[Tensor, Tensor]:
@@ -437,7 +438,7 @@ class RecurrentCache:
             status = MemoryStatus.SUCCESS if placement.prepare() == 0 else MemoryStatus.FAILED_PREPARE
         finally:
             self._leave()
-        return MemoryState(self, self._core, self._guard, placement, batch, pos, status)
+        return MemoryState(self, self._core, self._guard, self._views, placement, batch, pos, status)
 
     def _default_positions(self, batch: Batch) -> np.ndarray:
         """llama_decode's defaults: each token continues its first sequence (seq_pos_max + 1, ...)."""
@@ -459,7 +460,7 @@ class RecurrentCache:
 
     def init_full(self) -> MemoryState:
         """A state covering the whole cache (``head = 0``, ``n_kv = size``)."""
-        return MemoryState(self, self._core, self._guard, None, None, None, MemoryStatus.SUCCESS)
+        return MemoryState(self, self._core, self._guard, self._views, None, None, None, MemoryStatus.SUCCESS)
 
     # -- state serialisation (docs/concepts.md §5) ---------------------------------------------------
 

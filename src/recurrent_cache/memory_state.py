@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .cache import RecurrentCache
 
-__all__ = ["MemoryState", "MemoryStatus", "Ubatch", "SeqIdLists", "ThreadGuard"]
+__all__ = ["MemoryState", "MemoryStatus", "RowViews", "Ubatch", "SeqIdLists", "ThreadGuard"]
 
 
 class ThreadGuard:
@@ -214,6 +214,27 @@ class Ubatch:
                 f"n_seq_tokens={self.n_seq_tokens}, owners={self.seq_owner.tolist()})")
 
 
+class RowViews:
+    """The views ``st.r(il)`` / ``st.s(il)`` hand out, kept per layer and rows: slicing a torch
+    tensor costs microseconds, and a decode loop asks for the same rows every step.  The
+    tensors never move, so a view stays valid for the cache's lifetime."""
+
+    MAX_KEPT = 4096   # distinct (kind, layer, rows): beyond this the memo starts over
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[int, int, int, int], Tensor] = {}
+
+    def rows(self, tensor: Tensor, kind: int, il: int, rows: slice) -> Tensor:
+        """``tensor[rows]`` (of layer ``il``'s r, kind 0, or s, kind 1)."""
+        key = (kind, il, rows.start, rows.stop)
+        view = self._kept.get(key)
+        if view is None:
+            if len(self._kept) >= self.MAX_KEPT:
+                self._kept.clear()
+            view = self._kept[key] = tensor[rows]
+        return view
+
+
 class MemoryState:
     """The ubatches of one ``init_batch`` (or the whole cache, for ``init_full``).
 
@@ -222,12 +243,14 @@ class MemoryState:
     ``for ub in cache.init_batch(batch): ...`` applies each ubatch before yielding it.
     """
 
-    __slots__ = ("_cache", "_core", "_guard", "_placement", "_batch", "_pos", "status", "_u", "_applied",
+    __slots__ = ("_cache", "_core", "_guard", "_views", "_placement", "_batch", "_pos", "status", "_u", "_applied",
                  "_generation", "_ubatch", "_out_ids", "_rows_slice", "_m")
 
-    def __init__(self, cache: RecurrentCache, core: Core, guard: ThreadGuard, placement: Placement | None,
-                 batch: Batch | None, pos: np.ndarray | None, status: MemoryStatus) -> None:
+    def __init__(self, cache: RecurrentCache, core: Core, guard: ThreadGuard, views: RowViews,
+                 placement: Placement | None, batch: Batch | None, pos: np.ndarray | None,
+                 status: MemoryStatus) -> None:
         self._cache = cache
+        self._views = views
         self._core = core                # the cache's memory core: its counter says when this state is stale
         self._guard = guard
         self._placement = placement      # None: the whole cache (init_full)
@@ -333,7 +356,7 @@ class MemoryState:
             self._ubatch = Ubatch(self._placement, self._u, self._batch, self._pos)
         return self._ubatch
 
-    def _rows(self, tensors: tuple[Tensor | None, ...], il: int) -> Tensor:
+    def _rows(self, tensors: tuple[Tensor | None, ...], il: int, kind: int) -> Tensor:
         if type(il) is not int or not 0 <= il < len(tensors):   # the common case skips the general check
             il = index(il, "layer index", len(tensors), OutOfRangeError)
         rows = tensors[il]
@@ -344,20 +367,20 @@ class MemoryState:
         if self._placement is not None and self._core.generation != self._generation:
             raise UsageError("the cache changed after this ubatch was applied: its rows may hold "
                              "other sequences now")
-        return rows[self._rows_slice]
+        return self._views.rows(rows, kind, il, self._rows_slice)
 
     def r(self, il: int) -> Tensor:
         """Rows head .. head+n_seqs-1 of layer il's r tensor: group s is row s (a view, of the
         cache's storage: a numpy array, or a torch tensor on the cache's device)."""
-        return self._rows(self._cache.r, il)
+        return self._rows(self._cache.r, il, 0)
 
     def s(self, il: int) -> Tensor:
         """Rows head .. head+n_seqs-1 of layer il's s tensor: group s is row s."""
-        return self._rows(self._cache.s, il)
+        return self._rows(self._cache.s, il, 1)
 
     def _steps(self, first: int, il: int) -> Tensor:
         il = index(il, "layer index", self._cache.n_layer, OutOfRangeError)
-        self._rows(self._cache.r, il)   # a layer with state, applied, and the cache unchanged since
+        self._rows(self._cache.r, il, 0)   # a layer with state, applied, and the cache unchanged since
         n_seqs = 0 if self._placement is None else self.ubatch.n_seqs
         layers = self._cache.layers
         k = il if len(layers) == self._cache.n_layer else layers.index(il)   # the core's tensor of il
