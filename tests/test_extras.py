@@ -110,7 +110,8 @@ def third_party_imports(path: Path) -> dict[str, bool]:
         optional, ancestor = False, up.get(node)
         while ancestor is not None and not optional:
             optional = isinstance(ancestor, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
-                isinstance(ancestor, ast.Try) and catches_import_error(ancestor))
+                isinstance(ancestor, ast.Try) and catches_import_error(ancestor)) or (
+                isinstance(ancestor, ast.If) and ast.unparse(ancestor.test) == "TYPE_CHECKING")
             ancestor = up.get(ancestor)
         for module in modules:
             local = (path.parent / f"{module}.py").exists() or (path.parent / module).is_dir()
@@ -154,9 +155,30 @@ def area_files() -> list[tuple[str, str]]:
     return files
 
 
+# Package modules that only an extra's users reach, each imported by the rest of the package in
+# functions only (checked below): their top-level imports of that extra's modules are optional.
+LOADED_WITH_EXTRA = {"src/recurrent_cache/models/torch_forward.py": "torch"}
+
+
+def test_a_module_loaded_with_an_extra_is_imported_in_functions_only():
+    for relative in LOADED_WITH_EXTRA:
+        name = Path(relative).stem
+        for path in PACKAGE.glob("**/*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            up = parents(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1] == name:
+                    ancestor = up.get(node)
+                    while ancestor is not None and not isinstance(ancestor, ast.FunctionDef) and not (
+                            isinstance(ancestor, ast.If) and ast.unparse(ancestor.test) == "TYPE_CHECKING"):
+                        ancestor = up.get(ancestor)
+                    assert ancestor is not None, f"{path}: imports {name} at the top level"
+
+
 @pytest.mark.parametrize("relative", sorted(p.relative_to(ROOT).as_posix() for p in PACKAGE.glob("**/*.py")))
 def test_the_package_imports_only_numpy_unless_the_import_is_optional_and_has_its_extra(relative):
     for module, optional in third_party_imports(ROOT / relative).items():
+        optional = optional or LOADED_WITH_EXTRA.get(relative) == OPTIONAL_IMPORTS.get(module)
         if distribution(module) in BASE:
             continue
         assert optional, f"{relative}: 'import {module}' at the top level breaks 'import recurrent_cache' " \

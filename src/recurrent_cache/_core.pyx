@@ -639,10 +639,8 @@ cdef class MemoryCore:
             free(pointers)
 
     cdef const unsigned char[::1] host_row(self, object given, Py_ssize_t k):
-        """Row ``given`` of tensor k as bytes in host memory (a host storage's tensor is a numpy array)."""
+        """Row ``given`` (a numpy array) of tensor k as bytes."""
         cdef const unsigned char[::1] row
-        if not isinstance(given, np.ndarray):
-            given = self.storage.to_host(given[None, None])[0, 0]
         row = np.ascontiguousarray(given).reshape(-1).view(np.uint8)
         if row.shape[0] != self.core.row_bytes[k]:
             raise ValueError(f"row {k} has {row.shape[0]} bytes, the tensor's rows {self.core.row_bytes[k]}")

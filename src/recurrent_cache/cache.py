@@ -80,6 +80,8 @@ class RecurrentCache:
         self._engine = _engines.load(engine)
         self._storage = storage_for(storage, device)
         kinds = self._tensors = self._config.allocate(self._storage)
+        # whether the engine moves the rows in host memory (then rows it is given are made numpy first)
+        self._host_rows = self._storage.host_view(kinds[0]) is not None
         placed_r: list[Any] = [None] * self._config.n_layer
         placed_s: list[Any] = [None] * self._config.n_layer
         for k, il in enumerate(self._config.layers):
@@ -408,6 +410,8 @@ class RecurrentCache:
                        and hasattr(row, "shape") else type(row).__name__)
                 raise ArgumentError(f"seq_restore: {which}_rows[{il}] must be a {tensor.dtype} array of shape "
                                     f"{(width,)}, got a {got}")
+            if not isinstance(row, np.ndarray) and self._host_rows:
+                row = self._storage.to_host(row)   # a host storage's core copies host bytes
             rows.append(np.ascontiguousarray(row) if isinstance(row, np.ndarray) else row)
         return rows
 
