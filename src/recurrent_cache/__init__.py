@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _version
 
 from .batch import Batch
-from .cache import RecurrentCache
+from .cache import CellInfo, RecurrentCache
 from .errors import (ArgumentError, BatchError, ConfigError, CoreError, GGUFError, ModelError, NoFreeCellError,
                      OutOfRangeError, OutputError, PositionError, RecurrentCacheError, SafetensorsError, SeqIdError,
                      StateError, UsageError)
@@ -39,7 +39,7 @@ def get_include() -> str:
 
 
 __all__ = [
-    "RecurrentCache", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
+    "RecurrentCache", "CellInfo", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError", "NoFreeCellError",
     "ModelError", "GGUFError", "SafetensorsError", "OutputError",

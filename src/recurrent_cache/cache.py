@@ -12,7 +12,7 @@ touched, so the cache is left exactly as it was.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import IO, Any, Literal, cast
+from typing import IO, Any, Literal, NamedTuple, cast
 
 import numpy as np
 
@@ -28,7 +28,18 @@ from .storage import Storage, Tensor, storage_for
 from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_too_small,
                            target_view, unframe, write_all)
 
-__all__ = ["RecurrentCache"]
+__all__ = ["CellInfo", "RecurrentCache"]
+
+
+class CellInfo(NamedTuple):
+    """One entry of the cell table (``cache.cell(i)``), llama.cpp's ``kv_cell`` plus its tail."""
+
+    pos: int                   # the last position the cell's state has seen; -1: an empty cell
+    src: int                   # the row holding the cell's state: itself, the row it was forked
+                               # from until a ubatch runs on it, -1 for none yet (zeros)
+    holder_of_seq: int         # the cell holding *sequence* i (llama.cpp's tail[i], kept in the
+                               # table by index): -1 when sequence i holds none.  Not a field of cell i
+    seq_ids: tuple[int, ...]   # the sequences sharing this cell's state, sorted
 
 
 class RecurrentCache:
@@ -211,12 +222,13 @@ class RecurrentCache:
 
     # -- cells -------------------------------------------------------------------------
 
-    def cell(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
-        """``(pos, src, tail, seq_ids)`` of cell ``i``; ``tail`` is the cell holding sequence ``i``."""
+    def cell(self, i: int) -> CellInfo:
+        """Cell ``i`` of the cell table, as a ``CellInfo`` (a named tuple: ``pos, src, holder_of_seq,
+        seq_ids``); ``holder_of_seq`` is per *sequence* ``i``, not per cell (see ``CellInfo``)."""
         i = _args.index(i, "cell index", self.size, OutOfRangeError)
         self._enter()
         try:
-            return self._core.cell(i)
+            return CellInfo(*self._core.cell(i))
         finally:
             self._leave()
 
@@ -336,6 +348,19 @@ class RecurrentCache:
         self._enter()
         try:
             return self._core.seq_cell(seq)
+        finally:
+            self._leave()
+
+    def seq_row(self, seq: int) -> int:
+        """The row of ``r[il]`` / ``s[il]`` holding ``seq``'s state: its cell's ``src`` — the cell
+        itself once a ubatch ran on it, the row it was forked from before that — or -1 when it
+        holds no cell or its cell has no state yet.  O(1)."""
+        cell = self.seq_cell(seq)
+        if cell < 0:
+            return -1
+        self._enter()
+        try:
+            return self._core.cell(cell)[1]
         finally:
             self._leave()
 
