@@ -12,6 +12,7 @@ core needs), and CUDA where a GPU is present.
 
 from __future__ import annotations
 
+import io
 import random
 from typing import Any
 
@@ -150,6 +151,11 @@ class Lockstep:
         for cache in self.caches[1:]:
             got = ([cache.cell(i) for i in range(cache.size)], cache.head, cache.used, raw(cache), cache.state_write())
             assert got == expected, f"{cache.storage!r} differs after step {self.steps}"
+            into = bytearray(len(expected[-1]))
+            assert cache.state_write_into(into) == len(into) and bytes(into) == expected[-1]
+            file = io.BytesIO()
+            cache.state_write_into(file)
+            assert file.getvalue() == expected[-1]
             other_tags, other_history = cache.memory_core.history()
             np.testing.assert_array_equal(other_tags, tags)
             assert [h.tobytes() for h in other_history] == [h.tobytes() for h in history]
