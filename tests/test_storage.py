@@ -337,6 +337,12 @@ def test_the_c_api_refuses_a_storage_it_cannot_address():
     assert T.ctx_free(ctx) == 0
 
 
+def test_the_deprecated_cell_table_refuses_a_storage_without_host_memory():
+    with pytest.raises(rc.ArgumentError, match="cell_table hands out pointers to host rows"):
+        rc.RecurrentCache(1, 2, 2, storage=TorchStorage("cpu", host_access=False)).cell_table
+    assert rc.RecurrentCache(1, 2, 2, storage="torch").cell_table is not None
+
+
 def test_without_torch_asking_for_it_says_how_to_get_it():
     import subprocess
     import sys

@@ -203,6 +203,9 @@ class RecurrentCache:
         if self._engine.name != "compiled":
             raise ArgumentError("cell_table is the compiled engine's C-level handle; this cache runs "
                                 "on the reference engine")
+        if not self._host_rows:
+            raise ArgumentError(f"cell_table hands out pointers to host rows; this cache's storage is "
+                                f"{self._storage!r}")
         return self._core
 
     @property
