@@ -243,7 +243,7 @@ def run(storages: list[Storage], dtype: str, n_rollback: int, layers: tuple[int,
     return lock
 
 
-@pytest.mark.parametrize("layers", [None, (0, 2)], ids=["all-layers", "filtered"])
+@pytest.mark.parametrize("layers", [None, (0, 2), ()], ids=["all-layers", "filtered", "no-layer"])
 @pytest.mark.parametrize("n_rollback", [0, 3])
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("storage", STORAGE_PARAMS)

@@ -11,6 +11,7 @@ these functions, so they share one change counter and file step states at one po
 the start of the next changing call, whichever API makes it.
 """
 
+cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport PyObject
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
@@ -330,7 +331,7 @@ cdef class MemoryCore:
             self.core.row_bytes[k] = dtypes[k // n_state].itemsize * kinds[k // n_state].shape[2]
             self.core.type_ids[k] = type_ids[k]
         self.host_views = {}
-        self.core.logged = n_tensors > 0 and storage.host_view(kinds[0]) is None
+        self.core.logged = storage.host_view(kinds[0]) is None
         self.core.self_check = RC_SELF_CHECK
         self.core.history.n_tensors = n_tensors
         self.core.history.tensor_data = self.core.tensor_data
@@ -403,12 +404,17 @@ cdef class MemoryCore:
         self.core.step_capacity = rows
         return 0
 
+    @cython.boundscheck(True)   # Python objects only here: a wrong index must raise, never read astray
+    @cython.wraparound(True)
     cdef int flush(self) except -1:
         """Hand the recorded moves to the storage: all rows taken first, then written."""
         cdef Py_ssize_t d, i, n, row
         cdef int source
         cdef list groups = []
         if not log_pending(&self.core.log):
+            return 0
+        if not self.core.n_tensors:   # no layer keeps state (an empty layer filter): no rows to move
+            log_reset(&self.core.log)
             return 0
         spaces = (self.kinds, self.history_kinds, self.step_kinds, self.stage)
         try:
@@ -614,10 +620,11 @@ cdef class MemoryCore:
             raise ValueError(f"{len(rows)} rows for {self.core.n_tensors} tensors")
         if self.core.logged:
             # rows of the storage's own type are written by it (on its device: no host transfer)
-            kinds = [self.as_storage_rows(rows[kind * n_state:(kind + 1) * n_state], kind) for kind in range(2)]
+            kinds = [self.as_storage_rows(rows[kind * n_state:(kind + 1) * n_state], kind) if n_state else None
+                     for kind in range(2)]
             cell = core_restore(&self.core, seq, pos, NULL)
             self.flush_moves()
-            if cell >= 0:
+            if cell >= 0 and n_state:
                 for kind in range(2):
                     self.storage.put(self.kinds[kind], np.array([cell], dtype=np.int64), kinds[kind])
             return cell
