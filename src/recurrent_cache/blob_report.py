@@ -128,6 +128,10 @@ class _Inspection:
     def rows(self, piece: bytes) -> None:
         self.tensors[-1].feed(piece)
 
+    def trial(self) -> _Inspection:
+        """A fresh inspection for a trial parse (telling two framings apart): the same checks."""
+        return _Inspection()
+
 
 def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = False) -> dict[str, Any]:
     """Everything ``inspect`` reports about the blob or sequence file at a binary file's position.
