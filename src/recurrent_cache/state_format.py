@@ -1494,7 +1494,7 @@ def unframe(data: Any, seq_id: int | None = None, arch: str | None = None, kv_se
 def in_section(exc: StateError, framing: Framing) -> StateError:
     """A defect of the memory section, placed in the framed bytes (with the other readings'
     defects when another framing was possible)."""
-    others = f" (read {framing.other_readings} instead, it fails too)" if framing.other_readings else ""
+    others = f" (read otherwise it fails too: {framing.other_readings})" if framing.other_readings else ""
     if not framing.section_offset:
         return StateError(f"{exc}{others}") if others else exc
     return StateError(f"the state blob at byte {framing.section_offset}: {exc}{others}")
