@@ -59,6 +59,7 @@ __all__ = [
     "SEQ_BLOB_MAGIC", "ARCH_LENGTH", "KV_STREAMS", "KV_DATA_HEADER", "KV_V_TRANS_HEADER", "seq_file_format",
     "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section", "GGSN_V9", "CONTEXT_BLOB_V9",
     "OUTPUT_COUNT", "OUTPUT_BUFFER", "KV_CELL_EXT", "READ_FRAMINGS", "Outputs", "read_framing",
+    "count_state_layers",
 ]
 
 
@@ -699,10 +700,10 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
     return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
 
 
-def _parse_any_filter(reader: Any, watch: Any = None) -> int:
+def _parse_any_filter(reader: Any, watch: Any = None) -> tuple[int, int]:
     """The structure of a memory section whose layer filter is unknown: its cells, then tensor
     sections up to the end of the data, an even number of them and at most 2 x n_layer (a
-    filter keeps r and s of the same layers).  Returns how many layers hold state."""
+    filter keeps r and s of the same layers).  Returns (layers holding state, n_layer)."""
     (cell_count,), _ = reader.unpack(CELL_COUNT, field_name("cell_count"))
     cells = []
     for i in range(cell_count):
@@ -728,7 +729,7 @@ def _parse_any_filter(reader: Any, watch: Any = None) -> int:
     if k % 2:
         raise StateError(f"state blob ends after {k} tensor sections: a layer filter keeps r and s of the "
                          f"same layers (an even number)")
-    return k // 2
+    return k // 2, n_layer
 
 
 def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Blob:
@@ -1546,3 +1547,18 @@ def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | N
     except StateError as exc:
         raise in_section(exc, found) from None
     return FileContents(found.tokens, blob_offset, blob, data, found)
+
+
+def count_state_layers(file: Any, op: str, max_tokens: int = MAX_TOKENS,
+                       kv_section: bool = False) -> tuple[int, int] | None:
+    """How many of its ``n_layer`` layers a blob or state file at a binary file's position holds
+    r and s sections for, read from its structure alone (a hybrid's unknown layer filter): the
+    pair ``(layers with state, n_layer)``, or None when no filter makes the bytes fit.  Which
+    layers they are the bytes do not say."""
+    _check_file(file, op, "read", "reading")
+    reader = _FileReader(file, op)
+    try:
+        read_framing(reader, None, kv_section=kv_section, max_tokens=max_tokens)
+        return _parse_any_filter(reader)
+    except StateError:
+        return None
