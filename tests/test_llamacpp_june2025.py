@@ -1,13 +1,17 @@
 """June-2025 llama.cpp's whole-context framing (LLAMA_SESSION_VERSION 9), read without being told.
 
-That llama.cpp's ``llama_state_get_data`` wrote an output block before the memory section:
-``i32 n_outputs``, ``n_outputs x i32`` output positions, ``u64 logits_size`` + that many f32,
-``u64 embd_size`` + that many f32; its 'ggsn' session files were version 9 with that blob after the
-tokens.  Every blob and file here is built by the writer below, from that layout with
+That llama.cpp's ``llama_state_get_data`` wrote the architecture string (``u32`` length + name),
+then an output block: ``i32 n_outputs``, ``n_outputs x i32`` output positions, ``u64 logits_size``
++ that many f32, ``u64 embd_size`` + that many f32, then the memory section; its 'ggsn' session
+files were version 9 with that blob after the tokens.  (Read in llama.cpp's source of the time:
+``llama_state_get_data_internal`` / ``llama_context::state_write_data`` write the model info first;
+current llama.cpp writes the same string and drops the output block, so after the string the i32
+is either a cell count or n_outputs.)  Every blob and file here is built by the writer below, from that layout with
 ``struct.pack`` (not from the package's code), with non-empty outputs, logits and embeddings.
 Reading one must leave a cache exactly as reading its bare memory section does, on both engines;
 a truncated header is refused at every byte with the cache unchanged; a blob that both framings
-read whole is refused, naming both and ``framing=``.
+read whole is refused, naming both and ``framing=``.  Here "the bare section" of a blob is
+what current llama.cpp's ``llama_state_get_data`` puts after the architecture string.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 
 from recurrent_cache import load_seq_file, load_session_file
 from recurrent_cache.errors import ArgumentError, StateError
-from recurrent_cache.state_format import BARE, CONTEXT_BLOB_V9, GGSN_V9, unframe
+from recurrent_cache.state_format import CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN_V9, unframe
 
 TYPE_IDS = {"f32": (0, "<f4"), "f16": (1, "<f2")}
 
@@ -48,13 +52,16 @@ def output_block(positions, n_logits, n_embd):
             + struct.pack("<Q", n_embd) + np.linspace(5, 9, n_embd, dtype="<f4").tobytes())
 
 
+ARCH = struct.pack("<I", 5) + b"mamba"
+
+
 def session_v9(tokens, blob):
     return struct.pack("<III", 0x6767736E, 9, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens) + blob
 
 
 N_VOCAB, N_EMBD = 11, 5
 POSITIONS = [0, 3, 6]   # three output rows: logits and embeddings of three batch positions
-OUTPUTS = output_block(POSITIONS, len(POSITIONS) * N_VOCAB, len(POSITIONS) * N_EMBD)
+OUTPUTS = ARCH + output_block(POSITIONS, len(POSITIONS) * N_VOCAB, len(POSITIONS) * N_EMBD)
 
 
 def shaped(rc, layers=None, n_layer=3):
@@ -91,11 +98,14 @@ def test_a_june_context_blob_reads_like_its_bare_section(rc, layers):
     blob = OUTPUTS + section
     expected, got = shaped(rc, layers), shaped(rc, layers)
     assert expected.state_read(section) == len(section)
+    current = shaped(rc, layers)
+    assert current.state_read(ARCH + section, arch="mamba") == len(ARCH) + len(section)   # llama.cpp today
+    same(contents(current), contents(expected))
     assert got.state_read(blob) == len(blob)
     same(contents(got), contents(expected))
     assert got.state_write() == section      # and the package writes the independent writer's bytes
     framing = unframe(blob, -1).framing
-    assert framing.name == CONTEXT_BLOB_V9 and framing.section_offset == len(OUTPUTS)
+    assert framing.name == CONTEXT_BLOB_V9 and framing.section_offset == len(OUTPUTS) and framing.arch == "mamba"
     assert framing.outputs.positions == tuple(POSITIONS)
     assert (framing.outputs.n_logits, framing.outputs.n_embd) == (3 * N_VOCAB, 3 * N_EMBD)
     told = shaped(rc, layers)
@@ -109,7 +119,7 @@ def test_outputs_without_logits_or_embeddings_and_no_outputs_at_all(rc):
     expected.state_read(section)
     for block in (output_block([4], N_VOCAB, 0), output_block([2, 9], 0, 2 * N_EMBD), output_block([], 0, 0)):
         cache = shaped(rc)
-        cache.state_read(block + section)
+        cache.state_read(ARCH + block + section, arch="mamba")
         same(contents(cache), contents(expected))
 
 
@@ -147,12 +157,15 @@ def test_a_version_9_session_file_loads_with_its_tokens(rc, tmp_path):
     path.write_bytes(session_v9(tokens, OUTPUTS + section))
     expected, cache = shaped(rc), shaped(rc)
     expected.state_read(section)
-    assert list(load_session_file(path, cache)) == tokens
+    assert list(load_session_file(path, cache, arch="mamba")) == tokens
     same(contents(cache), contents(expected))
     assert unframe(path.read_bytes(), -1).framing.name == GGSN_V9.name
     before = contents(cache)
     with pytest.raises(StateError, match="holds the whole cache: read it with seq_id -1 .*load_session_file"):
         load_seq_file(path, cache, 0)
+    same(contents(cache), before)
+    with pytest.raises(StateError, match="state is for architecture 'mamba'.*the caller's model is 'jamba'"):
+        load_session_file(path, cache, arch="jamba")
     same(contents(cache), before)
 
 
@@ -190,12 +203,13 @@ def test_a_truncated_version_9_file_is_refused_at_every_byte(rc, tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda b: struct.pack("<i", -2) + b[4:], "n_outputs is -2 at byte 0, expected >= 0"),
-    (lambda b: b[:8] + struct.pack("<i", -1) + b[12:], "output 1 has batch position -1 at byte 8"),
-    (lambda b: b[:16] + struct.pack("<Q", 3 * N_VOCAB + 1) + b[24:],
-     f"logits size {3 * N_VOCAB + 1} at byte 16 is not a multiple of n_outputs 3 \\(at byte 0\\)"),
-    (lambda b: b[:16] + struct.pack("<Q", 999999) + b[24:],
-     "truncated at byte 24 .*999999 logits \\(f32\\) needs 3999996 bytes"),
+    (lambda b: b[:9] + struct.pack("<i", -2) + b[13:], "n_outputs is -2 at byte 9, expected >= 0"),
+    (lambda b: b[:17] + struct.pack("<i", -1) + b[21:], "output 1 has batch position -1 at byte 17"),
+    (lambda b: b[:25] + struct.pack("<Q", 3 * N_VOCAB + 1) + b[33:],
+     f"logits size {3 * N_VOCAB + 1} at byte 25 is not a multiple of n_outputs 3 \\(at byte 9\\)"),
+    (lambda b: b[:25] + struct.pack("<Q", 999999) + b[33:],
+     "truncated at byte 33 .*999999 logits \\(f32\\) needs 3999996 bytes"),
+    (lambda b: b[:4] + b"MAMBA" + b[9:], "the architecture string at byte 0 is not a name"),
 ])
 def test_a_damaged_output_block_names_the_field_and_its_byte(rc, damage, message):
     blob = bytes(damage(OUTPUTS + example_section()))
@@ -220,20 +234,21 @@ def test_a_june_blob_is_the_whole_cache(rc):
 
 def ambiguous_blob():
     """A blob both framings read whole into a cache of n_layer 2 with layer 0's state only
-    (n_embd 3 and 3, f32).  As a bare section: one cell at pos 40 of seq 0, r row bits
+    (n_embd 3 and 3, f32).  As current llama.cpp's: the architecture string, then one cell at
+    pos 40 of seq 0, r row bits
     (0, 0, 2), s row bits (0, 12, 0).  As a June blob: one output at batch position 40, one
     logit, two embedding values, then an empty memory section: its cell count, v_trans and
     n_layer are the r row, its tensor headers the s header and row."""
     words = np.array([0, 0, 2], dtype="<u4").view("<f4"), np.array([0, 12, 0], dtype="<u4").view("<f4")
-    return bare_section([(40, [0])], 2, (0,), {0: words[0][None]}, {0: words[1][None]})
+    return ARCH + bare_section([(40, [0])], 2, (0,), {0: words[0][None]}, {0: words[1][None]})
 
 
 def test_a_blob_both_framings_read_whole_is_refused_naming_both(rc):
     blob = ambiguous_blob()
     # the June reading, parsed here by hand: every length adds up to the blob's
-    n_outputs, position, n_logits = struct.unpack_from("<iiQ", blob, 0)
-    (n_embd,) = struct.unpack_from("<Q", blob, 16 + 4 * n_logits)
-    inner = 24 + 4 * n_logits + 4 * n_embd
+    n_outputs, position, n_logits = struct.unpack_from("<iiQ", blob, len(ARCH))
+    (n_embd,) = struct.unpack_from("<Q", blob, len(ARCH) + 16 + 4 * n_logits)
+    inner = len(ARCH) + 24 + 4 * n_logits + 4 * n_embd
     cell_count, v_trans, n_layer = struct.unpack_from("<III", blob, inner)
     assert (n_outputs, position, n_logits, n_embd, cell_count, v_trans, n_layer) == (1, 40, 1, 2, 0, 0, 2)
     assert inner + 12 + 2 * 12 == len(blob)
@@ -243,11 +258,11 @@ def test_a_blob_both_framings_read_whole_is_refused_naming_both(rc):
     with pytest.raises(StateError) as refused:
         cache.state_read(blob)
     text = str(refused.value)
-    assert f"a {CONTEXT_BLOB_V9} and a {BARE}" in text and "framing=" in text
-    assert "'bare'" in text and "'llama-june-2025'" in text
+    assert f"a {CONTEXT_BLOB_V9} and a {CONTEXT_BLOB}" in text and "framing=" in text
+    assert "'llama'" in text and "'llama-june-2025'" in text
     same(contents(cache), before)
 
-    cache.state_read(blob, framing="bare")
+    cache.state_read(blob, framing="llama")
     assert cache.cell(0)[0] == 40 and cache.used == 1
     assert cache.r[0][0].view("<u4").tolist() == [0, 0, 2]
     cache.state_read(blob, framing="llama-june-2025")

@@ -508,7 +508,7 @@ class RecurrentCache:
         ``data`` (any bytes-like object) is a bare memory section, a
         ``llama_state_seq_get_data`` blob, a ``llama_state_get_data`` blob
         (its architecture name must be ``arch`` when given), June-2025
-        llama.cpp's ``llama_state_get_data`` blob (its output block first), or
+        llama.cpp's ``llama_state_get_data`` blob (an output block after the name), or
         a 'ggsq' / 'ggsn' file's bytes (the tokens are not kept: see
         ``load_seq_file``); the framing is found from the bytes, and a blob
         that two framings read whole is refused (docs/llamacpp_formats.md).

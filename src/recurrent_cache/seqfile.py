@@ -7,8 +7,8 @@ of one sequence (docs/concepts.md §5), all little-endian.  A session file (``GG
 'ggsn' version 10) has the same header, the tokens, then exactly what
 ``llama_state_get_data`` writes: the architecture string and the whole cache's
 memory section.  June-2025 llama.cpp's session files ('ggsn' version 9,
-``GGSN_V9``) have its ``llama_state_get_data`` there instead: the output block
-(output positions, logits, embeddings), then the memory section; they are read.
+``GGSN_V9``) have its ``llama_state_get_data`` there instead: the architecture string, the output
+block (output positions, logits, embeddings), then the memory section; they are read.
 A 'ggsn' file given to ``load_seq_file`` or a 'ggsq' file to
 ``load_session_file`` is refused with a message naming the function that loads it.
 """
@@ -115,8 +115,7 @@ def load_session_file(path: _Path, cache: Any, *, arch: str | None = None, max_t
     """Restore the whole ``cache`` from a 'ggsn' session file (version 10, or June-2025's 9,
     whose output block is checked and skipped); returns its tokens.
 
-    ``arch``, when given, must be the file's architecture name (a version 9
-    file records none).  Checked as ``load_seq_file`` checks: nothing changes
+    ``arch``, when given, must be the file's architecture name.  Checked as ``load_seq_file`` checks: nothing changes
     unless the whole file is good.
     """
     path = _args.path(path, "load_session_file: path")

@@ -144,14 +144,15 @@ GGSQ_V2 = SeqFileFormat("'ggsq' version 2", _FILE_HEADER, 0x67677371, 2)
 # exactly a llama_state_get_data blob (the architecture string, the whole memory section).
 GGSN = SeqFileFormat("'ggsn' version 10", _FILE_HEADER, 0x6767736e, 10, whole=True, arch_string=True)
 # LLAMA_SESSION_VERSION 9 (June 2025): tokens, then that llama.cpp's llama_state_get_data blob
-# (the output block, then the whole memory section).
-GGSN_V9 = SeqFileFormat("'ggsn' version 9", _FILE_HEADER, 0x6767736e, 9, whole=True, outputs=True)
+# (the architecture string, the output block, then the whole memory section).
+GGSN_V9 = SeqFileFormat("'ggsn' version 9", _FILE_HEADER, 0x6767736e, 9, whole=True, arch_string=True,
+                        outputs=True)
 FILE_FORMATS = (GGSQ, GGSQ_V2, GGSN, GGSN_V9)
 
 # The framings of a blob without tokens (``Framing.name``): the bare memory section (what this
 # package wrote before, and llama.cpp's memory itself writes), llama_state_seq_get_data's
 # (SEQ_BLOB_HEADER first), llama_state_get_data's (the architecture string first) and June-2025
-# llama.cpp's llama_state_get_data (the output block first).
+# llama.cpp's llama_state_get_data (the architecture string, then the output block).
 BARE = "bare"
 SEQ_BLOB = "llama sequence blob"
 CONTEXT_BLOB = "llama context blob"
@@ -159,9 +160,9 @@ CONTEXT_BLOB_V9 = "llama context blob (June 2025)"
 # What ``state_read(framing=...)`` accepts instead of detecting: the bare section, current
 # llama.cpp's framing of a sequence (seq_id >= 0) or of the whole cache (-1), June-2025's.
 READ_FRAMINGS = {"bare": BARE, "llama": None, "llama-june-2025": CONTEXT_BLOB_V9}
-# June-2025 llama.cpp's output block: i32 n_outputs, n_outputs x i32 (the batch position of each
-# output row), u64 logits_size + logits_size x f32, u64 embd_size + embd_size x f32.  Each size is
-# n_outputs x (the vocabulary or embedding width), or 0.
+# June-2025 llama.cpp's output block (after the architecture string): i32 n_outputs, n_outputs x
+# i32 (the batch position of each output row), u64 logits_size + logits_size x f32, u64 embd_size
+# + embd_size x f32.  Each size is n_outputs x (the vocabulary or embedding width), or 0.
 OUTPUT_COUNT = Layout(("n_outputs", "i"))
 OUTPUT_BUFFER = Layout(("size", "Q"))
 SEQ_BLOB_HEADER = Layout(("magic", "I"), ("seq_id", "i"))
@@ -1221,7 +1222,8 @@ def _read_prefix(reader: Any, prefix: str, arch: str | None) -> tuple[int | None
     if prefix == CONTEXT_BLOB:
         return None, _read_arch(reader, arch), None
     if prefix == CONTEXT_BLOB_V9:
-        return None, None, _read_outputs(reader)
+        name = _read_arch(reader, arch)
+        return None, name, _read_outputs(reader)
     return None, None, None
 
 
@@ -1360,18 +1362,20 @@ def _pick(reader: Any, prefixes: Sequence[str], exts: Sequence[bool | None], arc
     """The one candidate (framing prefix, KV cell ext) whose parse fits the bytes exactly, and
     the defects of the other readings that got past their framing's fields (or None).
 
-    Candidates are parsed whole, the bare section last: when every other one fails, the bare
-    section is the only reading left and the section's reader checks it (no second parse, so a
-    stream is read once).  Two readings that fit are refused; when none fits and more than one got
-    past its framing's fields, the ``StateError`` gives each reading's defect (offsets from the
-    cursor); when only one did, it is read, to report its defect.
+    Candidates are parsed whole, the last of ``prefixes`` (the default: current llama.cpp's
+    framing) last: when every other one fails, the default is the only reading left and the
+    section's reader checks it (no second parse, so a stream is read once); the others'
+    defects are kept for its message.  Two readings that fit are refused; when none fits and
+    more than one got past its framing's fields, the ``StateError`` gives each reading's
+    defect (offsets from the cursor); when only one did, it is read, to report its defect.
     """
     combos = [(prefix, ext) for prefix in prefixes for ext in exts]
     if len(combos) == 1:
         return combos[0][0], combos[0][1], None
+    default = prefixes[-1]
     attempts: dict[tuple[str, bool | None], _Attempt] = {}
-    for prefix, ext in sorted(combos, key=lambda combo: combo[0] == BARE):
-        if prefix == BARE and len(exts) == 1 and not any(a.parsed for a in attempts.values()):
+    for prefix, ext in sorted(combos, key=lambda combo: combo[0] == default):
+        if prefix == default and len(exts) == 1 and not any(a.parsed for a in attempts.values()):
             others = "; ".join(f"as a {_candidate_name(other, other_ext, exts)}: {attempt.error}"
                                for (other, other_ext), attempt in attempts.items() if attempt.framing_parsed)
             return prefix, ext, others or None
@@ -1381,8 +1385,9 @@ def _pick(reader: Any, prefixes: Sequence[str], exts: Sequence[bool | None], arc
         names = " and ".join(f"a {_candidate_name(prefix, ext, exts)}" for prefix, ext in fitting)
         hints = []
         if len({prefix for prefix, _ in fitting}) > 1:
-            hints.append("framing= (" + " or ".join(repr(key) for key, value in READ_FRAMINGS.items()
-                                                    if value in {prefix for prefix, _ in fitting}) + ")")
+            keys = dict.fromkeys(next((key for key, value in READ_FRAMINGS.items() if value == prefix), "llama")
+                                 for prefix, _ in fitting)
+            hints.append("framing= (" + " or ".join(map(repr, keys)) + ")")
         if len({ext for _, ext in fitting}) > 1:
             hints.append("kv_cell_ext= (True or False)")
         raise StateError(f"the state is ambiguous: it parses whole as {names}; pass {' and '.join(hints)} "
@@ -1390,7 +1395,7 @@ def _pick(reader: Any, prefixes: Sequence[str], exts: Sequence[bool | None], arc
     if fitting:
         return fitting[0][0], fitting[0][1], None
     started = sorted((combo for combo in combos if attempts[combo].framing_parsed),
-                     key=lambda combo: (combo[0] != BARE, bool(combo[1])))
+                     key=lambda combo: (combo[0] != default, bool(combo[1])))
     if len(started) == 1:
         return started[0][0], started[0][1], None
     if not started:   # every framing failed in its own fields: the first reading's defect
@@ -1429,10 +1434,11 @@ def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_se
     KV section's cells carry ``KV_CELL_EXT`` (None: found from the bytes).
 
     Detection: a state file by its magic and version; a llama sequence blob by its magic; an
-    architecture string by its characters (see ``MIN_ARCH``).  A blob beginning with anything
-    else begins with an i32 that is the bare section's cell count or June-2025's n_outputs:
-    both readings are parsed whole (``cache`` and ``layers`` shape the memory section), and
-    the state is read only if exactly one fits its length (``_pick``).
+    architecture string by its characters (see ``MIN_ARCH``), anything else is a bare section.
+    After an architecture string (a blob's; a 'ggsn' file's version says) the i32 is current
+    llama.cpp's cell count or June-2025's n_outputs: both readings are parsed whole (``cache``
+    and ``layers`` shape the memory section), and the state is read only if exactly one fits
+    its length (``_pick``).
     """
     if kv_cell_ext is not None and not isinstance(kv_cell_ext, bool):
         raise ArgumentError(f"kv_cell_ext must be True, False or None (found from the bytes), got {kv_cell_ext!r}")
@@ -1446,14 +1452,14 @@ def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_se
         if sequence_file or (sequence_file is None and _file_magic(head)):
             tokens, file_format = _seq_file_header(reader, max_tokens)
             label = file_format.name
-            prefixes = [CONTEXT_BLOB if file_format.arch_string else CONTEXT_BLOB_V9 if file_format.outputs
+            prefixes = [CONTEXT_BLOB_V9 if file_format.outputs else CONTEXT_BLOB if file_format.arch_string
                         else BARE]
         elif len(head) == 4 and struct.unpack("<I", head)[0] == SEQ_BLOB_MAGIC:
             prefixes = [SEQ_BLOB]
         elif _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH)) is not None:
-            prefixes = [CONTEXT_BLOB]
+            prefixes = [CONTEXT_BLOB_V9, CONTEXT_BLOB]
         else:
-            prefixes = [CONTEXT_BLOB_V9, BARE]
+            prefixes = [BARE]
     exts: list[bool | None] = [None] if not kv_section else [False, True] if kv_cell_ext is None else [kv_cell_ext]
     prefix, ext, others = _pick(reader, prefixes, exts, arch, seq_id, cache, layers, watch)
     if tokens is None:
