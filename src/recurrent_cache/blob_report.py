@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,7 @@ class _Inspection:
 
     def __init__(self, layers: tuple[int, ...] | None = None) -> None:
         self.filter = layers          # the layers with state, None: every layer
-        self.state_layers: tuple[int, ...] = ()
+        self.state_layers: Sequence[int] = ()
         self.fits: dict[str, Any] = {}
         self.tensors: list[_TensorSummary] = []
 
@@ -114,7 +115,8 @@ class _Inspection:
         if n_layer > _LIMIT:
             raise StateError(f"state blob has n_layer {n_layer} at byte {offset}, more than a cache's {_LIMIT}")
         # a filter naming a layer past n_layer is refused by the parse (read_file's layers)
-        self.state_layers = tuple(range(n_layer)) if self.filter is None else self.filter
+        # a range, not a list: a damaged n_layer of 2**31 - 2 costs nothing until a section is read
+        self.state_layers = range(n_layer) if self.filter is None else self.filter
         self.fits.update(n_layer=n_layer, n_embd_r=None, n_embd_s=None, dtype_r=None, dtype_s=None,
                          layers=None if self.filter is None else list(self.filter))
 
