@@ -2,8 +2,8 @@
 
 A hybrid's recurrent section records the model's n_layer but holds r and s sections of its
 recurrent layers only.  ``--layers 0,2,4-7`` names them; without it a blob whose sections fit no
-layer is read with the empty filter, and one whose sections fit some of its layers is refused in
-one line saying how many and asking for ``--layers`` (the bytes do not say which).  Contradictory
+layer is read with the empty filter, and one that ends after the sections of some of its layers
+is refused in one line saying how many and asking for ``--layers`` (the bytes do not say which).  Contradictory
 input (a layer past n_layer, a filter whose count does not fit the bytes, a malformed list) is
 one line and a non-zero exit.  The reported statistics are checked against numpy over the
 cache's own rows, and the recorded llama.cpp hybrids are inspected with their recurrent layers.
@@ -15,9 +15,12 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,19 @@ def run(argv):
         except SystemExit as exit:
             status = exit.code
     return status, out.getvalue(), err.getvalue()
+
+
+def run_through_pipe(data):
+    """The command on a FIFO fed ``data`` (a stream: read once, no seeking)."""
+    directory = tempfile.mkdtemp()
+    fifo = os.path.join(directory, "state.fifo")
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: Path(fifo).write_bytes(data))
+    writer.start()
+    try:
+        return run([fifo])
+    finally:
+        writer.join(timeout=30)
 
 
 @pytest.fixture
@@ -75,12 +91,27 @@ def test_layers_names_the_sections_and_the_statistics_are_the_rows(filtered_blob
     assert status == 0 and "with recurrent state: 0,2" in text and "layers=(0, 2)" in text
 
 
-def test_without_layers_the_count_is_inferred_and_the_names_asked_for(filtered_blob):
+def test_without_layers_the_count_is_told_and_the_names_asked_for(filtered_blob, tmp_path):
+    # r rows of 3 values, s rows of 2: the first s section, read as layer 2's r, differs from r
     _, path = filtered_blob
     status, out, err = run([path])
     assert status == 1 and not out
     assert len(err.strip().splitlines()) == 1
-    assert "r and s sections of 2 of its n_layer 4 layers" in err and "--layers" in err
+    assert "layer 2 r is f32 with row size 8" in err
+    assert "r and s sections of 2 of its 4 layers" in err and "--layers" in err
+    # r and s rows alike: the sections run out where the s sections of every layer would start
+    cache = rc.RecurrentCache(N_LAYER, 3, 3, n_seq_max=1, layers=LAYERS)
+    alike = tmp_path / "alike.bin"
+    alike.write_bytes(cache.state_write())
+    for source in (alike, "pipe"):
+        if source == "pipe":
+            status, out, err = run_through_pipe(alike.read_bytes())
+        else:
+            status, out, err = run([alike])
+        assert status == 1 and len(err.strip().splitlines()) == 1
+        assert "truncated" in err and "r and s sections of 2 of its 4 layers" in err and "--layers" in err
+    status, out, _ = run([alike, "--layers", "1,3"])
+    assert status == 0 and "with recurrent state: 1,3" in out
 
 
 @pytest.mark.parametrize("layers, message", [
@@ -131,5 +162,5 @@ def test_a_recorded_hybrid_through_the_command(tmp_path):
     assert [t["row_bytes"] for t in report["tensors"]] == [384] * 3 + [512] * 3
     done = subprocess.run([sys.executable, "-m", "recurrent_cache", "inspect", str(DATA / item["file"]),
                            "--kv-section"], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 1 and "3 of its n_layer 5 layers" in done.stderr
+    assert done.returncode == 1 and "3 of its 5 layers" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -148,7 +148,7 @@ def check_inspect(content, accepted_by_some_cache):
     if kind == "valid":
         fits = report["reads_into"]
         blob = content[report["blob_offset"]:]
-        shape = {key: fits[key] for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
+        shape = {key: fits[key] for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s", "layers")
                  if fits[key] is not None}
         if fits["size"] > MAX_BUILT_SIZE:
             # too large to build here (and RecurrentCache(size=2**30 + 1) crashes the compiled

@@ -15,9 +15,10 @@ largest seq id + 1.  Anything else is a one-line error and exit status 1.
 
 A hybrid model's blob holds r and s sections of its recurrent layers only
 (``n_layer`` is still the model's layer count): ``layers`` names them.  Without
-it every layer is taken to hold state; when the sections fit no layer at all
-that filter (none) is taken, and when they fit some but not all layers the
-error says how many and asks for ``layers`` (the bytes do not say which).
+it every layer is taken to hold state, except that a blob ending right after
+its layer header holds none (the empty filter); one ending after the sections of
+some of its layers is refused, its message saying how many (the bytes do not
+say which).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 from .errors import StateError
 from ._args import INT32_END
 from .state_format import (BARE, CONTEXT_BLOB, CONTEXT_BLOB_V9, GGML_TYPES, GGSN, GGSN_V9, MAX_TOKENS, SEQ_BLOB,
-                           STATE_TYPES, BlobCell, check_cells, count_state_layers, read_file)
+                           STATE_TYPES, BlobCell, check_cells, read_file)
 
 __all__ = ["describe", "describe_file"]
 
@@ -134,11 +135,13 @@ class _Inspection:
                                  f"not n_embd x {itemsize} bytes ({type_name}) with n_embd in [1, {_LIMIT}]")
             self.fits.update({f"dtype_{name}": type_name, f"n_embd_{name}": row_bytes // itemsize})
         elif (type_name, row_bytes) != (self.fits[f"dtype_{name}"], self.fits[f"n_embd_{name}"] * itemsize):
+            # without a filter, a hybrid's first s section is read as the r of layer k (k < n_layer)
+            hint = (f" (or a hybrid's state holding r and s sections of {k} of its {len(self.state_layers)} "
+                    f"layers: name them, inspect --layers)") if self.filter is None and name == "r" else ""
             raise StateError(f"state blob layer {layer} {name} is {type_name} with row size {row_bytes} at "
                              f"byte {offset}, layer {self.state_layers[0]} {name} is {self.fits[f'dtype_{name}']} "
-                             f"with n_embd "
-                             f"{self.fits[f'n_embd_{name}']}: a cache has one {name} type and row size "
-                             f"for every layer")
+                             f"with n_embd {self.fits[f'n_embd_{name}']}: a cache has one {name} type and row "
+                             f"size for every layer{hint}")
         self.tensors.append(_TensorSummary(f"layer {layer} {name}", type_id, row_bytes, offset + 12))
 
     def rows(self, piece: bytes) -> None:
@@ -160,32 +163,17 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = Fa
     attention KV section comes before the recurrent section.  ``layers``: the
     layers whose r and s sections the blob holds (see the module's docstring).
     """
-    seekable = getattr(file, "seekable", None)
-    start = file.tell() if callable(seekable) and seekable() else None
-    try:
-        return _describe(file, max_tokens, kv_section, layers)
-    except StateError as exc:
-        if layers is not None or start is None:
-            raise StateError(f"not a valid state blob or sequence file: {exc}") from None
-        file.seek(start)
-        counted = count_state_layers(file, "inspect", max_tokens, kv_section)
-        if counted is None or counted[0] == counted[1]:
-            raise StateError(f"not a valid state blob or sequence file: {exc}") from None
-        n_state, n_layer = counted
-        if n_state:
-            raise StateError(f"the blob holds r and s sections of {n_state} of its n_layer {n_layer} layers "
-                             f"(a hybrid's layer filter; which ones the bytes do not say): pass them as "
-                             f"--layers") from None
-    file.seek(start)
-    return _describe(file, max_tokens, kv_section, ())   # no section at all: the empty filter
-
-
-def _describe(file: Any, max_tokens: int, kv_section: bool, layers: tuple[int, ...] | None) -> dict[str, Any]:
-    """``describe_file`` with the layer filter ``layers`` (None: every layer)."""
     inspection = _Inspection(layers)
-    contents = read_file(file, "inspect", seq_id=None, watch=inspection, rows=inspection.rows,
-                         max_tokens=max_tokens, kv_section=kv_section, layers=layers)
+    try:
+        contents = read_file(file, "inspect", seq_id=None, watch=inspection, rows=inspection.rows,
+                             max_tokens=max_tokens, kv_section=kv_section, layers=layers,
+                             infer_layers=layers is None)
+    except StateError as exc:
+        raise StateError(f"not a valid state blob or sequence file: {exc}") from None
     blob, framing = contents.blob, contents.framing
+    if layers is None and blob.n_layer and not blob.tensors:   # inferred: the empty filter
+        layers = ()
+        inspection.fits["layers"] = []
     return {
         "format": _FORMAT_NAMES.get(framing.name, f"sequence file ({framing.name})"),
         "framing": framing.name, "source_seq_id": framing.source_seq_id, "arch": framing.arch,

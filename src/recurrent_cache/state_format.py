@@ -59,7 +59,6 @@ __all__ = [
     "SEQ_BLOB_MAGIC", "ARCH_LENGTH", "KV_STREAMS", "KV_DATA_HEADER", "KV_V_TRANS_HEADER", "seq_file_format",
     "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section", "GGSN_V9", "CONTEXT_BLOB_V9",
     "OUTPUT_COUNT", "OUTPUT_BUFFER", "KV_CELL_EXT", "READ_FRAMINGS", "Outputs", "read_framing",
-    "count_state_layers",
 ]
 
 
@@ -641,11 +640,13 @@ def check_cells(cells: tuple[BlobCell, ...], size: int, seq_id: int) -> None:
 
 
 def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
-           layers: Sequence[int] | None = None) -> Blob:
+           layers: Sequence[int] | None = None, infer_layers: bool = False) -> Blob:
     """The checks of ``parse_blob`` over a ``_Reader`` or a ``_FileReader``.
 
     ``layers`` (without ``cache``): the layers whose sections the blob holds, each below the
-    blob's n_layer (None: every layer).
+    blob's n_layer (None: every layer).  ``infer_layers`` (without either): data that ends
+    right after the layer header holds no layer (the empty filter, a hybrid draft's state);
+    data that ends after the sections of some of the layers says so in its truncation error.
 
     ``watch`` (optional) sees the blob as it is read, before any row:
     ``watch.cells(blob_cells)`` once the cells are read, ``watch.layers(n_layer,
@@ -688,6 +689,14 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
     for k in range(2 * n_state):
         model_tensor = layers[k] if k < n_state else n_layer + layers[k - n_state]
         name = tensor_name(model_tensor, n_layer)
+        if infer_layers and not reader.peek(1):   # the data ends before this section
+            if k == 0:
+                layers, n_state = (), 0
+                break
+            short = truncated(f"{name} type and row size", reader.offset, TENSOR_HEADER.size, reader.offset)
+            hint = (f" (or a hybrid's state holding r and s sections of {k // 2} of its {n_layer} layers: "
+                    f"name them, inspect --layers)") if k % 2 == 0 else ""
+            raise StateError(f"{short}{hint}")
         (type_id, row_bytes), header_at = reader.unpack(TENSOR_HEADER, f"{name} type and row size")
         if cache is not None:
             if type_id != cache.type_ids[k]:
@@ -701,10 +710,10 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
     return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
 
 
-def _parse_any_filter(reader: Any, watch: Any = None) -> tuple[int, int]:
+def _parse_any_filter(reader: Any, watch: Any = None) -> None:
     """The structure of a memory section whose layer filter is unknown: its cells, then tensor
     sections up to the end of the data, an even number of them and at most 2 x n_layer (a
-    filter keeps r and s of the same layers).  Returns (layers holding state, n_layer)."""
+    filter keeps r and s of the same layers)."""
     (cell_count,), _ = reader.unpack(CELL_COUNT, field_name("cell_count"))
     cells = []
     for i in range(cell_count):
@@ -730,7 +739,6 @@ def _parse_any_filter(reader: Any, watch: Any = None) -> tuple[int, int]:
     if k % 2:
         raise StateError(f"state blob ends after {k} tensor sections: a layer filter keeps r and s of the "
                          f"same layers (an even number)")
-    return k // 2, n_layer
 
 
 def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Blob:
@@ -1522,7 +1530,7 @@ def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | N
               sequence_file: bool | None = None, watch: Any = None, rows: Any = None,
               max_tokens: int = MAX_TOKENS, arch: str | None = None, kv_section: bool = False,
               framing: str | None = None, kv_cell_ext: bool | None = None,
-              layers: Sequence[int] | None = None) -> FileContents:
+              layers: Sequence[int] | None = None, infer_layers: bool = False) -> FileContents:
     """Read a blob (``sequence_file=False``), a state file (True) or either (None: by its magic)
     in any framing (``read_framing``) from a binary file's position to its end, with every
     check of ``parse_blob`` on its memory section.
@@ -1537,7 +1545,8 @@ def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | N
     ``watch`` and ``rows`` are for ``inspect`` (``seq_id`` None: any framing): ``watch`` sees
     the headers before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
     read, which are then not kept (``data`` is None).  ``layers``: without ``cache``, the
-    layers whose r and s sections the memory section holds (a hybrid's; None: every layer).
+    layers whose r and s sections the memory section holds (a hybrid's; None: every layer);
+    ``infer_layers``: without either, a section with no layer's rows is read (see ``_parse``).
     Telling a bare section from a June-2025 context blob reads a stream's blob twice (the
     first time kept in memory).
     """
@@ -1548,23 +1557,9 @@ def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | N
     blob_offset = reader.offset
     reader.rebase()
     try:
-        blob = _parse(reader, cache, -1 if seq_id is None else seq_id, watch, layers)
+        blob = _parse(reader, cache, -1 if seq_id is None else seq_id, watch, layers, infer_layers)
         data = reader.finish()
     except StateError as exc:
         raise in_section(exc, found) from None
     return FileContents(found.tokens, blob_offset, blob, data, found)
 
-
-def count_state_layers(file: Any, op: str, max_tokens: int = MAX_TOKENS,
-                       kv_section: bool = False) -> tuple[int, int] | None:
-    """How many of its ``n_layer`` layers a blob or state file at a binary file's position holds
-    r and s sections for, read from its structure alone (a hybrid's unknown layer filter): the
-    pair ``(layers with state, n_layer)``, or None when no filter makes the bytes fit.  Which
-    layers they are the bytes do not say."""
-    _check_file(file, op, "read", "reading")
-    reader = _FileReader(file, op)
-    try:
-        read_framing(reader, None, kv_section=kv_section, max_tokens=max_tokens)
-        return _parse_any_filter(reader)
-    except StateError:
-        return None
