@@ -188,12 +188,13 @@ def test_one_input(data: bytes, pipe: bool = False) -> None:
             tokens, start = parse_seq_file_header(content)
             memory = populate("compiled", target.config)
             memory.state_read(target.baseline)   # the state the target caches started from
-            memory.state_read(content[start:], seq_id)
+            memory.state_read(content[start:], seq_id, framing="bare")   # what follows a header is a section
             assert snapshot(memory) == core, "load_seq_file and state_read of the same blob differ"
             target.reset()
         elif "the state blob at byte" in core:   # the header passed: the file and memory parses agree
             tokens, start = parse_seq_file_header(content)
-            memory = outcome(lambda: target.caches[0].state_read(content[start:], seq_id), target.caches[0])
+            memory = outcome(lambda: target.caches[0].state_read(content[start:], seq_id, framing="bare"),
+                             target.caches[0])
             assert isinstance(memory, str) and memory.split(": ", 1)[1] in core, (memory, core)
     else:
         COUNTS["state_read_from"] += 1

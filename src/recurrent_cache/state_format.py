@@ -58,7 +58,7 @@ __all__ = [
     "check_cells", "GGSQ_V2", "GGSN", "FILE_FORMATS", "BARE", "SEQ_BLOB", "CONTEXT_BLOB", "SEQ_BLOB_HEADER",
     "SEQ_BLOB_MAGIC", "ARCH_LENGTH", "KV_STREAMS", "KV_DATA_HEADER", "KV_V_TRANS_HEADER", "seq_file_format",
     "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section", "GGSN_V9", "CONTEXT_BLOB_V9",
-    "OUTPUT_COUNT", "OUTPUT_BUFFER", "KV_CELL_EXT", "READ_FRAMINGS", "Outputs", "read_framing",
+    "OUTPUT_COUNT", "OUTPUT_BUFFER", "KV_CELL_EXT", "READ_FRAMINGS", "Outputs", "read_framing", "MAX_INFERRED_LAYERS",
 ]
 
 
@@ -181,6 +181,11 @@ KV_V_TRANS_HEADER = Layout(("type", "i"), ("element_bytes", "I"), ("n_embd_v_gqa
 # per-layer n-gram embeddings (llama_kv_cache::has_cell_ext): a property of the model the bytes
 # do not record, so a reader is told or tries both (see ``read_framing``).
 KV_CELL_EXT = Layout(("x", "i"), ("y", "i"), ("token", "i"))
+
+
+# The largest n_layer of a section read with the empty filter without being told (inspect): more
+# layers than any model has, and a cache of that many (empty) layers is cheap to build.
+MAX_INFERRED_LAYERS = 2**16
 
 
 # The most tokens a sequence file may hold unless the caller allows more (llama.cpp's
@@ -645,7 +650,8 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
 
     ``layers`` (without ``cache``): the layers whose sections the blob holds, each below the
     blob's n_layer (None: every layer).  ``infer_layers`` (without either): data that ends
-    right after the layer header holds no layer (the empty filter, a hybrid draft's state);
+    right after the layer header holds no layer (the empty filter, a hybrid draft's state; up to
+    ``MAX_INFERRED_LAYERS``);
     data that ends after the sections of some of the layers says so in its truncation error.
 
     ``watch`` (optional) sees the blob as it is read, before any row:
@@ -690,7 +696,7 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
         model_tensor = layers[k] if k < n_state else n_layer + layers[k - n_state]
         name = tensor_name(model_tensor, n_layer)
         if infer_layers and not reader.peek(1):   # the data ends before this section
-            if k == 0:
+            if k == 0 and n_layer <= MAX_INFERRED_LAYERS:
                 layers, n_state = (), 0
                 break
             short = truncated(f"{name} type and row size", reader.offset, TENSOR_HEADER.size, reader.offset)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..blob_report import describe_file
 from ..errors import RecurrentCacheError
-from ..state_format import MAX_TOKENS
+from ..state_format import MAX_INFERRED_LAYERS, MAX_TOKENS
 from .options import OneLineParser, int_in
 
 __all__ = ["EXAMPLES", "main", "parse_args"]
@@ -85,7 +85,6 @@ def _fits(fits: dict[str, Any]) -> str:
     return f"RecurrentCache({shape}, size >= {fits['size']}), state_read with {how}"
 
 
-_MAX_LAYERS = 2**16   # more layers than any model has: a range cannot make the option a huge list
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -100,9 +99,9 @@ def layer_list(text: str) -> tuple[int, ...]:
             first, last = int(low), int(high) if dash else int(low)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a layer or a range like 4-7") from None
-        if not 0 <= first <= last < _MAX_LAYERS:
+        if not 0 <= first <= last < MAX_INFERRED_LAYERS:
             raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a layer or an increasing range of "
-                                             f"layers in [0, {_MAX_LAYERS})")
+                                             f"layers in [0, {MAX_INFERRED_LAYERS})")
         layers.extend(range(first, last + 1))
     seen: set[int] = set()
     for layer in layers:
