@@ -7,11 +7,13 @@ framing (``SeqFileFormat``: ``GGSQ``; another framing is one more instance),
 the cache ``Geometry`` every blob, sequence file, snapshot and store key is
 checked against, and the wording of every defect.  The framings current
 llama.cpp puts around the memory section (docs/llamacpp_formats.md) are data
-here too: ``GGSQ`` (version 3) / ``GGSQ_V2`` / ``GGSN`` files,
+here too: ``GGSQ`` (version 3) / ``GGSQ_V2`` / ``GGSN`` / ``GGSN_V9`` files,
 ``SEQ_BLOB_HEADER`` (``llama_state_seq_get_data``), the architecture string
-(``llama_state_get_data``) and a hybrid's attention KV section; ``unframe`` /
-``read_file`` find them from the bytes and hand on the bare memory section, the
-only bytes the engines read.  ``state_read``,
+(``llama_state_get_data``), June-2025's output block after it (``OUTPUT_COUNT``),
+and a hybrid's attention KV section (cells with or without ``KV_CELL_EXT``);
+``unframe`` / ``read_file`` find them from the bytes (``read_framing``: where two
+readings are possible both are parsed whole, and a state both fit is refused) and
+hand on the bare memory section, the only bytes the engines read.  ``state_read``,
 ``seqfile``, ``inspect``, the snapshot codec and the reference engine build
 and read their bytes from it; the compiled ``_state_io`` keeps its own loops,
 held to the same bytes by the tests.
@@ -650,9 +652,9 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
 
     ``layers`` (without ``cache``): the layers whose sections the blob holds, each below the
     blob's n_layer (None: every layer).  ``infer_layers`` (without either): data that ends
-    right after the layer header holds no layer (the empty filter, a hybrid draft's state; up to
-    ``MAX_INFERRED_LAYERS``);
-    data that ends after the sections of some of the layers says so in its truncation error.
+    right after the layer header holds no layer (the empty filter, a hybrid draft's state; up
+    to ``MAX_INFERRED_LAYERS``); data that ends after the sections of some of the layers says
+    so in its truncation error.
 
     ``watch`` (optional) sees the blob as it is read, before any row:
     ``watch.cells(blob_cells)`` once the cells are read, ``watch.layers(n_layer,
