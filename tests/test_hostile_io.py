@@ -483,7 +483,7 @@ def _valid_and_read_by_its_smallest_cache(rc, data, path):
     code, out, err = inspect_cli(path, "--json")
     assert code == 0 and err == "", err
     fits = json.loads(out)["reads_into"]
-    shape = {key: fits[key] for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
+    shape = {key: fits[key] for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s", "layers")
              if fits[key] is not None}
     cache = rc.RecurrentCache(**{"n_embd_r": 1, "n_embd_s": 1, **shape}, n_seq_max=fits["size"])
     cache.state_read(data, fits["seq_id"])

@@ -380,8 +380,10 @@ def test_c_api_tensors_of_a_filtered_cache():
             array = (cache.r + cache.s)[index]
             code = T.tensor(ctx, index, ctypes.byref(data), ctypes.byref(row_bytes))
             if array is None:
-                assert code == errors.CAPI_TENSOR_INDEX
-                assert "layer without recurrent state" in message(T, ctx, code)
+                assert code == errors.CAPI_FILTERED_LAYER
+                assert message(T, ctx, code) == (f"rc_tensor: tensor index {index} is of layer {index % N_LAYER}, "
+                                                 f"which holds no recurrent state (the cache's layer filter "
+                                                 f"excludes it)")
             else:
                 assert code == 0 and (data.value, row_bytes.value) == (array.ctypes.data, array.strides[0])
         assert T.tensor(ctx, 2 * N_LAYER, ctypes.byref(data), ctypes.byref(row_bytes)) == errors.CAPI_TENSOR_INDEX
@@ -409,7 +411,7 @@ def test_c_api_step_rows_of_a_filtered_cache():
         assert T.batch_apply(batch, ctypes.byref(ubatch)) == 1   # 1: a ubatch was placed
         assert T.batch_n_steps(batch) == 2
         row = P()
-        assert T.batch_step_row(batch, 1, 0, 0, ctypes.byref(row)) == errors.CAPI_TENSOR_INDEX
+        assert T.batch_step_row(batch, 1, 0, 0, ctypes.byref(row)) == errors.CAPI_FILTERED_LAYER
         assert T.batch_step_row(batch, N_LAYER + 3, 0, 1, ctypes.byref(row)) == 0
         # s of layer 3 is the core's sixth tensor: the python view of it is the same memory
         st_rows = cache.memory_core.step_rows(5, 1, 2)

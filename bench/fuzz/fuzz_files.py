@@ -148,7 +148,7 @@ def check_inspect(content, accepted_by_some_cache):
     if kind == "valid":
         fits = report["reads_into"]
         blob = content[report["blob_offset"]:]
-        shape = {key: fits[key] for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
+        shape = {key: fits[key] for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s", "layers")
                  if fits[key] is not None}
         if fits["size"] > MAX_BUILT_SIZE:
             # too large to build here (and RecurrentCache(size=2**30 + 1) crashes the compiled
@@ -188,12 +188,13 @@ def test_one_input(data: bytes, pipe: bool = False) -> None:
             tokens, start = parse_seq_file_header(content)
             memory = populate("compiled", target.config)
             memory.state_read(target.baseline)   # the state the target caches started from
-            memory.state_read(content[start:], seq_id)
+            memory.state_read(content[start:], seq_id, framing="bare")   # what follows a header is a section
             assert snapshot(memory) == core, "load_seq_file and state_read of the same blob differ"
             target.reset()
         elif "the state blob at byte" in core:   # the header passed: the file and memory parses agree
             tokens, start = parse_seq_file_header(content)
-            memory = outcome(lambda: target.caches[0].state_read(content[start:], seq_id), target.caches[0])
+            memory = outcome(lambda: target.caches[0].state_read(content[start:], seq_id, framing="bare"),
+                             target.caches[0])
             assert isinstance(memory, str) and memory.split(": ", 1)[1] in core, (memory, core)
     else:
         COUNTS["state_read_from"] += 1

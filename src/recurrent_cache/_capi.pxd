@@ -50,6 +50,7 @@ cdef extern from "recurrent_cache/capi.h":
         RC_ERR_STATE_SEQ
         RC_ERR_OPEN_BATCHES
         RC_ERR_FLAGS
+        RC_ERR_FILTERED_LAYER
     const char* RC_CAPI_CAPSULE_NAME
 
     ctypedef struct rc_ctx:

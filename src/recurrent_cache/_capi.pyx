@@ -205,21 +205,35 @@ cdef int32_t rc_used(const rc_ctx* ctx) noexcept nogil:
     return -1 if ctx == NULL else (<const CtxData*>ctx).core.cells.used
 
 
+cdef Py_ssize_t core_tensor(CtxData* c, int32_t index, const char* what) noexcept nogil:
+    """The core's tensor of model tensor ``index`` (r of layer il: il; s: n_layer + il), or the
+    recorded error code: RC_ERR_TENSOR_INDEX outside the model's 2 * n_layer tensors,
+    RC_ERR_FILTERED_LAYER for a layer the cache's filter keeps no state for."""
+    if not 0 <= index < 2 * c.core.n_layer:
+        record(c, RC_ERR_TENSOR_INDEX, what)
+        c.detail.index = index
+        c.detail.size = 2 * c.core.n_layer
+        return RC_ERR_TENSOR_INDEX
+    cdef Py_ssize_t k = c.core.layer_tensor[index]
+    if k < 0:
+        record(c, RC_ERR_FILTERED_LAYER, what)
+        c.detail.index = index
+        c.detail.n = index % c.core.n_layer
+        return RC_ERR_FILTERED_LAYER
+    return k
+
+
 cdef int rc_tensor(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes) noexcept nogil:
     """Base pointer and row size of state tensor ``index`` (r of layer il: il; s: n_layer + il); a
-    layer the cache keeps no state for (its ``layers`` filter) is RC_ERR_TENSOR_INDEX."""
+    layer the cache keeps no state for (its ``layers`` filter) is RC_ERR_FILTERED_LAYER."""
     if ctx == NULL:
         return RC_ERR_NULL
     cdef CtxData* c = <CtxData*>ctx
     if data == NULL or row_bytes == NULL:
         return record(c, RC_ERR_NULL, "rc_tensor")
-    cdef Py_ssize_t k = c.core.layer_tensor[index] if 0 <= index < 2 * c.core.n_layer else -1
-    if k < 0:   # outside the model's tensors, or a layer the filter gives no state
-        record(c, RC_ERR_TENSOR_INDEX, "rc_tensor" if not 0 <= index < 2 * c.core.n_layer
-               else "rc_tensor (of a layer without recurrent state)")
-        c.detail.index = index
-        c.detail.size = 2 * c.core.n_layer
-        return RC_ERR_TENSOR_INDEX
+    cdef Py_ssize_t k = core_tensor(c, index, "rc_tensor")
+    if k < 0:
+        return <int>k
     data[0] = c.core.tensor_data[k]
     row_bytes[0] = <size_t>c.core.row_bytes[k]
     return RC_OK
@@ -554,13 +568,9 @@ cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group,
         return RC_ERR_NULL
     cdef const BatchData* b = <const BatchData*>batch
     cdef CtxData* c = b.ctx
-    cdef Py_ssize_t k = c.core.layer_tensor[tensor] if 0 <= tensor < 2 * c.core.n_layer else -1
-    if k < 0:   # outside the model's tensors, or a layer the filter gives no state
-        record(c, RC_ERR_TENSOR_INDEX, "rc_batch_step_row" if not 0 <= tensor < 2 * c.core.n_layer
-               else "rc_batch_step_row (of a layer without recurrent state)")
-        c.detail.index = tensor
-        c.detail.size = 2 * c.core.n_layer
-        return RC_ERR_TENSOR_INDEX
+    cdef Py_ssize_t k = core_tensor(c, tensor, "rc_batch_step_row")
+    if k < 0:
+        return <int>k
     if not (0 <= group < b.steps_n_seqs and 0 <= j < b.steps_m):
         record(c, RC_ERR_ARGUMENT, "rc_batch_step_row")
         return RC_ERR_ARGUMENT

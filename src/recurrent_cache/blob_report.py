@@ -12,33 +12,43 @@ known type and a row size of whole elements, every s tensor too, and the
 cells pass ``parse_blob`` against the smallest such cache - size 1 for a
 sequence blob; for a whole-cache blob the largest of its cell count and its
 largest seq id + 1.  Anything else is a one-line error and exit status 1.
+
+A hybrid model's blob holds r and s sections of its recurrent layers only
+(``n_layer`` is still the model's layer count): ``layers`` names them.  Without
+it every layer is taken to hold state, except that a blob ending right after
+its layer header holds none (the empty filter); one ending after the sections of
+some of its layers is refused, its message saying how many (the bytes do not
+say which).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import StateError
 from ._args import INT32_END
-from .state_format import (BARE, CONTEXT_BLOB, GGML_TYPES, GGSN, MAX_TOKENS, SEQ_BLOB, STATE_TYPES, BlobCell,
-                           check_cells, read_file)
+from .state_format import (BARE, CONTEXT_BLOB, CONTEXT_BLOB_V9, GGML_TYPES, GGSN, GGSN_V9, MAX_TOKENS, SEQ_BLOB,
+                           STATE_TYPES, BlobCell, check_cells, read_file)
 
 __all__ = ["describe", "describe_file"]
 
 _LIMIT = INT32_END - 1   # the constructor's largest size, n_layer and n_embd
 _BF16 = STATE_TYPES["bf16"].type_id   # stored as the upper half of a float32, widened by hand
 _FORMAT_NAMES = {BARE: "state blob", SEQ_BLOB: "state blob (llama_state_seq_get_data)",
-                 CONTEXT_BLOB: "state blob (llama_state_get_data)", GGSN.name: f"session file ({GGSN.name})"}
+                 CONTEXT_BLOB: "state blob (llama_state_get_data)",
+                 CONTEXT_BLOB_V9: "state blob (June-2025 llama_state_get_data)",
+                 GGSN.name: f"session file ({GGSN.name})", GGSN_V9.name: f"session file ({GGSN_V9.name})"}
 
 
 class _TensorSummary:
     """Checksum and min / max / mean of one tensor section, fed piece by piece."""
 
-    def __init__(self, k: int, n_layer: int, type_id: int, row_bytes: int, offset: int) -> None:
+    def __init__(self, label: str, type_id: int, row_bytes: int, offset: int) -> None:
         self.type_id = type_id
         self.dtype = GGML_TYPES[type_id].bits
         self.sha256 = hashlib.sha256()
@@ -49,7 +59,7 @@ class _TensorSummary:
         self.min: float | None = None
         self.max: float | None = None
         self.summary: dict[str, Any] = {
-            "tensor": f"layer {k % n_layer} {'r' if k < n_layer else 's'}", "type": GGML_TYPES[type_id].name,
+            "tensor": label, "type": GGML_TYPES[type_id].name,
             "type_id": type_id, "row_bytes": row_bytes, "n_embd": row_bytes // self.dtype.itemsize,
             "offset": offset}
 
@@ -89,8 +99,9 @@ class _Inspection:
     type and a row size of 1 to 2**31 - 1 whole elements, every s tensor too.
     """
 
-    def __init__(self) -> None:
-        self.n_layer = 0
+    def __init__(self, layers: tuple[int, ...] | None = None) -> None:
+        self.filter = layers          # the layers with state, None: every layer
+        self.state_layers: Sequence[int] = ()
         self.fits: dict[str, Any] = {}
         self.tensors: list[_TensorSummary] = []
 
@@ -104,47 +115,65 @@ class _Inspection:
     def layers(self, n_layer: int, offset: int) -> None:
         if n_layer > _LIMIT:
             raise StateError(f"state blob has n_layer {n_layer} at byte {offset}, more than a cache's {_LIMIT}")
-        self.n_layer = n_layer
-        self.fits.update(n_layer=n_layer, n_embd_r=None, n_embd_s=None, dtype_r=None, dtype_s=None)
+        # a filter naming a layer past n_layer is refused by the parse (read_file's layers)
+        # a range, not a list: a damaged n_layer of 2**31 - 2 costs nothing until a section is read
+        self.state_layers = range(n_layer) if self.filter is None else self.filter
+        self.fits.update(n_layer=n_layer, n_embd_r=None, n_embd_s=None, dtype_r=None, dtype_s=None,
+                         layers=None if self.filter is None else list(self.filter))
 
     def tensor(self, k: int, type_id: int, row_bytes: int, offset: int) -> None:
-        name, layer = ("r", k) if k < self.n_layer else ("s", k - self.n_layer)
+        n_state = len(self.state_layers)
+        name, first = ("r", k == 0) if k < n_state else ("s", k == n_state)
+        layer = self.state_layers[k % n_state]
         if type_id not in GGML_TYPES:
             raise StateError(f"state blob layer {layer} {name} has type {type_id} at byte {offset}: "
                              f"a cache stores {' or '.join(f'{t.name} ({t.type_id})' for t in GGML_TYPES.values())}")
         type_name, itemsize = GGML_TYPES[type_id].name, GGML_TYPES[type_id].itemsize
-        if layer == 0:
+        if first:
             if row_bytes % itemsize or not 1 <= row_bytes // itemsize <= _LIMIT:
-                raise StateError(f"state blob layer 0 {name} row size {row_bytes} at byte {offset + 4} is "
+                raise StateError(f"state blob layer {layer} {name} row size {row_bytes} at byte {offset + 4} is "
                                  f"not n_embd x {itemsize} bytes ({type_name}) with n_embd in [1, {_LIMIT}]")
             self.fits.update({f"dtype_{name}": type_name, f"n_embd_{name}": row_bytes // itemsize})
         elif (type_name, row_bytes) != (self.fits[f"dtype_{name}"], self.fits[f"n_embd_{name}"] * itemsize):
+            # without a filter, a hybrid's first s section is read as the r of layer k (k < n_layer)
+            hint = (f" (or a hybrid's state holding r and s sections of {k} of its {len(self.state_layers)} "
+                    f"layers: name them, inspect --layers)") if self.filter is None and name == "r" else ""
             raise StateError(f"state blob layer {layer} {name} is {type_name} with row size {row_bytes} at "
-                             f"byte {offset}, layer 0 {name} is {self.fits[f'dtype_{name}']} with n_embd "
-                             f"{self.fits[f'n_embd_{name}']}: a cache has one {name} type and row size "
-                             f"for every layer")
-        self.tensors.append(_TensorSummary(k, self.n_layer, type_id, row_bytes, offset + 12))
+                             f"byte {offset}, layer {self.state_layers[0]} {name} is {self.fits[f'dtype_{name}']} "
+                             f"with n_embd {self.fits[f'n_embd_{name}']}: a cache has one {name} type and row "
+                             f"size for every layer{hint}")
+        self.tensors.append(_TensorSummary(f"layer {layer} {name}", type_id, row_bytes, offset + 12))
 
     def rows(self, piece: bytes) -> None:
         self.tensors[-1].feed(piece)
 
+    def trial(self) -> _Inspection:
+        """A fresh inspection for a trial parse (telling two framings apart): the same checks."""
+        return _Inspection(self.filter)
 
-def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = False) -> dict[str, Any]:
+
+def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = False,
+                  layers: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Everything ``inspect`` reports about the blob or sequence file at a binary file's position.
 
     Reads only what the headers claim (``state_format.read_file``) and keeps
     only the cells in memory; raises a ``RecurrentCacheError`` for anything no
     cache's ``state_read`` accepts, before reading the rows of a header that
     no cache could hold.  ``kv_section``: a hybrid model's state, whose
-    attention KV section comes before the recurrent section.
+    attention KV section comes before the recurrent section.  ``layers``: the
+    layers whose r and s sections the blob holds (see the module's docstring).
     """
-    inspection = _Inspection()
+    inspection = _Inspection(layers)
     try:
         contents = read_file(file, "inspect", seq_id=None, watch=inspection, rows=inspection.rows,
-                             max_tokens=max_tokens, kv_section=kv_section)
+                             max_tokens=max_tokens, kv_section=kv_section, layers=layers,
+                             infer_layers=layers is None)
     except StateError as exc:
         raise StateError(f"not a valid state blob or sequence file: {exc}") from None
     blob, framing = contents.blob, contents.framing
+    if layers is None and blob.n_layer and not blob.tensors:   # inferred: the empty filter
+        layers = ()
+        inspection.fits["layers"] = []
     return {
         "format": _FORMAT_NAMES.get(framing.name, f"sequence file ({framing.name})"),
         "framing": framing.name, "source_seq_id": framing.source_seq_id, "arch": framing.arch,
@@ -152,6 +181,11 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = Fa
         "tokens": None if contents.tokens is None else contents.tokens.tolist(),
         "blob_offset": contents.blob_offset, "blob_bytes": blob.n_bytes, "kind": blob.kind,
         "cell_count": blob.cell_count, "n_layer": blob.n_layer, "reads_into": inspection.fits,
+        "layers": None if layers is None else list(layers),
+        "outputs": None if framing.outputs is None else {
+            "positions": list(framing.outputs.positions), "n_logits": framing.outputs.n_logits,
+            "n_embd": framing.outputs.n_embd},
+        "kv_cell_ext": framing.kv_cell_ext,
         "cells": [{"pos": cell.pos, "seq_ids": list(cell.seq_ids)} for cell in blob.cells],
         "tensors": [tensor.result() for tensor in inspection.tensors]}
 

@@ -557,17 +557,22 @@ class RecurrentCache:
         return len(prefix) + written
 
     def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *,
-                   kv_section: bool = False, framing: str | None = None) -> int:
+                   kv_section: bool = False, framing: str | None = None, kv_cell_ext: bool | None = None) -> int:
         """Restore a state in any framing llama.cpp or this package writes; returns its length.
 
         ``data`` (any bytes-like object) is a bare memory section, a
         ``llama_state_seq_get_data`` blob, a ``llama_state_get_data`` blob
-        (its architecture name must be ``arch`` when given), or a 'ggsq' /
-        'ggsn' file's bytes (the tokens are not kept: see ``load_seq_file``);
-        the framing is found from the bytes.  ``kv_section=True``: the state is
-        a hybrid model's, whose memory begins with the attention KV section,
-        which is checked and skipped (the bytes cannot say so themselves).
-        ``framing="bare"`` skips the detection: ``data`` is a memory section.
+        (its architecture name must be ``arch`` when given), June-2025
+        llama.cpp's ``llama_state_get_data`` blob (an output block after the name), or
+        a 'ggsq' / 'ggsn' file's bytes (the tokens are not kept: see
+        ``load_seq_file``); the framing is found from the bytes, and a blob
+        that two framings read whole is refused (docs/llamacpp_formats.md).
+        ``kv_section=True``: the state is a hybrid model's, whose memory begins
+        with the attention KV section, which is checked and skipped (the bytes
+        cannot say so themselves); ``kv_cell_ext`` says whether its cells carry
+        the 12-byte extended position (None: found from the bytes).
+        ``framing`` skips the detection: "bare" (``data`` is a memory section),
+        "llama" (current llama.cpp's framing) or "llama-june-2025".
 
         ``seq_id = -1`` replaces the whole cache; ``seq_id >= 0`` replaces that
         sequence with the blob's one cell (a 0-cell blob just removes it).  The
@@ -575,7 +580,8 @@ class RecurrentCache:
         byte offset leaves the cache, cells and rows, exactly as it was.
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
-        unframed = unframe(data, seq_id, arch, kv_section, bare=_bare_framing(framing))
+        unframed = unframe(data, seq_id, arch, kv_section, framing=framing, cache=Geometry.of(self),
+                           kv_cell_ext=kv_cell_ext)
         self._read_section(unframed.section, seq_id, unframed.framing)
         return unframed.framing.section_offset + len(unframed.section)
 
@@ -590,12 +596,13 @@ class RecurrentCache:
             self._leave()
 
     def state_read_from(self, file: object, seq_id: int = -1, arch: str | None = None, *,
-                        kv_section: bool = False) -> int:
-        """``state_read`` of everything from a binary file's position to its end."""
+                        kv_section: bool = False, framing: str | None = None, kv_cell_ext: bool | None = None) -> int:
+        """``state_read`` of everything from a binary file's position to its end (the same framings,
+        ``framing`` and ``kv_cell_ext``)."""
         seq_id = state_seq_id(seq_id, self.size, "state_read_from")
         # bounded by this cache's state size, and checked as state_read checks the bytes
         contents = read_file(file, "state_read_from", Geometry.of(self), seq_id, sequence_file=None, arch=arch,
-                             kv_section=kv_section)
+                             kv_section=kv_section, framing=framing, kv_cell_ext=kv_cell_ext)
         self._read_section(blob_view(contents.data), seq_id, contents.framing)
         return contents.blob_offset + len(contents.data)
 
@@ -605,9 +612,3 @@ class RecurrentCache:
                 f"dtype_r={self.dtype_r!r}, dtype_s={self.dtype_s!r}, engine={self.engine!r}"
                 + (f", layers={self.layers!r})" if len(self.layers) != self.n_layer else ")"))
 
-
-def _bare_framing(framing: object) -> bool:
-    """Whether ``state_read``'s ``framing`` says "a bare section" (``None``: find out from the bytes)."""
-    if framing is None or framing == "bare":
-        return framing == "bare"
-    raise ArgumentError(f"state_read: unknown framing {framing!r} (None to detect it, or 'bare')")

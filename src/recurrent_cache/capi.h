@@ -90,6 +90,7 @@
 #define RC_ERR_STATE_SEQ (-58)           /* a state seq_id outside [-1, size) */
 #define RC_ERR_OPEN_BATCHES (-59)        /* rc_ctx_free with batches not released */
 #define RC_ERR_FLAGS (-60)               /* unknown rc_batch_init flags */
+#define RC_ERR_FILTERED_LAYER (-61)      /* a tensor of a layer the cache's layer filter keeps no state for */
 
 /* rc_batch_init flags */
 #define RC_BATCH_LOGITS_ALL 1u   /* every token is an output */
@@ -124,7 +125,7 @@ typedef struct rc_capi {
     int32_t (*size)(const rc_ctx* ctx);           /* cells; -1 for a NULL ctx */
     int32_t (*n_layer)(const rc_ctx* ctx);
     int32_t (*used)(const rc_ctx* ctx);
-    int (*tensor)(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes);  /* r of layer il: il, s: n_layer + il; a layer without state (layer filter): RC_ERR_TENSOR_INDEX */
+    int (*tensor)(const rc_ctx* ctx, int32_t index, void** data, size_t* row_bytes);  /* r of layer il: il, s: n_layer + il; a layer without state (layer filter): RC_ERR_FILTERED_LAYER */
     /* batches */
     int (*batch_init)(rc_ctx* ctx, int32_t n_tokens, const int32_t* seq_ids, const int32_t* seq_id_offsets,
                       const int32_t* pos, const int8_t* output, int32_t n_ubatch, uint32_t flags,

@@ -23,7 +23,8 @@ includes ``recurrent_cache/capi.h`` for the types); see examples/capi/cython/.
 
 from recurrent_cache._capi cimport (RC_BATCH_EMBD_POOLED, RC_BATCH_LOGITS_ALL, RC_ERR_ARGUMENT,
                                     RC_ERR_BLOB_FIRST, RC_ERR_BLOB_LAST, RC_ERR_BROKEN, RC_ERR_DUPLICATE_SEQ,
-                                    RC_ERR_FLAGS, RC_ERR_N_TOKENS, RC_ERR_N_UBATCH, RC_ERR_NO_FREE_CELL,
+                                    RC_ERR_FILTERED_LAYER, RC_ERR_FLAGS, RC_ERR_N_TOKENS, RC_ERR_N_UBATCH,
+                                    RC_ERR_NO_FREE_CELL,
                                     RC_ERR_NO_MEMORY, RC_ERR_NULL, RC_ERR_OFFSETS, RC_ERR_OPEN_BATCHES,
                                     RC_ERR_OVERLAP, RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
                                     RC_ERR_SEQ_RANGE, RC_ERR_SPLIT_CONTINUE, RC_ERR_SPLIT_FIND_SLOT,

@@ -149,6 +149,7 @@ CAPI_TENSOR_INDEX = -57 # tensor `index` outside [0, `size`)
 CAPI_STATE_SEQ = -58    # a state seq_id `seq` outside [-1, `size`)
 CAPI_OPEN_BATCHES = -59 # a context freed with `n` batches not released
 CAPI_FLAGS = -60        # batch flags `n` with unknown bits
+CAPI_FILTERED_LAYER = -61  # tensor `index` is of layer `n`, which the cache's layer filter keeps no state for
 
 POS_MAX = 2**31 - 1     # llama_pos is int32; this value stands for +infinity in ranges
 
@@ -186,6 +187,8 @@ _TABLE: dict[int, tuple[type[Exception], str]] = {
     CAPI_STATE_SEQ: (SeqIdError, "{what}: seq_id {seq} is out of range [-1, {size})"),
     CAPI_OPEN_BATCHES: (UsageError, "{what}: {n} batches of this context are not released"),
     CAPI_FLAGS: (ArgumentError, "{what}: unknown flags {n} (RC_BATCH_LOGITS_ALL = 1, RC_BATCH_EMBD_POOLED = 2)"),
+    CAPI_FILTERED_LAYER: (OutOfRangeError, "{what}: tensor index {index} is of layer {n}, which holds no recurrent "
+                                           "state (the cache's layer filter excludes it)"),
 }
 
 

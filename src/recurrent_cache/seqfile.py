@@ -6,7 +6,11 @@ A sequence file is ``state_format.GGSQ``'s header (``u32 magic 'ggsq'``,
 of one sequence (docs/concepts.md §5), all little-endian.  A session file (``GGSN``,
 'ggsn' version 10) has the same header, the tokens, then exactly what
 ``llama_state_get_data`` writes: the architecture string and the whole cache's
-memory section.
+memory section.  June-2025 llama.cpp's session files ('ggsn' version 9,
+``GGSN_V9``) have its ``llama_state_get_data`` there instead: the architecture string, the output
+block (output positions, logits, embeddings), then the memory section; they are read.
+A 'ggsn' file given to ``load_seq_file`` or a 'ggsq' file to
+``load_session_file`` is refused with a message naming the function that loads it.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ def _write_atomically(path: str, head: tuple[Any, ...], cache: Any, seq_id: int)
 
 
 def load_seq_file(path: _Path, cache: Any, seq_id: int, *, max_tokens: int = MAX_TOKENS,
-                  kv_section: bool = False) -> np.ndarray:
+                  kv_section: bool = False, kv_cell_ext: bool | None = None) -> np.ndarray:
     """Restore sequence ``seq_id`` of ``cache`` from a 'ggsq' file (version 3 or 2); returns
     its tokens (int32).
 
@@ -97,31 +101,35 @@ def load_seq_file(path: _Path, cache: Any, seq_id: int, *, max_tokens: int = MAX
     blob no further than a sequence of this cache can be: a FIFO,
     ``/dev/zero`` or a huge file is rejected after a few bytes.
     ``kv_section=True``: a hybrid model's file, whose attention KV section
-    (before the recurrent section) is checked and skipped.
+    (before the recurrent section) is checked and skipped; ``kv_cell_ext``
+    says whether its cells carry the 12-byte extended position (None: found
+    from the bytes, refused when both readings fit).
     """
     path = _args.path(path, "load_seq_file: path")
     seq_id = _args.state_seq_id(seq_id, cache.size, "load_seq_file")
-    return _load(path, "load_seq_file", cache, seq_id, max_tokens, None, kv_section)
+    return _load(path, "load_seq_file", cache, seq_id, max_tokens, None, kv_section, kv_cell_ext)
 
 
 def load_session_file(path: _Path, cache: Any, *, arch: str | None = None, max_tokens: int = MAX_TOKENS,
-                      kv_section: bool = False) -> np.ndarray:
-    """Restore the whole ``cache`` from a 'ggsn' session file (version 10); returns its tokens.
+                      kv_section: bool = False, kv_cell_ext: bool | None = None) -> np.ndarray:
+    """Restore the whole ``cache`` from a 'ggsn' session file (version 10, or June-2025's 9,
+    whose output block is checked and skipped); returns its tokens.
 
-    ``arch``, when given, must be the file's architecture name.  Checked as
-    ``load_seq_file`` checks: nothing changes unless the whole file is good.
+    ``arch``, when given, must be the file's architecture name.  Checked as ``load_seq_file`` checks: nothing changes
+    unless the whole file is good.
     """
     path = _args.path(path, "load_session_file: path")
-    return _load(path, "load_session_file", cache, -1, max_tokens, arch, kv_section)
+    return _load(path, "load_session_file", cache, -1, max_tokens, arch, kv_section, kv_cell_ext)
 
 
 def _load(path: str, op: str, cache: Any, seq_id: int, max_tokens: int, arch: str | None,
-          kv_section: bool) -> np.ndarray:
+          kv_section: bool, kv_cell_ext: bool | None) -> np.ndarray:
     max_tokens = _args.count(max_tokens, f"{op}: max_tokens", 0, int32_only=False)
     with open(path, "rb") as file:
         try:
             contents: FileContents = read_file(file, path, Geometry.of(cache), seq_id, sequence_file=True,
-                                               max_tokens=max_tokens, arch=arch, kv_section=kv_section)
+                                               max_tokens=max_tokens, arch=arch, kv_section=kv_section,
+                                               kv_cell_ext=kv_cell_ext)
         except StateError as exc:
             raise StateError(f"{path}: {exc}") from None
     try:

@@ -7,11 +7,13 @@ framing (``SeqFileFormat``: ``GGSQ``; another framing is one more instance),
 the cache ``Geometry`` every blob, sequence file, snapshot and store key is
 checked against, and the wording of every defect.  The framings current
 llama.cpp puts around the memory section (docs/llamacpp_formats.md) are data
-here too: ``GGSQ`` (version 3) / ``GGSQ_V2`` / ``GGSN`` files,
+here too: ``GGSQ`` (version 3) / ``GGSQ_V2`` / ``GGSN`` / ``GGSN_V9`` files,
 ``SEQ_BLOB_HEADER`` (``llama_state_seq_get_data``), the architecture string
-(``llama_state_get_data``) and a hybrid's attention KV section; ``unframe`` /
-``read_file`` find them from the bytes and hand on the bare memory section, the
-only bytes the engines read.  ``state_read``,
+(``llama_state_get_data``), June-2025's output block after it (``OUTPUT_COUNT``),
+and a hybrid's attention KV section (cells with or without ``KV_CELL_EXT``);
+``unframe`` / ``read_file`` find them from the bytes (``read_framing``: where two
+readings are possible both are parsed whole, and a state both fit is refused) and
+hand on the bare memory section, the only bytes the engines read.  ``state_read``,
 ``seqfile``, ``inspect``, the snapshot codec and the reference engine build
 and read their bytes from it; the compiled ``_state_io`` keeps its own loops,
 held to the same bytes by the tests.
@@ -57,7 +59,8 @@ __all__ = [
     "blob_view", "target_view", "target_too_small", "target_aliases_cache", "read_rest", "write_all",
     "check_cells", "GGSQ_V2", "GGSN", "FILE_FORMATS", "BARE", "SEQ_BLOB", "CONTEXT_BLOB", "SEQ_BLOB_HEADER",
     "SEQ_BLOB_MAGIC", "ARCH_LENGTH", "KV_STREAMS", "KV_DATA_HEADER", "KV_V_TRANS_HEADER", "seq_file_format",
-    "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section",
+    "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section", "GGSN_V9", "CONTEXT_BLOB_V9",
+    "OUTPUT_COUNT", "OUTPUT_BUFFER", "KV_CELL_EXT", "READ_FRAMINGS", "Outputs", "read_framing", "MAX_INFERRED_LAYERS",
 ]
 
 
@@ -120,8 +123,9 @@ TENSOR_HEADER = Layout(("type", "i"), ("row_bytes", "Q"))
 @dataclass(frozen=True)
 class SeqFileFormat:
     """One framing of a state file: ``header`` (a magic, a version, the token count), the
-    tokens as i32, then (``arch_string``) the architecture name, then the memory section:
-    of one sequence (``whole`` False) or of the whole cache."""
+    tokens as i32, then (``arch_string``) the architecture name or (``outputs``) June-2025
+    llama.cpp's output block, then the memory section: of one sequence (``whole`` False) or
+    of the whole cache."""
 
     name: str
     header: Layout
@@ -129,6 +133,7 @@ class SeqFileFormat:
     version: int
     whole: bool = False
     arch_string: bool = False
+    outputs: bool = False
 
 
 _FILE_HEADER = Layout(("magic", "I"), ("version", "I"), ("n_token_count", "I"))
@@ -139,14 +144,28 @@ GGSQ_V2 = SeqFileFormat("'ggsq' version 2", _FILE_HEADER, 0x67677371, 2)
 # llama_state_save_file: LLAMA_SESSION_MAGIC 'ggsn', LLAMA_SESSION_VERSION 10: tokens, then
 # exactly a llama_state_get_data blob (the architecture string, the whole memory section).
 GGSN = SeqFileFormat("'ggsn' version 10", _FILE_HEADER, 0x6767736e, 10, whole=True, arch_string=True)
-FILE_FORMATS = (GGSQ, GGSQ_V2, GGSN)
+# LLAMA_SESSION_VERSION 9 (June 2025): tokens, then that llama.cpp's llama_state_get_data blob
+# (the architecture string, the output block, then the whole memory section).
+GGSN_V9 = SeqFileFormat("'ggsn' version 9", _FILE_HEADER, 0x6767736e, 9, whole=True, arch_string=True,
+                        outputs=True)
+FILE_FORMATS = (GGSQ, GGSQ_V2, GGSN, GGSN_V9)
 
 # The framings of a blob without tokens (``Framing.name``): the bare memory section (what this
 # package wrote before, and llama.cpp's memory itself writes), llama_state_seq_get_data's
-# (SEQ_BLOB_HEADER first) and llama_state_get_data's (the architecture string first).
+# (SEQ_BLOB_HEADER first), llama_state_get_data's (the architecture string first) and June-2025
+# llama.cpp's llama_state_get_data (the architecture string, then the output block).
 BARE = "bare"
 SEQ_BLOB = "llama sequence blob"
 CONTEXT_BLOB = "llama context blob"
+CONTEXT_BLOB_V9 = "llama context blob (June 2025)"
+# What ``state_read(framing=...)`` accepts instead of detecting: the bare section, current
+# llama.cpp's framing of a sequence (seq_id >= 0) or of the whole cache (-1), June-2025's.
+READ_FRAMINGS = {"bare": BARE, "llama": None, "llama-june-2025": CONTEXT_BLOB_V9}
+# June-2025 llama.cpp's output block (after the architecture string): i32 n_outputs, n_outputs x
+# i32 (the batch position of each output row), u64 logits_size + logits_size x f32, u64 embd_size
+# + embd_size x f32.  Each size is n_outputs x (the vocabulary or embedding width), or 0.
+OUTPUT_COUNT = Layout(("n_outputs", "i"))
+OUTPUT_BUFFER = Layout(("size", "Q"))
 SEQ_BLOB_HEADER = Layout(("magic", "I"), ("seq_id", "i"))
 SEQ_BLOB_MAGIC = 0xaf143cd8
 ARCH_LENGTH = Layout(("arch_length", "I"))
@@ -160,6 +179,15 @@ _ARCH_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-_.")
 KV_STREAMS = Layout(("n_stream", "I"))
 KV_DATA_HEADER = Layout(("v_trans", "I"), ("n_layer", "I"))
 KV_V_TRANS_HEADER = Layout(("type", "i"), ("element_bytes", "I"), ("n_embd_v_gqa", "I"))
+# llama_kv_cell_ext, between a KV cell's n_seq_id and its seq ids when the model uses M-RoPE or
+# per-layer n-gram embeddings (llama_kv_cache::has_cell_ext): a property of the model the bytes
+# do not record, so a reader is told or tries both (see ``read_framing``).
+KV_CELL_EXT = Layout(("x", "i"), ("y", "i"), ("token", "i"))
+
+
+# The largest n_layer of a section read with the empty filter without being told (inspect): more
+# layers than any model has, and a cache of that many (empty) layers is cheap to build.
+MAX_INFERRED_LAYERS = 2**16
 
 
 # The most tokens a sequence file may hold unless the caller allows more (llama.cpp's
@@ -396,14 +424,6 @@ class Geometry:
         """How many layers hold state: a blob's r sections (and s sections)."""
         return self.n_layer if self.layers is None else len(self.layers)
 
-    def section_tensor(self, k: int) -> int:
-        """The model tensor (r of layer il: il; s: n_layer + il) of a blob's section k (r of the
-        layers with state, then their s): how messages name a section."""
-        n_state = self.n_state_layers
-        if self.layers is None or not 0 <= k < 2 * n_state:
-            return k
-        return self.layers[k] if k < n_state else self.n_layer + self.layers[k - n_state]
-
     @property
     def type_r(self) -> StateType:
         return STATE_TYPES[self.dtype_r]
@@ -557,6 +577,10 @@ class _Reader:
         """Step over n bytes (rows); returns where they start."""
         return self._need(n, field)
 
+    def step_over(self, n: int, field: str) -> int:
+        """Step over n bytes of a framing (not rows); returns where they start."""
+        return self._need(n, field)
+
     def take(self, n: int, short: Any) -> memoryview:
         """The next n bytes; ``short(offset, n, length)`` is the error when fewer are left."""
         at = self.offset
@@ -622,8 +646,15 @@ def check_cells(cells: tuple[BlobCell, ...], size: int, seq_id: int) -> None:
         at += 8 + 4 * len(cell.seq_ids)
 
 
-def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) -> Blob:
+def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None,
+           layers: Sequence[int] | None = None, infer_layers: bool = False) -> Blob:
     """The checks of ``parse_blob`` over a ``_Reader`` or a ``_FileReader``.
+
+    ``layers`` (without ``cache``): the layers whose sections the blob holds, each below the
+    blob's n_layer (None: every layer).  ``infer_layers`` (without either): data that ends
+    right after the layer header holds no layer (the empty filter, a hybrid draft's state; up
+    to ``MAX_INFERRED_LAYERS``); data that ends after the sections of some of the layers says
+    so in its truncation error.
 
     ``watch`` (optional) sees the blob as it is read, before any row:
     ``watch.cells(blob_cells)`` once the cells are read, ``watch.layers(n_layer,
@@ -653,12 +684,27 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) 
         watch.layers(n_layer, data_at + 4)
     tensors = []
     # a blob cannot say which layers its sections are: the cache's filter names them (and
-    # decides their count); without a cache every layer is taken to hold state (a range: a
+    # decides their count); without a cache the caller's ``layers`` or every layer (a range: a
     # damaged n_layer of 2**32 costs nothing before the first section that is not there)
-    layers: Sequence[int] = range(n_layer) if cache is None or cache.layers is None else cache.layers
+    if cache is not None:
+        layers = range(n_layer) if cache.layers is None else cache.layers
+    elif layers is None:
+        layers = range(n_layer)
+    elif layers and layers[-1] >= n_layer:
+        raise StateError(f"state blob has n_layer {n_layer} at byte {data_at + 4}, but the layer filter names "
+                         f"layer {layers[-1]}")
     n_state = len(layers)
     for k in range(2 * n_state):
-        name = tensor_name(cache.section_tensor(k) if cache is not None else k, n_layer)
+        model_tensor = layers[k] if k < n_state else n_layer + layers[k - n_state]
+        name = tensor_name(model_tensor, n_layer)
+        if infer_layers and not reader.peek(1):   # the data ends before this section
+            if k == 0 and n_layer <= MAX_INFERRED_LAYERS:
+                layers, n_state = (), 0
+                break
+            short = truncated(f"{name} type and row size", reader.offset, TENSOR_HEADER.size, reader.offset)
+            hint = (f" (or a hybrid's state holding r and s sections of {k // 2} of its {n_layer} layers: "
+                    f"name them, inspect --layers)") if k % 2 == 0 else ""
+            raise StateError(f"{short}{hint}")
         (type_id, row_bytes), header_at = reader.unpack(TENSOR_HEADER, f"{name} type and row size")
         if cache is not None:
             if type_id != cache.type_ids[k]:
@@ -670,6 +716,37 @@ def _parse(reader: Any, cache: Geometry | None, seq_id: int, watch: Any = None) 
         rows_at = reader.skip(cell_count * row_bytes, f"{name} rows")
         tensors.append(BlobTensor("r" if k < n_state else "s", layers[k % n_state], type_id, row_bytes, rows_at))
     return Blob(tuple(cells), n_layer, tuple(tensors), reader.offset)
+
+
+def _parse_any_filter(reader: Any, watch: Any = None) -> None:
+    """The structure of a memory section whose layer filter is unknown: its cells, then tensor
+    sections up to the end of the data, an even number of them and at most 2 x n_layer (a
+    filter keeps r and s of the same layers)."""
+    (cell_count,), _ = reader.unpack(CELL_COUNT, field_name("cell_count"))
+    cells = []
+    for i in range(cell_count):
+        (pos, n_seq_id), _ = reader.unpack(CELL, field_name("cell", cell=i))
+        ids, _ = reader.ids(n_seq_id, field_name("seq_ids", cell=i))
+        cells.append(BlobCell(pos, ids))
+    (v_trans, n_layer), data_at = reader.unpack(DATA_HEADER, field_name("data_header"))
+    if v_trans != 0:
+        raise v_trans_set(data_at, v_trans)
+    if watch is not None:
+        watch.cells(tuple(cells))
+        watch.layers(n_layer, data_at + 4)
+    k = 0
+    while reader.peek(1):
+        if k == 2 * n_layer:
+            raise trailing(reader.offset, reader.offset + len(reader.peek(1 << 16)))
+        (type_id, row_bytes), header_at = reader.unpack(TENSOR_HEADER, f"tensor section {k} type and row size")
+        if type_id not in GGML_TYPES:
+            raise StateError(f"state blob tensor section {k} has type {type_id} at byte {header_at}, "
+                             f"not a state type")
+        reader.skip(cell_count * row_bytes, f"tensor section {k} rows")
+        k += 1
+    if k % 2:
+        raise StateError(f"state blob ends after {k} tensor sections: a layer filter keeps r and s of the "
+                         f"same layers (an even number)")
 
 
 def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Blob:
@@ -860,7 +937,7 @@ class _FileReader:
         # a stream keeps what it read (it cannot be read again); not with a rows consumer
         self.kept: bytearray | None = bytearray() if self.length is None and rows is None else None
 
-    def _read(self, n: int) -> bytes:
+    def read_up_to(self, n: int) -> bytes:
         """Up to n bytes (fewer only at the end of the file)."""
         if self.pending:
             piece, self.pending = self.pending[:n], self.pending[n:]
@@ -880,7 +957,7 @@ class _FileReader:
     def _pieces(self, n: int) -> Any:
         """n bytes in pieces of at most _CHUNK; stops early at the end of the file."""
         while n > 0:
-            piece = self._read(min(n, _CHUNK))
+            piece = self.read_up_to(min(n, _CHUNK))
             if not piece:
                 return
             n -= len(piece)
@@ -914,6 +991,23 @@ class _FileReader:
     def ids(self, count: int, field: str) -> tuple[tuple[int, ...], int]:
         at = self.offset
         return struct.unpack(f"<{count}i", self.take(4 * count, _truncation(field))), at
+
+    def step_over(self, n: int, field: str) -> int:
+        """Step over n bytes of a framing: the rows consumer does not see them."""
+        if self.rows is None:
+            return self.skip(n, field)
+        if self.length is None:   # a stream read for its rows: read and drop
+            at = self.offset
+            got = sum(len(piece) for piece in self._pieces(n))
+            if got < n:
+                raise truncated(field, at, n, at + got)
+            self.offset += n
+            return at
+        rows, self.rows = self.rows, None
+        try:
+            return self.skip(n, field)
+        finally:
+            self.rows = rows
 
     def skip(self, n: int, field: str) -> int:
         at = self.offset
@@ -952,7 +1046,7 @@ class _FileReader:
         end = self.offset
         if self.length is not None and end != self.length:
             raise trailing(end, self.length)
-        if self._read(1):
+        if self.read_up_to(1):
             raise StateError(f"state blob has trailing bytes after byte {end} "
                              + ("(the file grew while it was read)" if self.length is not None else
                                 f"(the stream goes on past the {end} bytes its headers claim)"))
@@ -1054,10 +1148,51 @@ def _read_arch(reader: Any, arch: str | None) -> str:
 
 
 @dataclass(frozen=True)
+class Outputs:
+    """June-2025 llama.cpp's output block (``OUTPUT_COUNT``, ``OUTPUT_BUFFER``): the batch position
+    of each output row, and how many logits and embedding values follow them."""
+
+    positions: tuple[int, ...]
+    n_logits: int
+    n_embd: int
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.positions)
+
+
+def _read_output_buffer(reader: Any, name: str, n_outputs: int, count_at: int) -> int:
+    """One of the output block's u64-counted float runs (``name`` "logits" or "embeddings");
+    its count must be a multiple of n_outputs (n_outputs x the width), 0 without outputs."""
+    (size,), at = reader.unpack(OUTPUT_BUFFER, f"{name} size")
+    if (size % n_outputs) if n_outputs else size:
+        raise StateError(f"the output block's {name} size {size} at byte {at} is not a multiple of n_outputs "
+                         f"{n_outputs} (at byte {count_at}): June-2025 llama.cpp writes n_outputs x the width, or 0")
+    reader.step_over(4 * size, f"{size} {name} (f32)")
+    return int(size)
+
+
+def _read_outputs(reader: Any) -> Outputs:
+    """The output block at the cursor (see ``OUTPUT_COUNT``), checked field by field."""
+    (n_outputs,), count_at = reader.unpack(OUTPUT_COUNT, "output block n_outputs")
+    if n_outputs < 0:
+        raise StateError(f"the output block's n_outputs is {n_outputs} at byte {count_at}, expected >= 0")
+    positions, at = reader.ids(n_outputs, f"{n_outputs} output positions")
+    for i, position in enumerate(positions):
+        if position < 0:
+            raise StateError(f"the output block's output {i} has batch position {position} at byte {at + 4 * i}, "
+                             f"expected >= 0")
+    n_logits = _read_output_buffer(reader, "logits", n_outputs, count_at)
+    n_embd = _read_output_buffer(reader, "embeddings", n_outputs, count_at)
+    return Outputs(positions, n_logits, n_embd)
+
+
+@dataclass(frozen=True)
 class Framing:
     """What came before the memory section: the framing's name (``BARE``, ``SEQ_BLOB``,
-    ``CONTEXT_BLOB`` or a ``SeqFileFormat``'s name), the tokens of a file, the source seq id of
-    a llama sequence blob, the architecture name, and the attention KV section's span."""
+    ``CONTEXT_BLOB``, ``CONTEXT_BLOB_V9`` or a ``SeqFileFormat``'s name), the tokens of a file,
+    the source seq id of a llama sequence blob, the architecture name, June-2025's output
+    block, the attention KV section's span and whether its cells carry ``KV_CELL_EXT``."""
 
     name: str
     tokens: np.ndarray | None = None
@@ -1065,53 +1200,53 @@ class Framing:
     arch: str | None = None
     kv_offset: int | None = None        # where a hybrid's KV section starts (None: not read)
     section_offset: int = 0             # where the recurrent memory section starts
+    outputs: Outputs | None = None
+    kv_cell_ext: bool | None = None     # None: no KV section was read
+    other_readings: str | None = None   # the defects of the framings the bytes might have been
 
     @property
     def whole(self) -> bool | None:
         """True when the framing holds the whole cache, False one sequence, None: the bytes say neither."""
         if self.name in (SEQ_BLOB, GGSQ.name, GGSQ_V2.name):
             return False
-        if self.name in (CONTEXT_BLOB, GGSN.name):
+        if self.name in (CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN.name, GGSN_V9.name):
             return True
         return None
 
 
-def _read_framing(reader: Any, seq_id: int | None, arch: str | None, kv_section: bool,
-                  max_tokens: int = MAX_TOKENS, sequence_file: bool | None = None) -> Framing:
-    """Read every framing field up to the recurrent memory section (see ``Framing``).
+def _check_whole(name: str, seq_id: int | None) -> None:
+    """A framing of the whole cache is read with seq_id -1, one of a sequence with a seq_id >= 0;
+    a file's message names the function that loads it."""
+    whole = Framing(name).whole
+    if seq_id is None or whole is None or whole == (seq_id < 0):
+        return
+    file = " file" if name in (format.name for format in FILE_FORMATS) else ""
+    if whole:
+        raise StateError(f"a {name}{file} holds the whole cache: read it with seq_id -1"
+                         + (" (load_session_file loads it, not load_seq_file)" if file else ""))
+    raise StateError(f"a {name}{file} holds one sequence: read it with a seq_id >= 0, not -1"
+                     + (" (load_seq_file loads it, not load_session_file)" if file else ""))
 
-    ``seq_id`` None: any framing (``inspect``); -1: one of the whole cache; >= 0: one of a
-    sequence.  ``sequence_file`` True: a state file is required, False: a blob, None: either.
-    """
-    tokens, source, name = None, None, None
-    head = reader.peek(4)
-    if sequence_file or (sequence_file is None and _file_magic(head)):
-        tokens, file_format = _seq_file_header(reader, max_tokens)
-        framing = file_format.name
-        if file_format.arch_string:
-            name = _read_arch(reader, arch)
-    elif len(head) == 4 and struct.unpack("<I", head)[0] == SEQ_BLOB_MAGIC:
-        (_, source), _ = reader.unpack(SEQ_BLOB_HEADER, "sequence blob header (magic and seq id)")
-        framing = SEQ_BLOB
-    elif _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH)) is not None:
+
+def _read_prefix(reader: Any, prefix: str, arch: str | None) -> tuple[int | None, str | None, Outputs | None]:
+    """The fields of a blob framing ``prefix`` at the cursor: (source seq id, arch, outputs)."""
+    if prefix == SEQ_BLOB:
+        (magic, source), at = reader.unpack(SEQ_BLOB_HEADER, "sequence blob header (magic and seq id)")
+        if magic != SEQ_BLOB_MAGIC:
+            raise StateError(f"sequence blob magic 0x{magic:08x} at byte {at}, expected 0x{SEQ_BLOB_MAGIC:08x}")
+        return source, None, None
+    if prefix == CONTEXT_BLOB:
+        return None, _read_arch(reader, arch), None
+    if prefix == CONTEXT_BLOB_V9:
         name = _read_arch(reader, arch)
-        framing = CONTEXT_BLOB
-    else:
-        framing = BARE
-    result = Framing(framing, tokens, source, name)
-    if seq_id is not None and result.whole is not None and result.whole != (seq_id < 0):
-        raise StateError(f"a {framing} holds " + ("the whole cache: read it with seq_id -1" if result.whole else
-                                                   "one sequence: read it with a seq_id >= 0, not -1"))
-    kv_at = None
-    if kv_section:
-        kv_at = reader.offset
-        _skip_kv_section(reader, seq_id)
-    return Framing(framing, tokens, source, name, kv_at, reader.offset)
+        return None, name, _read_outputs(reader)
+    return None, None, None
 
 
-def _skip_kv_section(reader: Any, seq_id: int | None) -> None:
+def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool) -> None:
     """Step over llama.cpp's attention KV section (docs/llamacpp_formats.md), checking that it
-    is whole and, for a sequence (``seq_id >= 0``), that every cell lists exactly one seq id."""
+    is whole and, for a sequence (``seq_id >= 0``), that every cell lists exactly one seq id.
+    ``ext``: every cell carries ``KV_CELL_EXT`` after its n_seq_id."""
     (n_stream,), _ = reader.unpack(KV_STREAMS, "KV section n_stream")
     for stream in range(n_stream):
         where = f"KV section stream {stream}"
@@ -1123,21 +1258,235 @@ def _skip_kv_section(reader: Any, seq_id: int | None) -> None:
             if seq_id is not None and seq_id >= 0 and n_seq_id != 1:
                 raise StateError(f"{where} cell {i} has n_seq_id {n_seq_id} at byte {at + 4} "
                                  f"(a sequence's KV cell lists one seq id)")
+            if ext:
+                reader.unpack(KV_CELL_EXT, f"{where} cell {i} extended position (x, y, token)")
             reader.ids(n_seq_id, f"{where} cell {i} seq ids")
         (v_trans, n_layer), at = reader.unpack(KV_DATA_HEADER, f"{where} v_trans and n_layer")
         if v_trans not in (0, 1):
             raise StateError(f"{where} v_trans is {v_trans} at byte {at}, expected 0 or 1")
         for il in range(n_layer):
             (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} K type and row size")
-            reader.skip(cell_count * row_bytes, f"{where} layer {il} K rows")
+            reader.step_over(cell_count * row_bytes, f"{where} layer {il} K rows")
         for il in range(n_layer):
             if v_trans:
                 (_, element_bytes, n_embd), _ = reader.unpack(
                     KV_V_TRANS_HEADER, f"{where} layer {il} V type, element size and width")
-                reader.skip(n_embd * cell_count * element_bytes, f"{where} layer {il} V rows")
+                reader.step_over(n_embd * cell_count * element_bytes, f"{where} layer {il} V rows")
             else:
                 (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} V type and row size")
-                reader.skip(cell_count * row_bytes, f"{where} layer {il} V rows")
+                reader.step_over(cell_count * row_bytes, f"{where} layer {il} V rows")
+
+
+# -- telling framings apart: every candidate parsed whole --------------------------------
+
+class _Recording:
+    """A stream as a file for a trial parse: reads through the reader (its peeked bytes first)
+    and keeps what it read, to be handed back (``give_back``) so the real read sees it again."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self.read_bytes = bytearray()
+
+    def read(self, n: int) -> bytes:
+        piece: bytes = self.reader.read_up_to(n)
+        self.read_bytes += piece
+        return piece
+
+    def seekable(self) -> bool:
+        return False
+
+    def give_back(self) -> None:
+        self.reader.pending = bytes(self.read_bytes) + self.reader.pending
+
+
+def _discard(piece: bytes) -> None:
+    """A trial's rows consumer: a stream's rows are recorded by ``_Recording``, not kept twice."""
+
+
+def _at_end(reader: Any) -> bool:
+    """Whether the reader's cursor is the end of the data."""
+    if isinstance(reader, _Reader) or reader.length is not None:
+        return bool(reader.offset == reader.length)
+    return not reader.read_up_to(1)
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """A candidate's trial parse: whether its framing's own fields fitted, where the memory
+    section started, and the defect that stopped it (None: all of it fitted exactly)."""
+
+    framing_parsed: bool
+    section_offset: int
+    error: StateError | None
+
+    @property
+    def parsed(self) -> bool:
+        return self.error is None
+
+
+def _attempt(reader: Any, prefix: str, ext: bool | None, arch: str | None, seq_id: int | None,
+             cache: Geometry | None, layers: Sequence[int] | None, watch: Any) -> _Attempt:
+    """Parse everything from the cursor as framing ``prefix`` (KV cells with ``ext``; None: no KV
+    section) without moving the reader: a copy of the cursor in memory, a file read again from
+    the same position, or a stream whose bytes are handed back.  ``watch.trial()`` (optional)
+    is a fresh watch for the parse: its checks stop a stream's read where the real read would."""
+    recording = None
+    if isinstance(reader, _Reader):
+        trial: Any = _Reader(reader.data[reader.offset:])
+    elif reader.length is not None:
+        here = reader.file.tell()
+        reader.file.seek(here - len(reader.pending))
+        trial = _FileReader(reader.file, reader.op)
+    else:
+        recording = _Recording(reader)
+        trial = _FileReader(recording, reader.op, rows=_discard)
+    framing_parsed, section_at = False, 0
+    try:
+        _check_whole(prefix, seq_id)
+        _read_prefix(trial, prefix, arch)
+        framing_parsed = True
+        if ext is not None:
+            _skip_kv_section(trial, seq_id, ext)
+        section_at = trial.offset
+        trial_watch = None if watch is None else watch.trial()
+        if cache is None and layers is None:   # which layers hold state is not known: any filter fits
+            _parse_any_filter(trial, trial_watch)
+        else:
+            _parse(trial, cache, -1 if seq_id is None else seq_id, trial_watch, layers)
+        if not _at_end(trial):
+            raise trailing(trial.offset, trial.length) if trial.length is not None else StateError(
+                f"state blob has trailing bytes after byte {trial.offset} (the stream goes on)")
+        return _Attempt(True, section_at, None)
+    except StateError as exc:
+        return _Attempt(framing_parsed, section_at, exc)
+    finally:
+        if recording is not None:
+            recording.give_back()
+        elif not isinstance(reader, _Reader):
+            reader.file.seek(here)
+
+
+def _candidate_name(prefix: str, ext: bool | None, exts: Sequence[bool | None]) -> str:
+    if len(exts) == 1:
+        return prefix
+    return f"{prefix} with KV cells {'with' if ext else 'without'} the extended position"
+
+
+def _pick(reader: Any, prefixes: Sequence[str], exts: Sequence[bool | None], arch: str | None,
+          seq_id: int | None, cache: Geometry | None, layers: Sequence[int] | None,
+          watch: Any = None) -> tuple[str, bool | None, str | None]:
+    """The one candidate (framing prefix, KV cell ext) whose parse fits the bytes exactly, and
+    the defects of the other readings that got past their framing's fields (or None).
+
+    Candidates are parsed whole, the last of ``prefixes`` (the default: current llama.cpp's
+    framing) last: when every other one fails, the default is the only reading left and the
+    section's reader checks it (no second parse, so a stream is read once); the others'
+    defects are kept for its message.  Two readings that fit are refused; when none fits and
+    more than one got past its framing's fields, the ``StateError`` gives each reading's
+    defect (offsets from the cursor); when only one did, it is read, to report its defect.
+    """
+    combos = [(prefix, ext) for prefix in prefixes for ext in exts]
+    if len(combos) == 1:
+        return combos[0][0], combos[0][1], None
+    default = prefixes[-1]
+    attempts: dict[tuple[str, bool | None], _Attempt] = {}
+    for prefix, ext in sorted(combos, key=lambda combo: combo[0] == default):
+        if prefix == default and len(exts) == 1 and not any(a.parsed for a in attempts.values()):
+            others = "; ".join(f"as a {_candidate_name(other, other_ext, exts)}: {attempt.error}"
+                               for (other, other_ext), attempt in attempts.items() if attempt.framing_parsed)
+            return prefix, ext, others or None
+        attempts[prefix, ext] = _attempt(reader, prefix, ext, arch, seq_id, cache, layers, watch)
+    fitting = [combo for combo in combos if attempts[combo].parsed]
+    if len({(prefix, attempts[prefix, ext].section_offset) for prefix, ext in fitting}) > 1:
+        names = " and ".join(f"a {_candidate_name(prefix, ext, exts)}" for prefix, ext in fitting)
+        hints = []
+        if len({prefix for prefix, _ in fitting}) > 1:
+            keys = dict.fromkeys(next((key for key, value in READ_FRAMINGS.items() if value == prefix), "llama")
+                                 for prefix, _ in fitting)
+            hints.append("framing= (" + " or ".join(map(repr, keys)) + ")")
+        if len({ext for _, ext in fitting}) > 1:
+            hints.append("kv_cell_ext= (True or False)")
+        raise StateError(f"the state is ambiguous: it parses whole as {names}; pass {' and '.join(hints)} "
+                         f"to say which")
+    if fitting:
+        return fitting[0][0], fitting[0][1], None
+    started = sorted((combo for combo in combos if attempts[combo].framing_parsed),
+                     key=lambda combo: (combo[0] != default, bool(combo[1])))
+    if len(started) == 1:
+        return started[0][0], started[0][1], None
+    if not started:   # every framing failed in its own fields: the first reading's defect
+        return combos[0][0], combos[0][1], None
+    where = f" from byte {reader.offset}" if reader.offset else ""
+    readings = "; ".join(f"as a {_candidate_name(prefix, ext, exts)}: {attempts[prefix, ext].error}"
+                         for prefix, ext in started)
+    raise StateError(f"the state{where} fits no framing: read {readings}")
+
+
+def _framing_hint(framing: Any, seq_id: int | None) -> str | None:
+    """The framing prefix ``state_read(framing=...)`` names (None: detect it)."""
+    if framing is None:
+        return None
+    if not isinstance(framing, str) or framing not in READ_FRAMINGS:
+        raise ArgumentError(f"unknown framing {framing!r} (None to detect it, or one of "
+                            f"{', '.join(map(repr, READ_FRAMINGS))})")
+    prefix = READ_FRAMINGS[framing]
+    if prefix is None:   # current llama.cpp: the sequence header or the architecture string
+        if seq_id is None:
+            raise ArgumentError("framing='llama' needs a seq_id: a sequence's header or the whole cache's "
+                                "architecture string")
+        return SEQ_BLOB if seq_id >= 0 else CONTEXT_BLOB
+    return prefix
+
+
+def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_section: bool = False,
+                 max_tokens: int = MAX_TOKENS, sequence_file: bool | None = None, cache: Geometry | None = None,
+                 framing: str | None = None, kv_cell_ext: bool | None = None,
+                 layers: Sequence[int] | None = None, watch: Any = None) -> Framing:
+    """Read every framing field up to the recurrent memory section (see ``Framing``).
+
+    ``seq_id`` None: any framing (``inspect``); -1: one of the whole cache; >= 0: one of a
+    sequence.  ``sequence_file`` True: a state file is required, False: a blob, None: either.
+    ``framing``: a key of ``READ_FRAMINGS`` instead of detecting.  ``kv_cell_ext``: whether a
+    KV section's cells carry ``KV_CELL_EXT`` (None: found from the bytes).
+
+    Detection: a state file by its magic and version; a llama sequence blob by its magic; an
+    architecture string by its characters (see ``MIN_ARCH``), anything else is a bare section.
+    After an architecture string (a blob's; a 'ggsn' file's version says) the i32 is current
+    llama.cpp's cell count or June-2025's n_outputs: both readings are parsed whole (``cache``
+    and ``layers`` shape the memory section), and the state is read only if exactly one fits
+    its length (``_pick``).
+    """
+    if kv_cell_ext is not None and not isinstance(kv_cell_ext, bool):
+        raise ArgumentError(f"kv_cell_ext must be True, False or None (found from the bytes), got {kv_cell_ext!r}")
+    tokens = None
+    hinted = _framing_hint(framing, seq_id)
+    if hinted is not None:
+        prefixes = [hinted]
+        label = hinted
+    else:
+        head = reader.peek(4)
+        if sequence_file or (sequence_file is None and _file_magic(head)):
+            tokens, file_format = _seq_file_header(reader, max_tokens)
+            label = file_format.name
+            prefixes = [CONTEXT_BLOB_V9 if file_format.outputs else CONTEXT_BLOB if file_format.arch_string
+                        else BARE]
+        elif len(head) == 4 and struct.unpack("<I", head)[0] == SEQ_BLOB_MAGIC:
+            prefixes = [SEQ_BLOB]
+        elif _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH)) is not None:
+            prefixes = [CONTEXT_BLOB_V9, CONTEXT_BLOB]
+        else:
+            prefixes = [BARE]
+    exts: list[bool | None] = [None] if not kv_section else [False, True] if kv_cell_ext is None else [kv_cell_ext]
+    prefix, ext, others = _pick(reader, prefixes, exts, arch, seq_id, cache, layers, watch)
+    if tokens is None:
+        label = prefix
+    _check_whole(label, seq_id)
+    source, name, outputs = _read_prefix(reader, prefix, arch)
+    kv_at = None
+    if ext is not None:
+        kv_at = reader.offset
+        _skip_kv_section(reader, seq_id, ext)
+    return Framing(label, tokens, source, name, kv_at, reader.offset, outputs, ext, others)
 
 
 @dataclass(frozen=True)
@@ -1150,23 +1499,28 @@ class Unframed:
 
 
 def unframe(data: Any, seq_id: int | None = None, arch: str | None = None, kv_section: bool = False,
-            max_tokens: int = MAX_TOKENS, bare: bool = False) -> Unframed:
-    """Find the framing of ``data`` (any of them, see ``Framing``) without being told which;
+            max_tokens: int = MAX_TOKENS, framing: str | None = None, cache: Geometry | None = None,
+            kv_cell_ext: bool | None = None) -> Unframed:
+    """Find the framing of ``data`` (any of them, see ``read_framing``) without being told which;
     ``StateError`` naming the field and byte offset of a damaged header.  ``kv_section``: the
     state is a hybrid model's, whose memory begins with an attention KV section (skipped).
-    ``bare``: the caller knows ``data`` is a memory section; nothing is detected."""
+    ``framing``: a key of ``READ_FRAMINGS``; "bare": ``data`` is a memory section, nothing is
+    detected.  ``cache``: the geometry the section is read into (it decides which readings fit)."""
     reader = _Reader(blob_view(data))
-    if bare:
+    if framing == "bare" and not kv_section:
         return Unframed(Framing(BARE), reader.data)
-    framing = _read_framing(reader, seq_id, arch, kv_section, max_tokens)
-    return Unframed(framing, reader.data[reader.offset:])
+    found = read_framing(reader, seq_id, arch, kv_section, max_tokens, cache=cache, framing=framing,
+                         kv_cell_ext=kv_cell_ext)
+    return Unframed(found, reader.data[reader.offset:])
 
 
 def in_section(exc: StateError, framing: Framing) -> StateError:
-    """A defect of the memory section, placed in the framed bytes."""
+    """A defect of the memory section, placed in the framed bytes (with the other readings'
+    defects when another framing was possible)."""
+    others = f" (read otherwise it fails too: {framing.other_readings})" if framing.other_readings else ""
     if not framing.section_offset:
-        return exc
-    return StateError(f"the state blob at byte {framing.section_offset}: {exc}")
+        return StateError(f"{exc}{others}") if others else exc
+    return StateError(f"the state blob at byte {framing.section_offset}: {exc}{others}")
 
 
 @dataclass(frozen=True)
@@ -1182,9 +1536,11 @@ class FileContents:
 
 def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | None = -1,
               sequence_file: bool | None = None, watch: Any = None, rows: Any = None,
-              max_tokens: int = MAX_TOKENS, arch: str | None = None, kv_section: bool = False) -> FileContents:
+              max_tokens: int = MAX_TOKENS, arch: str | None = None, kv_section: bool = False,
+              framing: str | None = None, kv_cell_ext: bool | None = None,
+              layers: Sequence[int] | None = None, infer_layers: bool = False) -> FileContents:
     """Read a blob (``sequence_file=False``), a state file (True) or either (None: by its magic)
-    in any framing (``_read_framing``) from a binary file's position to its end, with every
+    in any framing (``read_framing``) from a binary file's position to its end, with every
     check of ``parse_blob`` on its memory section.
 
     Only what the headers claim is read, and one byte more to prove the file
@@ -1196,16 +1552,22 @@ def read_file(file: Any, op: str, cache: Geometry | None = None, seq_id: int | N
     a state file with more than ``max_tokens`` tokens is refused at its header.
     ``watch`` and ``rows`` are for ``inspect`` (``seq_id`` None: any framing): ``watch`` sees
     the headers before any row (see ``_parse``), ``rows(piece)`` takes the rows as they are
-    read, which are then not kept (``data`` is None).
+    read, which are then not kept (``data`` is None).  ``layers``: without ``cache``, the
+    layers whose r and s sections the memory section holds (a hybrid's; None: every layer);
+    ``infer_layers``: without either, a section with no layer's rows is read (see ``_parse``).
+    Telling a bare section from a June-2025 context blob reads a stream's blob twice (the
+    first time kept in memory).
     """
     _check_file(file, op, "read", "reading")
     reader = _FileReader(file, op, rows)
-    framing = _read_framing(reader, seq_id, arch, kv_section, max_tokens, sequence_file)
+    found = read_framing(reader, seq_id, arch, kv_section, max_tokens, sequence_file, cache, framing,
+                         kv_cell_ext, layers, watch)
     blob_offset = reader.offset
     reader.rebase()
     try:
-        blob = _parse(reader, cache, -1 if seq_id is None else seq_id, watch)
+        blob = _parse(reader, cache, -1 if seq_id is None else seq_id, watch, layers, infer_layers)
         data = reader.finish()
     except StateError as exc:
-        raise in_section(exc, framing) from None
-    return FileContents(framing.tokens, blob_offset, blob, data, framing)
+        raise in_section(exc, found) from None
+    return FileContents(found.tokens, blob_offset, blob, data, found)
+

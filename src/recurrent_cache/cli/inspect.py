@@ -13,7 +13,7 @@ from typing import Any
 
 from ..blob_report import describe_file
 from ..errors import RecurrentCacheError
-from ..state_format import MAX_TOKENS
+from ..state_format import MAX_INFERRED_LAYERS, MAX_TOKENS
 from .options import OneLineParser, int_in
 
 __all__ = ["EXAMPLES", "main", "parse_args"]
@@ -23,6 +23,7 @@ examples:
   python -m recurrent_cache inspect state.bin              # cells, layers, types, row sizes, min/max/mean, sha256
   python -m recurrent_cache inspect seq1.ggsq --json       # the full report as JSON
   python -m recurrent_cache inspect big.bin --max-cells 0  # list every cell
+  python -m recurrent_cache inspect jamba.ggsq --kv-section --layers 0-3,5,7  # a hybrid's recurrent layers
 """
 
 
@@ -36,11 +37,16 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
     print(f"{path}: {report['format']}")
     if report["arch"] is not None:
         print(f"architecture: {report['arch']}")
+    if report["outputs"] is not None:
+        outputs = report["outputs"]
+        print(f"output block: {len(outputs['positions'])} outputs, {outputs['n_logits']} logits, "
+              f"{outputs['n_embd']} embedding values (skipped)")
     if report["source_seq_id"] is not None:
         print(f"written from seq id: {report['source_seq_id']}")
     if report["kv_section"] is not None:
         start, end = report["kv_section"]
-        print(f"attention KV section: {end - start} bytes at byte {start} (skipped)")
+        ext = ", cells with the extended position" if report["kv_cell_ext"] else ""
+        print(f"attention KV section: {end - start} bytes at byte {start}{ext} (skipped)")
     if report["tokens"] is not None:
         tokens = report["tokens"]
         shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
@@ -55,7 +61,11 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
     if 0 < max_cells < len(cells):
         print(f"  ... {len(cells) - max_cells} more (--max-cells 0 lists all)")
     print(f"reads into: {_fits(report['reads_into'])}")
-    print(f"layers: {report['n_layer']} (v_trans 0)")
+    if report["layers"] is None:
+        print(f"layers: {report['n_layer']} (v_trans 0)")
+    else:
+        named = ",".join(map(str, report["layers"])) or "none"
+        print(f"layers: {report['n_layer']}, with recurrent state: {named} (v_trans 0)")
     print(f"  {'tensor':<12} {'type':<6} {'row bytes':>10} {'n_embd':>7} {'min':>12} {'max':>12} "
           f"{'mean':>12}  sha256")
     for t in report["tensors"]:
@@ -69,8 +79,36 @@ def _fits(fits: dict[str, Any]) -> str:
     """The smallest cache that reads the blob, as a constructor call."""
     shape = ", ".join(f"{key}={fits[key]!r}" for key in ("n_layer", "n_embd_r", "n_embd_s", "dtype_r", "dtype_s")
                       if fits[key] is not None)
+    if fits.get("layers") is not None:
+        shape += f", layers={tuple(fits['layers'])!r}"
     how = "seq_id -1" if fits["seq_id"] == -1 else "any seq_id"
     return f"RecurrentCache({shape}, size >= {fits['size']}), state_read with {how}"
+
+
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: layer indices as "0,2,4-7" (ranges inclusive), each once, in any
+    order; "" or "none" is no layer."""
+    if text.strip() in ("", "none"):
+        return ()
+    layers: list[int] = []
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high) if dash else int(low)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a layer or a range like 4-7") from None
+        if not 0 <= first <= last < MAX_INFERRED_LAYERS:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a layer or an increasing range of "
+                                             f"layers in [0, {MAX_INFERRED_LAYERS})")
+        layers.extend(range(first, last + 1))
+    seen: set[int] = set()
+    for layer in layers:
+        if layer in seen:
+            raise argparse.ArgumentTypeError(f"layer {layer} is named twice")
+        seen.add(layer)
+    return tuple(sorted(layers))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -85,6 +123,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     parser.add_argument("--kv-section", action="store_true",
                         help="a hybrid model's state: an attention KV section precedes the recurrent one")
+    parser.add_argument("--layers", type=layer_list, default=None, metavar="LIST",
+                        help="a hybrid's layers with recurrent state, e.g. 0,2,4-7 ('none': no layer); "
+                             "default: every layer, or none when the blob holds no tensor section")
     parser.add_argument("--max-cells", type=int_in(0, 2**63 - 1), default=32, metavar="N",
                         help="list at most N cells (default 32; 0 lists all)")
     parser.add_argument("--max-tokens", type=int_in(0, 2**63 - 1), default=MAX_TOKENS, metavar="N",
@@ -97,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with open(options.file, "rb") as file:
-            report = describe_file(file, options.max_tokens, options.kv_section)
+            report = describe_file(file, options.max_tokens, options.kv_section, options.layers)
     except RecurrentCacheError as exc:   # before ValueError: StateError and ArgumentError are ValueErrors
         print(f"inspect: {options.file}: {exc}", file=sys.stderr)
         return 1
