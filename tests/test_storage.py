@@ -352,3 +352,33 @@ def test_without_torch_asking_for_it_says_how_to_get_it():
             "except rc.ConfigError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert "pip install 'recurrent_cache[torch]'" in out.stdout
+
+
+@pytest.mark.parametrize("storage", ["numpy"] + STORAGE_PARAMS)
+def test_to_host_is_a_copy_and_from_host_round_trips_the_bits(storage):
+    made = NumpyStorage() if storage == "numpy" else STORAGES[storage]()
+    for name in ("f32", "f16", "bf16"):
+        dtype = rc.state_format.STATE_TYPES[name]
+        values = np.arange(24, dtype=np.float32).reshape(2, 3, 4).astype(dtype.numpy)
+        tensor = made.from_host(values, dtype)
+        host_copy = made.to_host(tensor)
+        made.zero(tensor, np.array([0, 1, 2]))
+        assert host_copy.dtype == dtype.numpy and host_copy.tobytes() == values.tobytes()   # not a view
+        assert made.to_host(tensor).tobytes() == bytes(values.nbytes)
+
+
+@pytest.mark.parametrize("storage", STORAGE_PARAMS)
+def test_a_store_entry_of_a_torch_cache_is_the_numpy_cache_s(storage):
+    from recurrent_cache.stores import Geometry, encode_snapshot, sequence_rows
+    entries = []
+    for made in ("numpy", STORAGES[storage]()):
+        cache = rc.RecurrentCache(2, 3, 4, n_seq_max=2, dtype_r="bf16", dtype_s="f16", storage=made)
+        st = cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 0, 0]))
+        for ub in st:
+            for il in range(2):
+                assign(st.r(il), np.full((1, 3), 1.5 + il))
+                assign(st.s(il), np.full((1, 4), -2.25 * il))
+        r_rows, s_rows = sequence_rows(cache, 0)
+        assert all(isinstance(row, np.ndarray) for row in r_rows + s_rows)
+        entries.append(encode_snapshot("k", [1, 2, 3], r_rows, s_rows, Geometry.of(cache)))
+    assert entries[0] == entries[1]

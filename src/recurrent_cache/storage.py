@@ -65,10 +65,10 @@ class Storage(Protocol):
         tensors of this storage; the numpy ones in one transfer)."""
 
     def to_host(self, tensor: Any) -> np.ndarray:
-        """A numpy copy of ``tensor`` (one transfer)."""
+        """A numpy copy of ``tensor`` (one transfer; never a view of it)."""
 
     def from_host(self, array: np.ndarray, dtype: StateType) -> Any:
-        """A tensor of this storage holding ``array`` (one transfer)."""
+        """A new tensor of this storage holding a copy of ``array`` (one transfer)."""
 
 
 class NumpyStorage:
@@ -100,7 +100,7 @@ class NumpyStorage:
         return tensor.copy()
 
     def from_host(self, array: np.ndarray, dtype: StateType) -> np.ndarray:
-        return np.ascontiguousarray(array, dtype=dtype.numpy)
+        return np.array(array, dtype=dtype.numpy, order="C", copy=True)
 
     def __repr__(self) -> str:
         return "NumpyStorage()"
@@ -178,14 +178,14 @@ class TorchStorage:
                            ).to(device=self._device, dtype=self._types[dtype.name])
 
     def to_host(self, tensor: Any) -> np.ndarray:
-        host = tensor.detach().to("cpu").contiguous()
+        host = tensor.detach().to("cpu", copy=True).contiguous()   # a copy even of a CPU tensor
         return np.asarray(host.view(self._torch.uint8).numpy().view(_numpy_of(tensor, self._torch))
                           .reshape(tuple(tensor.shape)))
 
     def from_host(self, array: np.ndarray, dtype: StateType) -> Any:
         array = np.ascontiguousarray(array, dtype=dtype.numpy)
         raw = self._torch.from_numpy(array.view(np.uint8).reshape(-1))
-        return raw.view(self._types[dtype.name]).reshape(array.shape).to(self._device)
+        return raw.view(self._types[dtype.name]).reshape(array.shape).to(self._device, copy=True)
 
     def __repr__(self) -> str:
         return f"TorchStorage(device={self.device!r}, host_access={self.host_access})"

@@ -275,7 +275,8 @@ def decode_snapshot(entry: Any, key: str, geometry: Geometry, tokens: Any, *,
 # -- between a cache's rows and a snapshot -------------------------------------------
 
 def sequence_rows(cache: Any, seq: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Copies of the rows holding sequence ``seq``'s state (one per layer with state), for ``encode_snapshot``.
+    """Host copies (numpy, whatever the cache's storage) of the rows holding sequence ``seq``'s
+    state (one per layer with state), for ``encode_snapshot``.
 
     Reads the row of the sequence's cell (``src``: where its data lives; a
     cell that has none yet means zeros).  ``seq`` must hold a cell.
@@ -283,7 +284,11 @@ def sequence_rows(cache: Any, seq: int) -> tuple[list[np.ndarray], list[np.ndarr
     if cache.seq_cell(seq) < 0:
         raise ArgumentError(f"sequence {seq} holds no cell: there is no state to snapshot")
     r_rows, s_rows = cache.seq_state(seq)
-    return r_rows, s_rows
+    storage = cache.storage
+
+    def host(row: Any) -> np.ndarray:
+        return row if isinstance(row, np.ndarray) else storage.to_host(row)
+    return [host(row) for row in r_rows], [host(row) for row in s_rows]
 
 
 def restore_rows(cache: Any, seq: int, n_tokens: int, r_rows: Sequence[np.ndarray],
