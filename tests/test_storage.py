@@ -374,7 +374,7 @@ def test_a_store_entry_of_a_torch_cache_is_the_numpy_cache_s(storage):
     for made in ("numpy", STORAGES[storage]()):
         cache = rc.RecurrentCache(2, 3, 4, n_seq_max=2, dtype_r="bf16", dtype_s="f16", storage=made)
         st = cache.init_batch(rc.Batch(token=[1, 2, 3], seq_id=[0, 0, 0]))
-        for ub in st:
+        for _ in st:
             for il in range(2):
                 assign(st.r(il), np.full((1, 3), 1.5 + il))
                 assign(st.s(il), np.full((1, 4), -2.25 * il))
