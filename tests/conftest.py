@@ -23,6 +23,10 @@ ENGINES = ("compiled", "reference")
 # The ``rc`` fixture's parameters: an engine on numpy storage, or "torch" (compiled, torch storage).
 VARIANTS = (*ENGINES, "torch")
 
+# Library bugs the torch runs show (each marks its tests ``torch_xfail``).
+NO_LAYERS_ON_DEVICE = ("library bug: a cache with no layer with state cannot be built on a storage without "
+                       "host access (MemoryCore asks for host views of its empty tensors: ValueError)")
+
 
 def torch_storage() -> TorchStorage:
     """Torch storage on ``cpu`` that takes the index-array path a GPU takes (no host view)."""
@@ -53,3 +57,22 @@ def package_on(variant: str) -> types.SimpleNamespace:
 def rc(request):
     """The package on the engine and storage under test."""
     return package_on(request.param)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch_xfail(reason): a library bug on torch storage; the test's "
+                            "torch run is xfail(strict=True) until it is fixed")
+    config.addinivalue_line("markers", "torch_skip(reason): the test is about host memory, which torch "
+                            "storage (index-array path) does not have; its torch run is skipped")
+
+
+def pytest_collection_modifyitems(items):
+    """Apply ``torch_xfail`` / ``torch_skip`` to the torch run of a test (``rc`` = "torch") only."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("rc") != "torch":
+            continue
+        for marker in item.iter_markers("torch_xfail"):
+            item.add_marker(pytest.mark.xfail(strict=True, reason=marker.args[0]))
+        for marker in item.iter_markers("torch_skip"):
+            item.add_marker(pytest.mark.skip(reason=marker.args[0]))
