@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from golden import snapshot
+from rows import host
 
 N_EMBD_R, N_EMBD_S = 3, 2
 
@@ -58,8 +59,8 @@ class Toy:
         assert row[0] == len(self.tokens[seq]) - 1
         r, s = self.state(self.tokens[seq])
         for il in range(self.cache.n_layer):
-            np.testing.assert_array_equal(np.asarray(self.cache.r[il][self.cache_cell(seq)], np.float64), r)
-            np.testing.assert_array_equal(np.asarray(self.cache.s[il][self.cache_cell(seq)], np.float64), s)
+            np.testing.assert_array_equal(np.asarray(host(self.cache.r[il][self.cache_cell(seq)]), np.float64), r)
+            np.testing.assert_array_equal(np.asarray(host(self.cache.s[il][self.cache_cell(seq)]), np.float64), s)
 
     def cache_cell(self, seq):
         return self.cache.cell(seq)[2]   # tail of seq
@@ -237,4 +238,4 @@ def test_speculative_loop_equals_plain_decoding(rc):
         spec.expect_state(0)
     assert spec.tokens[0] == plain.tokens[0] == truth
     for il in range(2):
-        assert spec.cache.r[il][spec.cache_cell(0)].tobytes() == plain.cache.r[il][plain.cache_cell(0)].tobytes()
+        assert host(spec.cache.r[il][spec.cache_cell(0)]).tobytes() == host(plain.cache.r[il][plain.cache_cell(0)]).tobytes()
