@@ -70,8 +70,8 @@ TORCH_SKIPPED_FILES = {
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch_xfail(reason): a library bug on torch storage; the test's "
                             "torch run is xfail(strict=True) until it is fixed")
-    config.addinivalue_line("markers", "torch_skip(reason): the test is about host memory, which torch "
-                            "storage (index-array path) does not have; its torch run is skipped")
+    config.addinivalue_line("markers", "torch_skip(reason): the test's torch run is skipped, for the reason "
+                            "given (host memory a device storage lacks, or a run that would repeat another)")
 
 
 def pytest_collection_modifyitems(items):
