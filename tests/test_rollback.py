@@ -256,4 +256,5 @@ def test_speculative_loop_equals_plain_decoding(rc):
         spec.expect_state(0)
     assert spec.tokens[0] == plain.tokens[0] == truth
     for il in range(2):
-        assert host(spec.cache.r[il][spec.cache_cell(0)]).tobytes() == host(plain.cache.r[il][plain.cache_cell(0)]).tobytes()
+        spec_row, plain_row = spec.cache.r[il][spec.cache_cell(0)], plain.cache.r[il][plain.cache_cell(0)]
+        assert host(spec_row).tobytes() == host(plain_row).tobytes()

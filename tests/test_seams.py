@@ -613,7 +613,8 @@ def expect_no_rollback_into_the_past(h: Harness, seq: int) -> None:
     h.verify(h.cache.seq_rollback_min)
 
 
-RESTORES = [(engine, via) for engine in VARIANTS for via in ("PrefixCache.restore", "stores.restore_rows", "state_read")]
+RESTORES = [(engine, via) for engine in VARIANTS
+            for via in ("PrefixCache.restore", "stores.restore_rows", "state_read")]
 RESTORES.append(("compiled", "rc_state_read"))
 
 
