@@ -23,10 +23,6 @@ ENGINES = ("compiled", "reference")
 # The ``rc`` fixture's parameters: an engine on numpy storage, or "torch" (compiled, torch storage).
 VARIANTS = (*ENGINES, "torch")
 
-# Library bugs the torch runs show (each marks its tests ``torch_xfail``).
-NO_LAYERS_ON_DEVICE = ("library bug: a cache with no layer with state cannot be built on a storage without "
-                       "host access (MemoryCore asks for host views of its empty tensors: ValueError)")
-
 
 def torch_storage() -> TorchStorage:
     """Torch storage on ``cpu`` that takes the index-array path a GPU takes (no host view)."""

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from golden import formula, store
-from conftest import NO_LAYERS_ON_DEVICE
 from rows import host
 
 
@@ -119,7 +118,6 @@ def test_constructor_rejects_arguments_that_make_no_sense(rc, override, offendin
     assert names(message, offending) or names(message, offending.strip("'")), message
 
 
-@pytest.mark.torch_xfail(NO_LAYERS_ON_DEVICE)
 def test_a_cache_with_no_layers_keeps_only_the_bookkeeping(rc):
     cache = rc.RecurrentCache(0, 2, 2, n_seq_max=2)
     assert (cache.n_layer, len(cache.r), len(cache.s)) == (0, 0, 0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import NO_LAYERS_ON_DEVICE
 from rows import host
 
 EMPTY = (-1, -1, -1, ())
@@ -745,7 +744,6 @@ def test_default_seq_ids_positions_and_outputs(rc):
     assert sorted(zip(st.ubatch.batch_index.tolist(), st.ubatch.pos.tolist())) == [(0, 2), (1, 5), (2, 3), (3, 6)]
 
 
-@pytest.mark.torch_xfail(NO_LAYERS_ON_DEVICE)
 def test_init_full_covers_the_whole_cache(rc):
     cache = three_sequences(rc)
     before = (table(cache), markers(cache))

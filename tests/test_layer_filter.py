@@ -23,7 +23,6 @@ from recurrent_cache import errors
 from recurrent_cache.models import recurrent_layers
 from recurrent_cache.state_format import Geometry
 from recurrent_cache.stores import DirectoryStore, decode_snapshot, encode_snapshot, snapshot_key
-from conftest import NO_LAYERS_ON_DEVICE
 from rows import assign, host
 from rows import dtype as dtype_of
 
@@ -146,7 +145,6 @@ def test_a_layer_without_state_has_no_rows_to_write(rc):
         st.r(5)
 
 
-@pytest.mark.torch_xfail(NO_LAYERS_ON_DEVICE)
 def test_an_empty_filter_allocates_nothing_and_moves_positions(rc):
     cache = rc.RecurrentCache(4, 3, 5, n_seq_max=2, layers=())
     assert cache.layers == () and all(t is None for t in cache.r + cache.s)
@@ -224,8 +222,7 @@ def test_blobs_are_llama_cpp_layout_for_every_dtype(rc, dtype):
         assert np.array_equal(host(other.r[il]).view(np.uint8), host(cache.r[il]).view(np.uint8))
 
 
-@pytest.mark.parametrize("layers", [(0, 2), (1,), (0, 1, 2, 3),
-                                    pytest.param((), marks=pytest.mark.torch_xfail(NO_LAYERS_ON_DEVICE)), None])
+@pytest.mark.parametrize("layers", [(0, 2), (1,), (0, 1, 2, 3), (), None])
 def test_another_filter_is_refused_with_the_cache_unchanged(rc, layers):
     twins = Twins(rc, seed=3)
     twins.feed([(0, 2)])

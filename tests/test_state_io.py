@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 import recurrent_cache
 import recurrent_cache.cache
-from conftest import ENGINES, NO_LAYERS_ON_DEVICE, VARIANTS, package_on
+from conftest import ENGINES, VARIANTS, package_on
 from recurrent_cache.errors import ArgumentError, SeqIdError, StateError
 from recurrent_cache.state_format import parse_blob
 
@@ -134,7 +134,6 @@ def test_blob_of_a_sequence_without_a_cell_has_no_cells(rc):
     assert cache.state_write(2) == expected
 
 
-@pytest.mark.torch_xfail(NO_LAYERS_ON_DEVICE)
 def test_blob_of_an_empty_cache_and_of_a_cache_without_layers(rc):
     assert rc.RecurrentCache(1, 2, 3, n_seq_max=3).state_write() == (
         struct.pack("<III", 0, 0, 1) + struct.pack("<iQ", 0, 8) + struct.pack("<iQ", 0, 12))
