@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from rows import assign, dtype, host
 
 # Recorded from llama.cpp; the repository carries them so a fresh clone tests alone.
 VECTORS = Path(__file__).resolve().parent / "data"
@@ -25,16 +26,17 @@ def formula(a: int, b: int, c: int, w: int, n: int) -> np.ndarray:
     return ((((a * 37 + b * 11 + c * 5 + w * 17 + j * 3) % 251) - 125) / 4).astype(np.float32)
 
 
-def store(row: np.ndarray, values: np.ndarray) -> None:
-    """Write float32 values into a row of any state dtype (bf16 may be raw uint16 bits)."""
-    if row.dtype == np.uint16:
-        row[...] = (values.view(np.uint32) >> 16).astype(np.uint16)
+def store(row, values: np.ndarray) -> None:
+    """Write float32 values into a row of any state dtype and storage (bf16 may be raw uint16 bits)."""
+    if dtype(row) == np.uint16:
+        assign(row, (values.view(np.uint32) >> 16).astype(np.uint16))
     else:
-        row[...] = values
+        assign(row, values)
 
 
-def raw_bytes(array: np.ndarray) -> bytes:
-    return np.ascontiguousarray(array).tobytes()
+def raw_bytes(array) -> bytes:
+    """The bytes of rows of any storage."""
+    return host(array).tobytes()
 
 
 def rows_hash(arrays) -> str:

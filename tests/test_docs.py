@@ -36,6 +36,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# The pages' blocks and toy model are numpy code whose caches take the engine only (docs/storage.md's
+# blocks build their torch caches themselves): a torch run would repeat the compiled one.
+pytestmark = pytest.mark.torch_skip("the pages and their toy model run numpy code on numpy storage; the torch "
+                                    "run would repeat the compiled run (docs/storage.md runs torch itself)")
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))

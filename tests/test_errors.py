@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from golden import formula, store
+from rows import host
 
 
 # -- the starting cache --------------------------------------------------------
@@ -57,8 +58,8 @@ def full_snapshot(cache):
         "head": cache.head,
         "used": cache.used,
         "n": cache.n,
-        "r": [np.array(a).tobytes() for a in cache.r],
-        "s": [np.array(a).tobytes() for a in cache.s],
+        "r": [host(a).tobytes() for a in cache.r],
+        "s": [host(a).tobytes() for a in cache.s],
     }
 
 

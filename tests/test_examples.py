@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rows import host
+
 EMPTY = (-1, -1, -1, ())
 
 
@@ -48,8 +50,9 @@ def marker(cache, row):
             expect_r = expect_s = 0.0
         else:
             expect_r, expect_s = m + 0.5 * il, -(m + 0.5 * il)
-        assert np.all(cache.r[il][row] == expect_r), f"row {row} layer {il} r: {cache.r[il][row]}"
-        assert np.all(cache.s[il][row] == expect_s), f"row {row} layer {il} s: {cache.s[il][row]}"
+        r, s = host(cache.r[il][row]), host(cache.s[il][row])
+        assert np.all(r == expect_r), f"row {row} layer {il} r: {r}"
+        assert np.all(s == expect_s), f"row {row} layer {il} s: {s}"
     return m
 
 
@@ -64,8 +67,8 @@ def group_markers(cache, st):
     for s in range(ub.n_seqs):
         # the views must show exactly the cache rows head + s
         for il in range(cache.n_layer):
-            np.testing.assert_array_equal(st.r(il)[s], cache.r[il][st.head + s])
-            np.testing.assert_array_equal(st.s(il)[s], cache.s[il][st.head + s])
+            np.testing.assert_array_equal(host(st.r(il)[s]), host(cache.r[il][st.head + s]))
+            np.testing.assert_array_equal(host(st.s(il)[s]), host(cache.s[il][st.head + s]))
         found.append(marker(cache, st.head + s))
     return found
 

@@ -4,6 +4,7 @@ MemoryState, of caller buffers or of threads raises instead of corrupting."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import pytest
 import recurrent_cache as rc
 from recurrent_cache import errors
 from golden import snapshot
+from rows import assign
 
 
 def run_isolated(code: str) -> subprocess.CompletedProcess:
@@ -29,7 +31,7 @@ def busy_cache(rc, size=6):
     for _ub in cache.init_batch(rc.Batch(token=[1, 2, 3, 4], seq_id=[0, 0, 1, 2], pos=[0, 1, 0, 0])):
         pass
     for k, array in enumerate(cache.r + cache.s):
-        array[...] = np.arange(array.size).reshape(array.shape) + 100 * k
+        assign(array, np.arange(math.prod(array.shape)).reshape(array.shape) + 100 * k)
     cache.seq_cp(1, 3)
     return cache
 

@@ -23,6 +23,8 @@ from recurrent_cache import errors
 from recurrent_cache.models import recurrent_layers
 from recurrent_cache.state_format import Geometry
 from recurrent_cache.stores import DirectoryStore, decode_snapshot, encode_snapshot, snapshot_key
+from rows import assign, host
+from rows import dtype as dtype_of
 
 CURRENT = Path(__file__).parent / "data" / "llamacpp_current"
 GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
@@ -46,13 +48,13 @@ def llama_blob(cache, seq_id=-1):
             if il not in cache.layers:
                 continue
             out.append(struct.pack("<iQ", GGML_TYPE[dtype], n_embd * ITEMSIZE[dtype]))
-            out.extend(tensors[il][i].tobytes() for i in cells)
+            out.extend(host(tensors[il][i]).tobytes() for i in cells)
     return b"".join(out)
 
 
 def snapshot(cache):
     return ([cache.cell(i) for i in range(cache.size)], cache.head, cache.used,
-            [None if t is None else t.copy() for t in cache.r + cache.s])
+            [None if t is None else host(t) for t in cache.r + cache.s])
 
 
 def assert_unchanged(cache, before):
@@ -84,23 +86,23 @@ class Twins:
         for _ in zip(*states):
             for k, il in enumerate(LAYERS):
                 for rows_f, rows_p in ((states[0].r(il), states[1].r(k)), (states[0].s(il), states[1].s(k))):
-                    values = self.rng.standard_normal(rows_p.shape).astype(rows_p.dtype)
-                    rows_f[...] = values
-                    rows_p[...] = values
+                    values = self.rng.standard_normal(tuple(rows_p.shape)).astype(dtype_of(rows_p))
+                    assign(rows_f, values)
+                    assign(rows_p, values)
                 m = states[1].r_steps(k).shape[1]
                 if m:
                     for steps_f, steps_p in ((states[0].r_steps(il), states[1].r_steps(k)),
                                              (states[0].s_steps(il), states[1].s_steps(k))):
-                        values = self.rng.standard_normal(steps_p.shape).astype(steps_p.dtype)
-                        steps_f[...] = values
-                        steps_p[...] = values
+                        values = self.rng.standard_normal(tuple(steps_p.shape)).astype(dtype_of(steps_p))
+                        assign(steps_f, values)
+                        assign(steps_p, values)
 
     def assert_same(self):
         f, p = self.filtered, self.plain
         assert [f.cell(i) for i in range(f.size)] == [p.cell(i) for i in range(p.size)]
         assert (f.head, f.used) == (p.head, p.used)
         for k, il in enumerate(LAYERS):
-            assert np.array_equal(f.r[il], p.r[k]) and np.array_equal(f.s[il], p.s[k])
+            assert np.array_equal(host(f.r[il]), host(p.r[k])) and np.array_equal(host(f.s[il]), host(p.s[k]))
         for il in set(range(N_LAYER)) - set(LAYERS):
             assert f.r[il] is None and f.s[il] is None
 
@@ -195,7 +197,7 @@ def test_rollback_matches_an_unfiltered_cache(rc):
     tags_f, hist_f = twins.filtered.memory_core.history()
     tags_p, hist_p = twins.plain.memory_core.history()
     assert np.array_equal(tags_f, tags_p) and len(hist_f) == 2 * len(LAYERS)
-    assert all(np.array_equal(a, b) for a, b in zip(hist_f, hist_p))
+    assert all(np.array_equal(host(a), host(b)) for a, b in zip(hist_f, hist_p))
 
 
 # -- bytes ---------------------------------------------------------------------------------------
@@ -217,7 +219,7 @@ def test_blobs_are_llama_cpp_layout_for_every_dtype(rc, dtype):
     other.state_read(whole)
     assert other.state_write() == whole
     for il in LAYERS:
-        assert np.array_equal(other.r[il].view(np.uint8), cache.r[il].view(np.uint8))
+        assert np.array_equal(host(other.r[il]).view(np.uint8), host(cache.r[il]).view(np.uint8))
 
 
 @pytest.mark.parametrize("layers", [(0, 2), (1,), (0, 1, 2, 3), (), None])
@@ -312,7 +314,7 @@ def test_prefix_cache_saves_and_restores_the_filtered_layers(rc):
     assert prefix.restore(1, tokens + [7]) == 4
     r0, s0 = cache.seq_state(0)
     r1, s1 = cache.seq_state(1)
-    assert len(r1) == len(LAYERS) and all(np.array_equal(a, b) for a, b in zip(r0 + s0, r1 + s1))
+    assert len(r1) == len(LAYERS) and all(np.array_equal(host(a), host(b)) for a, b in zip(r0 + s0, r1 + s1))
 
 
 def test_snapshots_and_store_keys_carry_the_filter(rc, tmp_path):
@@ -334,7 +336,7 @@ def test_snapshots_and_store_keys_carry_the_filter(rc, tmp_path):
     assert bytes(entry[12 + 12:len(entry) - 32]) == llama_blob(cache, 0)
     decoded = decode_snapshot(entry, key, geometry, [1, 1, 1])
     assert decoded is not None
-    assert all(np.array_equal(a, b) for a, b in zip(decoded[0] + decoded[1], r_rows + s_rows))
+    assert all(np.array_equal(host(a), host(b)) for a, b in zip(decoded[0] + decoded[1], r_rows + s_rows))
     assert decode_snapshot(entry, key, Geometry(N_LAYER, 3, 5, layers=(0, 2)), [1, 1, 1]) is None
     store = DirectoryStore(tmp_path / "store")
     store.put(key, entry)

@@ -13,6 +13,7 @@ import pytest
 
 import recurrent_cache
 from recurrent_cache.prefix_cache import NoFreeCellError, PrefixCache
+from rows import assign, host
 
 N_LAYER, N_EMBD_R, N_EMBD_S = 2, 3, 5
 
@@ -35,8 +36,8 @@ def prefill(rc, cache, seq: int, tokens, start: int, end: int) -> None:
         pass
     row = cache.cell(seq)[2]
     for il in range(N_LAYER):
-        cache.r[il][row] = fake_state(tokens[:end], N_EMBD_R, il, "r")
-        cache.s[il][row] = fake_state(tokens[:end], N_EMBD_S, il, "s")
+        assign(cache.r[il][row], fake_state(tokens[:end], N_EMBD_R, il, "r"))
+        assign(cache.s[il][row], fake_state(tokens[:end], N_EMBD_S, il, "s"))
 
 
 def assert_state_of(cache, seq: int, tokens) -> None:
@@ -44,8 +45,8 @@ def assert_state_of(cache, seq: int, tokens) -> None:
     assert row >= 0
     assert cache.seq_pos_max(seq) == len(tokens) - 1
     for il in range(N_LAYER):
-        np.testing.assert_array_equal(cache.r[il][row], fake_state(tokens, N_EMBD_R, il, "r"))
-        np.testing.assert_array_equal(cache.s[il][row], fake_state(tokens, N_EMBD_S, il, "s"))
+        np.testing.assert_array_equal(host(cache.r[il][row]), fake_state(tokens, N_EMBD_R, il, "r"))
+        np.testing.assert_array_equal(host(cache.s[il][row]), fake_state(tokens, N_EMBD_S, il, "s"))
 
 
 def serve(rc, cache, pc: PrefixCache, tokens, seq: int = 0) -> tuple[int, list[int]]:

@@ -8,7 +8,7 @@ sequence holds exactly the rows the brute force recorded for that prefix, at
 the right position; the prefix restored is the longest proper prefix among
 the snapshots held (with an unbounded budget: among everything ever saved);
 ``plan`` gives every grid point, the end, and the deepest point where the
-prompt leaves a remembered path.  Runs on both engines.
+prompt leaves a remembered path.  Runs on both engines, and on torch storage.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import recurrent_cache
 from conftest import package_on
 from recurrent_cache.prefix_cache import PrefixCache
+from rows import host
 from test_prefix_cache import N_EMBD_R, N_EMBD_S, N_LAYER, fake_state, prefill, snapshot_bytes
 
 BLOCK = 3
@@ -77,8 +78,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert cache.seq_pos_max(seq) == n - 1
             r_rows, s_rows = self.brute[prompt[:n]]
             for il in range(N_LAYER):
-                assert np.array_equal(cache.r[il][row], r_rows[il])
-                assert np.array_equal(cache.s[il][row], s_rows[il])
+                assert np.array_equal(host(cache.r[il][row]), r_rows[il])
+                assert np.array_equal(host(cache.s[il][row]), s_rows[il])
         else:
             assert cache.cell(seq)[2] == -1
         cuts = pc.plan(prompt, n)
@@ -102,8 +103,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def advance(self, seq: int, text: tuple, start: int, end: int) -> None:
         prefill(recurrent_cache, self.cache, seq, list(text), start, end)
         row = self.cache.cell(seq)[2]
-        self.brute[text[:end]] = ([self.cache.r[il][row].copy() for il in range(N_LAYER)],
-                                  [self.cache.s[il][row].copy() for il in range(N_LAYER)])
+        self.brute[text[:end]] = ([host(self.cache.r[il][row]) for il in range(N_LAYER)],
+                                  [host(self.cache.s[il][row]) for il in range(N_LAYER)])
         for il in range(N_LAYER):   # the fake model: the state identifies the prefix
             assert np.array_equal(self.brute[text[:end]][0][il], fake_state(text[:end], N_EMBD_R, il, "r"))
         self.pc.save(seq, list(text[:end]))
@@ -137,9 +138,15 @@ class ReferencePrefixCacheMachine(PrefixCacheMachine):
     engine = package_on("reference")
 
 
+class TorchPrefixCacheMachine(PrefixCacheMachine):
+    engine = package_on("torch")
+
+
 SETTINGS = settings(max_examples=int(os.environ.get("RECURRENT_CACHE_SM_EXAMPLES", "100")), stateful_step_count=30,
                     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PrefixCacheMachine.TestCase.settings = SETTINGS
 ReferencePrefixCacheMachine.TestCase.settings = SETTINGS
+TorchPrefixCacheMachine.TestCase.settings = SETTINGS
 TestPrefixCacheCore = PrefixCacheMachine.TestCase
 TestPrefixCacheReference = ReferencePrefixCacheMachine.TestCase
+TestPrefixCacheTorch = TorchPrefixCacheMachine.TestCase

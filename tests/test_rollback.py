@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from golden import snapshot
+from rows import host
 
 N_EMBD_R, N_EMBD_S = 3, 2
 
@@ -58,8 +59,8 @@ class Toy:
         assert row[0] == len(self.tokens[seq]) - 1
         r, s = self.state(self.tokens[seq])
         for il in range(self.cache.n_layer):
-            np.testing.assert_array_equal(np.asarray(self.cache.r[il][self.cache_cell(seq)], np.float64), r)
-            np.testing.assert_array_equal(np.asarray(self.cache.s[il][self.cache_cell(seq)], np.float64), s)
+            np.testing.assert_array_equal(np.asarray(host(self.cache.r[il][self.cache_cell(seq)]), np.float64), r)
+            np.testing.assert_array_equal(np.asarray(host(self.cache.s[il][self.cache_cell(seq)]), np.float64), s)
 
     def cache_cell(self, seq):
         return self.cache.cell(seq)[2]   # tail of seq
@@ -177,6 +178,24 @@ def test_history_survives_a_move_to_another_cell(rc):
     toy.expect_state(0), toy.expect_state(3)
 
 
+HISTORY_VIEWS = ("library bug: memory_core.history() promises copies, but on torch cpu storage it returns "
+                 "TorchStorage.to_host(...) of the history tensors, which shares their memory: later steps "
+                 "change the arrays a caller already holds")
+
+
+@pytest.mark.torch_xfail(HISTORY_VIEWS)
+def test_the_history_handed_out_is_a_copy(rc):
+    """What ``memory_core.history()`` returns keeps its values while the cache goes on filing states."""
+    toy = Toy(rc, 3)
+    toy.feed([(0, [1, 2, 3, 4])])
+    tags, history = toy.cache.memory_core.history()
+    held = [array.tobytes() for array in history]
+    assert any(np.any(array) for array in history)   # the feed filed states: a change would show
+    toy.feed([(0, [4, 4, 4])])                     # files other states over the same slots
+    assert [array.tobytes() for array in history] == held
+    assert [array.tobytes() for array in toy.cache.memory_core.history()[1]] != held
+
+
 def test_seq_add_state_read_and_clear_forget_history(rc):
     toy = Toy(rc, 3)
     toy.feed([(0, [1, 2, 3, 4])]), toy.feed([(1, [1, 2, 3])])
@@ -237,4 +256,5 @@ def test_speculative_loop_equals_plain_decoding(rc):
         spec.expect_state(0)
     assert spec.tokens[0] == plain.tokens[0] == truth
     for il in range(2):
-        assert spec.cache.r[il][spec.cache_cell(0)].tobytes() == plain.cache.r[il][plain.cache_cell(0)].tobytes()
+        spec_row, plain_row = spec.cache.r[il][spec.cache_cell(0)], plain.cache.r[il][plain.cache_cell(0)]
+        assert host(spec_row).tobytes() == host(plain_row).tobytes()

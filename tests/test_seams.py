@@ -14,7 +14,8 @@ the last ``n_rollback`` positions, never those of a cell's previous occupant).  
 a sequence that holds anything else — a stale row, zeros, the previous occupant's
 state or history — is caught at the operation that caused it.
 
-Both engines run the Python-only interleavings; the C API (through ctypes on the
+Both engines run the Python-only interleavings, and the compiled engine on torch storage
+(``cpu``, through index arrays as on a GPU); the C API (through ctypes on the
 capsule's function table, ``capi_table.py``) exists on the compiled engine only.
 """
 
@@ -36,8 +37,10 @@ import pytest
 
 import recurrent_cache
 from capi_table import P, Ubatch, header_codes, ints, message, table
-from conftest import ENGINES, package_on
+from conftest import VARIANTS, package_on
 from recurrent_cache import stores
+from rows import assign, host
+from rows import dtype as dtype_of
 
 T = table()
 N_LAYER, N_EMBD_R, N_EMBD_S = 2, 3, 4
@@ -73,8 +76,8 @@ def history_row(cache, k: int, history: tuple[int, ...]) -> np.ndarray:
     """What row ``k`` of a cell holding ``history`` must be (zeros for no history: a fresh cell)."""
     tensor = tensors(cache)[k]
     if not history:
-        return np.zeros(tensor.shape[1], dtype=tensor.dtype)
-    return encode(history_values(k, history, tensor.shape[1]), tensor.dtype)
+        return np.zeros(tensor.shape[1], dtype=dtype_of(tensor))
+    return encode(history_values(k, history, tensor.shape[1]), dtype_of(tensor))
 
 
 class Oracle:
@@ -191,7 +194,7 @@ class Harness:
 
     def everything(self) -> tuple:
         """The cells and every byte of every row: what a refused call must leave as it was."""
-        return self.cells(), self.cache.state_write(), [t.copy() for t in tensors(self.cache)]
+        return self.cells(), self.cache.state_write(), [host(t) for t in tensors(self.cache)]
 
     def expect_unchanged(self, before: tuple, what: str) -> None:
         after = self.everything()
@@ -214,10 +217,10 @@ class Harness:
         for k in range(2 * self.cache.n_layer):
             start = rows(k)
             expected = history_row(self.cache, k, known)
-            assert start.tobytes() == expected.tobytes(), (
+            assert host(start).tobytes() == expected.tobytes(), (
                 f"{api}: seq {owner} starts from {start.tolist()}, not the state of its history {known} "
                 f"({expected.tolist()}); {self.where()}")
-            start[...] = history_row(self.cache, k, known + tuple(tokens))
+            assign(start, history_row(self.cache, k, known + tuple(tokens)))
             for j in range(m):
                 steps(k, j, history_row(self.cache, k, known + tuple(tokens[:len(tokens) - m + j])))
         self.oracle.advance(members, known, tokens, m)
@@ -250,7 +253,7 @@ class Harness:
 
                 def steps(k, j, value, g=g):
                     il = k % self.cache.n_layer
-                    (st.r_steps(il) if k < self.cache.n_layer else st.s_steps(il))[g, j] = value
+                    assign((st.r_steps(il) if k < self.cache.n_layer else st.s_steps(il))[g, j], value)
 
                 self.group(rows, steps, ub.seq_id[g], ub.token[g * n:(g + 1) * n].tolist(),
                            int(ub.pos[g * n]), m, "python batch")
@@ -412,7 +415,7 @@ class Harness:
             assert seq in seq_ids and pos == cache.seq_pos_max(seq) == oracle.pos(seq), (
                 f"seq {seq}: cell {tail} at pos {pos} with {seq_ids}, history {history}; {self.where()}")
             for k, tensor in enumerate(tensors(cache)):
-                row = tensor[src] if src >= 0 else np.zeros_like(tensor[0])
+                row = host(tensor[src]) if src >= 0 else np.zeros_like(host(tensor[0]))
                 expected = history_row(cache, k, history)
                 assert row.tobytes() == expected.tobytes(), (
                     f"seq {seq} (cell {tail}, row {src}) tensor {k} holds {row.tolist()}, not the state of its "
@@ -557,14 +560,14 @@ def run_scripts(engine: str, n_rollback: int, seeds: range, use_c: bool, use_sna
 
 
 @pytest.mark.parametrize("n_rollback", [0, 3])
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", VARIANTS)
 def test_python_interleavings_of_batches_sequences_and_state_io(engine, n_rollback):
     """Batches, rollbacks, drops, forks, keeps, clears and state blobs in random order."""
     run_scripts(engine, n_rollback, range(10 if engine == "compiled" else 5), use_c=False, use_snapshots=False)
 
 
 @pytest.mark.parametrize("n_rollback", [0, 3])
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", VARIANTS)
 def test_python_interleavings_with_prefix_cache_and_stores(engine, n_rollback):
     """The same with ``PrefixCache.save`` / ``restore`` and ``stores.restore_rows`` mixed in."""
     run_scripts(engine, n_rollback, range(1000, 1010 if engine == "compiled" else 1005), use_c=False,
@@ -603,14 +606,15 @@ def expect_no_rollback_into_the_past(h: Harness, seq: int) -> None:
         if done:
             tail = h.cache.cell(seq)[2]
             for k, tensor in enumerate(tensors(h.cache)):
-                assert tensor[tail].tobytes() == history_row(h.cache, k, history[:p0]).tobytes(), (
+                assert host(tensor[tail]).tobytes() == history_row(h.cache, k, history[:p0]).tobytes(), (
                     f"seq_rm({seq}, {p0}, -1) rolled the restored sequence back to another sequence's state: "
                     f"tensor {k} holds {tensor[tail].tolist()}")
         assert not done, f"seq_rm({seq}, {p0}, -1) rolled back a sequence restored at {len(history) - 1}"
     h.verify(h.cache.seq_rollback_min)
 
 
-RESTORES = [(engine, via) for engine in ENGINES for via in ("PrefixCache.restore", "stores.restore_rows", "state_read")]
+RESTORES = [(engine, via) for engine in VARIANTS
+            for via in ("PrefixCache.restore", "stores.restore_rows", "state_read")]
 RESTORES.append(("compiled", "rc_state_read"))
 
 
@@ -729,12 +733,12 @@ def test_a_c_batch_is_stale_once_python_changed_the_cache(mixed):
 
 def misfits(cache) -> dict[str, tuple[list[np.ndarray], list[np.ndarray]]]:
     """Rows for a state of ``cache`` that are wrong in one way each."""
-    r = [tensor[0].copy() for tensor in cache.r]
-    s = [tensor[0].copy() for tensor in cache.s]
-    other = np.float16 if cache.s[0].dtype != np.float16 else np.float32
+    r = [host(tensor[0]) for tensor in cache.r]
+    s = [host(tensor[0]) for tensor in cache.s]
+    other = np.float16 if dtype_of(cache.s[0]) != np.float16 else np.float32
     return {
-        "r one wider": ([np.zeros(cache.n_embd_r + 1, cache.r[0].dtype)] * cache.n_layer, s),
-        "last layer's s narrower": (r, s[:-1] + [np.zeros(cache.n_embd_s - 1, cache.s[0].dtype)]),
+        "r one wider": ([np.zeros(cache.n_embd_r + 1, dtype_of(cache.r[0]))] * cache.n_layer, s),
+        "last layer's s narrower": (r, s[:-1] + [np.zeros(cache.n_embd_s - 1, dtype_of(cache.s[0]))]),
         "f64 rows": ([row.astype(np.float64) for row in r], [row.astype(np.float64) for row in s]),
         "s rows of another dtype": (r, [np.zeros(cache.n_embd_s, other) for _ in s]),
         "a layer short": (r[:-1], s[:-1]),
@@ -745,7 +749,7 @@ def misfits(cache) -> dict[str, tuple[list[np.ndarray], list[np.ndarray]]]:
 
 @pytest.mark.parametrize("case", list(misfits(new_cache("compiled", "f32", 0))))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", VARIANTS)
 def test_restore_rows_that_do_not_fit_change_nothing(engine, dtype, case):
     """Rows of the wrong width, dtype or layer count raise the package's error before anything
     changes: the cells, every row (the free cell's too) and every rollback window as they were."""
@@ -803,9 +807,9 @@ def decode_step(cache, oracle: Oracle, seqs: Sequence[int], rng: random.Random, 
         cell = contended(lambda seq=seq: cache.cell(seq)[2])
         before = oracle.history[seq]
         for k, tensor in enumerate(tensors(cache)):
-            assert tensor[cell].tobytes() == history_row(cache, k, before).tobytes(), (
+            assert host(tensor[cell]).tobytes() == history_row(cache, k, before).tobytes(), (
                 f"decoding seq {seq} starts from a state that is not its own")
-            tensor[cell] = history_row(cache, k, before + (token,))
+            assign(tensor[cell], history_row(cache, k, before + (token,)))
         oracle.advance([seq], before, [token], 0)
 
 
@@ -813,7 +817,7 @@ def expect_state(cache, seq: int, history: tuple[int, ...], contended: Contended
     cell = contended(lambda: cache.cell(seq)[2])
     src = contended(lambda: cache.cell(cell)[1])
     for k, tensor in enumerate(tensors(cache)):
-        assert tensor[src].tobytes() == history_row(cache, k, history).tobytes(), (
+        assert host(tensor[src]).tobytes() == history_row(cache, k, history).tobytes(), (
             f"{what}: seq {seq} tensor {k} holds {tensor[src].tolist()}, not the state of {history}")
 
 
@@ -822,7 +826,7 @@ def snapshots_held(pc) -> tuple[int, int]:
     return stats["snapshots"], stats["bytes"]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", VARIANTS)
 def test_saves_and_restores_racing_a_decoding_thread(engine):
     """One thread decodes (and rolls back) sequences 0 and 1 while another grows sequence 2,
     saves each of its prefixes and restores them into sequence 3: a call refused by the
@@ -1001,7 +1005,7 @@ class LetsAnotherThreadIn(int):
 
 
 @pytest.mark.parametrize("call", ["save", "restore"])
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", VARIANTS)
 def test_a_prefix_cache_call_that_meets_another_thread_changes_nothing(engine, call):
     """Another thread enters the cache at every point of a ``save`` / ``restore`` in turn: the call
     either completes or raises ``UsageError`` having changed nothing — and every snapshot held

@@ -16,6 +16,7 @@ from recurrent_cache.blob_report import describe
 from recurrent_cache.stores import (Geometry, check_entry, decode_snapshot, encode_snapshot, restore_rows,
                                     sequence_rows, snapshot_key)
 from recurrent_cache.stores.snapshot import TRAILER_SIZE, key_digest, make_trailer
+from rows import assign, dtype
 
 
 def filled_cache(rc, dtype_r, dtype_s, n_layer=2, seed=0):
@@ -25,12 +26,22 @@ def filled_cache(rc, dtype_r, dtype_s, n_layer=2, seed=0):
         pass
     rng = np.random.default_rng(seed)
     for il in range(n_layer):
-        cache.r[il][...] = rng.standard_normal(cache.r[il].shape).astype(cache.r[il].dtype)
-        cache.s[il][...] = rng.standard_normal(cache.s[il].shape).astype(cache.s[il].dtype)
+        assign(cache.r[il], rng.standard_normal(tuple(cache.r[il].shape)).astype(dtype(cache.r[il])))
+        assign(cache.s[il], rng.standard_normal(tuple(cache.s[il].shape)).astype(dtype(cache.s[il])))
     return cache
 
 
-@pytest.mark.parametrize("dtypes", [("f32", "f32"), ("f16", "bf16"), ("bf16", "f16")])
+# sequence_rows hands encode_snapshot the cache's tensors; encode_snapshot reads them with np.asarray
+SEQUENCE_ROWS_OF_TORCH_BF16 = ("library bug: encode_snapshot(..., *sequence_rows(cache, seq), ...) on a torch-storage "
+                               "cache with a bf16 state raises TypeError (np.asarray of a bfloat16 tensor: 'Got "
+                               "unsupported ScalarType BFloat16'); on a GPU any dtype would fail the same way")
+
+
+WITH_BF16 = pytest.mark.torch_xfail(SEQUENCE_ROWS_OF_TORCH_BF16)
+
+
+@pytest.mark.parametrize("dtypes", [("f32", "f32"), pytest.param(("f16", "bf16"), marks=WITH_BF16),
+                                    pytest.param(("bf16", "f16"), marks=WITH_BF16)])
 def test_entry_is_the_sequence_file_and_restores_the_same_state(rc, tmp_path, dtypes):
     cache = filled_cache(rc, *dtypes)
     geometry = Geometry.of(cache)
