@@ -55,16 +55,6 @@ def rc(request):
     return package_on(request.param)
 
 
-# Test files another change owns whose torch runs fail on the tests' own numpy idioms (assigning a
-# numpy array into a tensor row): skipped on torch until they use tests/rows.py.
-TORCH_SKIPPED_FILES = {
-    "test_state_format.py": "its fill helper assigns numpy arrays into the rows (cache.r[il][...] = array), "
-                            "which a torch tensor refuses; to move to tests/rows.py with that file's owner",
-    "test_llamacpp_june2025.py": "its contents helper copies the rows with numpy's a.copy(), which a torch "
-                                 "tensor lacks; to move to tests/rows.py with that file's owner",
-}
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch_xfail(reason): a library bug on torch storage; the test's "
                             "torch run is xfail(strict=True) until it is fixed")
@@ -82,5 +72,3 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xfail(strict=True, reason=marker.args[0]))
         for marker in item.iter_markers("torch_skip"):
             item.add_marker(pytest.mark.skip(reason=marker.args[0]))
-        if item.path.name in TORCH_SKIPPED_FILES:
-            item.add_marker(pytest.mark.skip(reason=TORCH_SKIPPED_FILES[item.path.name]))

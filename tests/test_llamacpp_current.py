@@ -58,7 +58,9 @@ def _relative_diff(logits, seq):
 
 
 def _new_cache(rc, model):
-    return model.new_cache(n_seq_max=MAMBA["context"]["n_seq_max"], engine=rc.ENGINE)
+    """The model's cache on the variant under test (its engine, and its storage: torch runs the torch forward)."""
+    p = model.hparams
+    return rc.RecurrentCache(p.n_layer, p.n_embd_r, p.n_embd_s, n_seq_max=MAMBA["context"]["n_seq_max"])
 
 
 def _states(cache):

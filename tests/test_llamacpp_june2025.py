@@ -25,6 +25,7 @@ import pytest
 from recurrent_cache import load_seq_file, load_session_file
 from recurrent_cache.errors import ArgumentError, StateError
 from recurrent_cache.state_format import CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN_V9, unframe
+from rows import host
 
 TYPE_IDS = {"f32": (0, "<f4"), "f16": (1, "<f2")}
 
@@ -79,7 +80,7 @@ def example_section(n_layer=3, layers=(0, 1, 2), dtype_r="f32", dtype_s="f32"):
 def contents(cache):
     """Everything a cache holds: its cells and the rows of every layer with state."""
     cells = [cache.cell(i) for i in range(cache.size)]
-    rows = [None if a is None else a.copy() for a in cache.r + cache.s]
+    rows = [None if a is None else host(a) for a in cache.r + cache.s]
     return cells, rows, cache.state_write()
 
 
@@ -264,7 +265,7 @@ def test_a_blob_both_framings_read_whole_is_refused_naming_both(rc):
 
     cache.state_read(blob, framing="llama")
     assert cache.cell(0)[0] == 40 and cache.used == 1
-    assert cache.r[0][0].view("<u4").tolist() == [0, 0, 2]
+    assert host(cache.r[0][0]).view("<u4").tolist() == [0, 0, 2]
     cache.state_read(blob, framing="llama-june-2025")
     assert cache.used == 0
 

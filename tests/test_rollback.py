@@ -178,12 +178,6 @@ def test_history_survives_a_move_to_another_cell(rc):
     toy.expect_state(0), toy.expect_state(3)
 
 
-HISTORY_VIEWS = ("library bug: memory_core.history() promises copies, but on torch cpu storage it returns "
-                 "TorchStorage.to_host(...) of the history tensors, which shares their memory: later steps "
-                 "change the arrays a caller already holds")
-
-
-@pytest.mark.torch_xfail(HISTORY_VIEWS)
 def test_the_history_handed_out_is_a_copy(rc):
     """What ``memory_core.history()`` returns keeps its values while the cache goes on filing states."""
     toy = Toy(rc, 3)

@@ -24,6 +24,7 @@ from recurrent_cache import state_format as fmt
 from recurrent_cache.errors import ArgumentError, StateError
 from recurrent_cache.stores import Geometry, encode_snapshot, sequence_rows, snapshot_key
 from recurrent_cache.stores.snapshot import TRAILER_SIZE
+from rows import assign, host
 
 SRC = pathlib.Path(recurrent_cache.__file__).parent
 
@@ -34,8 +35,8 @@ def filled_cache(rc, n_layer=2, dtype_r="f32", dtype_s="f16", tokens=(5, 6, 7)):
     for _ in cache.init_batch(rc.Batch(token=list(tokens), seq_id=[0] * len(tokens), pos=list(range(len(tokens))))):
         pass
     for il in range(n_layer):
-        cache.r[il][...] = (np.arange(6).reshape(2, 3) + il + 1).astype(cache.r[il].dtype)
-        cache.s[il][...] = (np.arange(8).reshape(2, 4) * -(il + 1)).astype(cache.s[il].dtype)
+        assign(cache.r[il], np.arange(6).reshape(2, 3) + il + 1)
+        assign(cache.s[il], np.arange(8).reshape(2, 4) * -(il + 1))
     return cache
 
 
@@ -94,7 +95,7 @@ def test_an_engines_blob_uses_the_geometrys_type_ids_and_row_sizes(rc):
         assert tuple(t.type_id for t in blob.tensors) == geometry.type_ids
         assert tuple(t.row_bytes for t in blob.tensors) == geometry.row_bytes
         for k, tensor in enumerate(blob.tensors):
-            stored = (cache.r if k < 3 else cache.s)[k % 3]
+            stored = host((cache.r if k < 3 else cache.s)[k % 3])
             assert fmt.GGML_TYPES[tensor.type_id].numpy == stored.dtype
             assert tensor.row_bytes == stored.shape[1] * stored.dtype.itemsize
 

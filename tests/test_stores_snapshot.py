@@ -31,17 +31,7 @@ def filled_cache(rc, dtype_r, dtype_s, n_layer=2, seed=0):
     return cache
 
 
-# sequence_rows hands encode_snapshot the cache's tensors; encode_snapshot reads them with np.asarray
-SEQUENCE_ROWS_OF_TORCH_BF16 = ("library bug: encode_snapshot(..., *sequence_rows(cache, seq), ...) on a torch-storage "
-                               "cache with a bf16 state raises TypeError (np.asarray of a bfloat16 tensor: 'Got "
-                               "unsupported ScalarType BFloat16'); on a GPU any dtype would fail the same way")
-
-
-WITH_BF16 = pytest.mark.torch_xfail(SEQUENCE_ROWS_OF_TORCH_BF16)
-
-
-@pytest.mark.parametrize("dtypes", [("f32", "f32"), pytest.param(("f16", "bf16"), marks=WITH_BF16),
-                                    pytest.param(("bf16", "f16"), marks=WITH_BF16)])
+@pytest.mark.parametrize("dtypes", [("f32", "f32"), ("f16", "bf16"), ("bf16", "f16")])
 def test_entry_is_the_sequence_file_and_restores_the_same_state(rc, tmp_path, dtypes):
     cache = filled_cache(rc, *dtypes)
     geometry = Geometry.of(cache)
