@@ -51,7 +51,9 @@ def package_on(variant: str) -> types.SimpleNamespace:
 
 @pytest.fixture(params=VARIANTS, scope="module")
 def rc(request):
-    """The package on the engine and storage under test."""
+    """The package on the engine and storage under test (the torch variant needs the torch extra)."""
+    if request.param == "torch":
+        pytest.importorskip("torch", reason="the torch variant needs torch: pip install '.[torch]'")
     return package_on(request.param)
 
 

@@ -43,8 +43,7 @@ def host(rows: Any) -> np.ndarray:
     """An exact copy of ``rows`` in host memory, in the cache's numpy dtype (never a view)."""
     if is_host(rows):
         return np.array(rows, copy=True)
-    # copied again: TorchStorage.to_host of a cpu tensor shares the tensor's memory
-    return np.array(_torch_storage().to_host(rows), copy=True)
+    return _torch_storage().to_host(rows)
 
 
 def assign(rows: Any, values: Any) -> None:
