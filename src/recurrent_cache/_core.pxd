@@ -85,7 +85,7 @@ cdef class MemoryCore:
     cdef int reserve_steps(self, Py_ssize_t rows) except -1
     cdef int flush(self) except -1
     cdef list staged(self)
-    cdef stage_cells(self)
+    cdef stage_cells(self, int32_t seq_id)
     cdef const unsigned char[::1] host_row(self, object given, Py_ssize_t k)
     cdef object as_storage_rows(self, list rows, Py_ssize_t kind)
     cdef list host_of(self, tuple tensors)

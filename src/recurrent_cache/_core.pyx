@@ -14,7 +14,7 @@ the start of the next changing call, whichever API makes it.
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.ref cimport PyObject
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
@@ -411,6 +411,8 @@ cdef class MemoryCore:
         cdef Py_ssize_t d, i, n, row
         cdef int source
         cdef list groups = []
+        cdef int8_t[::1] sources_view
+        cdef int64_t[::1] dst_view, src_view
         if not log_pending(&self.core.log):
             return 0
         if not self.core.n_tensors:   # no layer keeps state (an empty layer filter): no rows to move
@@ -423,9 +425,12 @@ cdef class MemoryCore:
                 sources = np.empty(n, dtype=np.int8)
                 dst = np.empty(n, dtype=np.int64)
                 src = np.empty(n, dtype=np.int64)
+                sources_view, dst_view, src_view = sources, dst, src
                 for i in range(n):
                     row = self.core.log.touched[d][i]
-                    dst[i], sources[i], src[i] = row, self.core.log.from_space[d][row], self.core.log.from_row[d][row]
+                    dst_view[i] = row
+                    sources_view[i] = self.core.log.from_space[d][row]
+                    src_view[i] = self.core.log.from_row[d][row]
                 for source in (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_STAGE, SPACE_ZERO):
                     chosen = sources == source
                     if source == d:
@@ -461,13 +466,27 @@ cdef class MemoryCore:
         """Whether the C code moves the rows itself (a storage with host views: the C API works)."""
         return not self.core.logged
 
-    cdef stage_cells(self):
-        """A logged core's staging copies, made equal to the cells' rows (one transfer per kind)."""
+    cdef stage_cells(self, int32_t seq_id):
+        """A logged core's staging copies of the rows ``state_write(seq_id)`` reads, made equal to
+        the cells' rows: one gather and one transfer per kind, of those rows only."""
         cdef Py_ssize_t kind
-        if self.core.logged and self.core.n_tensors:
-            stage = self.staged()
-            for kind in range(2):
-                stage[kind][...] = self.storage.to_host(self.kinds[kind])
+        cdef int32_t cell
+        cdef list rows = []
+        if not (self.core.logged and self.core.n_tensors):
+            return
+        if seq_id >= 0:
+            if self.core.cells.tail[seq_id] >= 0:
+                rows.append(self.core.cells.tail[seq_id])
+        else:
+            for cell in range(self.core.cells.size):
+                if self.core.cells.n_seq[cell] > 0:
+                    rows.append(cell)
+        if not rows:
+            return
+        stage = self.staged()
+        selected = np.array(rows, dtype=np.int64)
+        for kind in range(2):
+            stage[kind][:, selected] = self.storage.to_host(self.storage.take(self.kinds[kind], selected))
 
     cdef list staged(self):
         """The host copies of the cells' tensors a logged core reads blobs into and writes them from."""
@@ -674,7 +693,7 @@ cdef class MemoryCore:
         cdef int32_t n_ranges
         cdef int32_t* begin
         cdef int32_t* end
-        self.stage_cells()
+        self.stage_cells(seq_id)
         begin = alloc_ranges(c.cells.size)
         end = begin + max_ranges(c.cells.size)
         try:
@@ -721,7 +740,7 @@ cdef class MemoryCore:
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
         cdef int32_t* begin
         cdef int32_t* end
-        self.stage_cells()
+        self.stage_cells(seq_id)
         begin = alloc_ranges(c.cells.size)
         end = begin + max_ranges(c.cells.size)
         try:
