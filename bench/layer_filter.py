@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 
 import recurrent_cache as rc  # noqa: E402
 from bench.quick import NOTE, add_quick_option  # noqa: E402
+from bench.workloads import decode, decode_batch, prompt_batch  # noqa: E402
 
 N_SEQS, N_EMBD_R, N_EMBD_S = 64, 64, 256
 CASES = {   # name: (n_layer, layers)
@@ -43,10 +44,7 @@ CASES = {   # name: (n_layer, layers)
 def decoding(n_layer: int, layers: tuple[int, ...] | None) -> rc.RecurrentCache:
     """A cache holding 64 sequences after one token each."""
     cache = rc.RecurrentCache(n_layer, N_EMBD_R, N_EMBD_S, n_seq_max=N_SEQS, layers=layers)
-    seqs = np.arange(N_SEQS, dtype=np.int32)
-    for _ in cache.init_batch(rc.Batch(token=np.zeros(N_SEQS, np.int32), seq_id=seqs,
-                                       pos=np.zeros(N_SEQS, np.int32))):
-        pass
+    decode(rc, cache, prompt_batch(rc, [1] * N_SEQS))
     return cache
 
 
@@ -54,8 +52,7 @@ def python_steps(cache: rc.RecurrentCache, steps: int) -> float:
     """µs per decode step: placement, then every layer with state read and written as a model would."""
     seqs = np.arange(N_SEQS, dtype=np.int32)
     first = cache.seq_pos_max(0) + 1
-    batches = [rc.Batch(token=np.zeros(N_SEQS, np.int32), seq_id=seqs, pos=np.full(N_SEQS, first + i, np.int32))
-               for i in range(steps)]
+    batches = [decode_batch(rc, seqs, first + i) for i in range(steps)]
     layers = cache.layers
     start = time.perf_counter_ns()
     for batch in batches:

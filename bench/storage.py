@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 import recurrent_cache as rc  # noqa: E402
 from bench.quick import NOTE, add_quick_option  # noqa: E402
+from bench.workloads import decode, decode_batch, prompt_batch  # noqa: E402
 from recurrent_cache.storage import TorchStorage  # noqa: E402
 
 N_SEQS, N_LAYER, N_EMBD_R, N_EMBD_S = 64, 4, 64, 256
@@ -69,9 +70,7 @@ def storages() -> dict[str, Any]:
 def decoding(storage: Any, n_layer: int = N_LAYER, n_seqs: int = N_SEQS, size: int = N_SEQS) -> rc.RecurrentCache:
     """A cache of ``size`` cells holding n_seqs sequences after one token each."""
     cache = rc.RecurrentCache(n_layer, N_EMBD_R, N_EMBD_S, n_seq_max=size, storage=storage)
-    seqs = np.arange(n_seqs, dtype=np.int32)
-    for _ in cache.init_batch(rc.Batch(token=np.zeros(n_seqs, np.int32), seq_id=seqs, pos=np.zeros(n_seqs, np.int32))):
-        pass
+    decode(rc, cache, prompt_batch(rc, [1] * n_seqs))
     return cache
 
 
@@ -79,8 +78,7 @@ def decode_steps(cache: rc.RecurrentCache, steps: int) -> float:
     """µs per decode step of the cache's part: placement and the row views of every layer."""
     seqs = np.arange(N_SEQS, dtype=np.int32)
     first = cache.seq_pos_max(0) + 1
-    batches = [rc.Batch(token=np.zeros(N_SEQS, np.int32), seq_id=seqs, pos=np.full(N_SEQS, first + i, np.int32))
-               for i in range(steps)]
+    batches = [decode_batch(rc, seqs, first + i) for i in range(steps)]
     layers = cache.layers
     start = time.perf_counter_ns()
     for batch in batches:
