@@ -147,6 +147,10 @@ class TorchStorage:
         """The torch dtype a state type is stored as."""
         return self._types[dtype.name]
 
+    def _numpy_of(self, tensor: Any) -> np.dtype[Any]:
+        """The numpy dtype a cache uses for ``tensor``'s state type (bf16: ml_dtypes' or raw bits)."""
+        return next(t.numpy for t in STATE_TYPES.values() if self._types[t.name] == tensor.dtype)
+
     def allocate(self, shape: tuple[int, ...], dtype: StateType) -> Any:
         return self._torch.zeros(shape, dtype=self._types[dtype.name], device=self._device)
 
@@ -156,7 +160,7 @@ class TorchStorage:
         shape = tuple(tensor.shape)
         # through uint8: numpy has no bfloat16 of torch's, but the bits are the same
         raw: np.ndarray = tensor.view(self._torch.uint8).numpy()
-        return raw.view(_numpy_of(tensor, self._torch)).reshape(shape)
+        return raw.view(self._numpy_of(tensor)).reshape(shape)
 
     def _index(self, rows: np.ndarray) -> Any:
         return self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self._device)
@@ -179,7 +183,7 @@ class TorchStorage:
 
     def to_host(self, tensor: Any) -> np.ndarray:
         host = tensor.detach().to("cpu", copy=True).contiguous()   # a copy even of a CPU tensor
-        return np.asarray(host.view(self._torch.uint8).numpy().view(_numpy_of(tensor, self._torch))
+        return np.asarray(host.view(self._torch.uint8).numpy().view(self._numpy_of(tensor))
                           .reshape(tuple(tensor.shape)))
 
     def from_host(self, array: np.ndarray, dtype: StateType) -> Any:
@@ -189,12 +193,6 @@ class TorchStorage:
 
     def __repr__(self) -> str:
         return f"TorchStorage(device={self.device!r}, host_access={self.host_access})"
-
-
-def _numpy_of(tensor: Any, torch: Any) -> np.dtype[Any]:
-    """The numpy dtype a cache uses for a torch tensor's dtype (bf16: the state type's)."""
-    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-    return STATE_TYPES[names[tensor.dtype]].numpy
 
 
 def storage_for(storage: Any, device: Any) -> Storage:
