@@ -15,9 +15,9 @@ from importlib.metadata import version as _version
 
 from .batch import Batch
 from .cache import CellInfo, RecurrentCache
-from .errors import (ArgumentError, BatchError, ConfigError, CoreError, GGUFError, ModelError, NoFreeCellError,
-                     OutOfRangeError, OutputError, PositionError, RecurrentCacheError, SafetensorsError, SeqIdError,
-                     StateError, UsageError)
+from .errors import (ArgumentError, BatchError, BrokenCacheError, ConfigError, CoreError, GGUFError, ModelError,
+                     NoFreeCellError, OutOfRangeError, OutputError, PositionError, RecurrentCacheError,
+                     SafetensorsError, SeqIdError, StateError, UsageError)
 from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
 from .prefix_cache import PrefixCache
 from .seqfile import load_seq_file, load_session_file, save_seq_file, save_session_file
@@ -41,7 +41,7 @@ def get_include() -> str:
 __all__ = [
     "RecurrentCache", "CellInfo", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
-    "ArgumentError", "StateError", "CoreError", "UsageError", "OutOfRangeError", "NoFreeCellError",
+    "ArgumentError", "StateError", "CoreError", "BrokenCacheError", "UsageError", "OutOfRangeError", "NoFreeCellError",
     "ModelError", "GGUFError", "SafetensorsError", "OutputError",
     "get_include", "save_seq_file", "load_seq_file", "save_session_file", "load_session_file", "PrefixCache", "stores",
 ]

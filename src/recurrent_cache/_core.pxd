@@ -44,6 +44,9 @@ cdef struct Core:
     # points at it) and the MemoryCore hands them to the storage at the end of each call
     bint logged
     RowLog log
+    # a storage failed while carrying out a call's moves: the cells and the rows may disagree, so
+    # every call refuses (RC_ERR_BROKEN; Python: BrokenCacheError) until a clear() succeeds
+    bint broken
 
 # a ubatch: find_slot, copy plan, row and history moves, start states filed, step states
 # expected (m per group: core_steps); RC_OK or an RC_ERR_* code (the cells may then have moved)
@@ -82,8 +85,12 @@ cdef class MemoryCore:
     cdef tuple step_kinds            # the step scratch per kind: [n_state, capacity, n_embd] (views stay valid)
     cdef list stage                  # logged: host copies of the cells' tensors per kind, for state I/O
     cdef dict host_views             # space -> the numpy views the C code addresses, kept alive
+    cdef object broken_by            # the storage's exception that broke the core (core.broken)
+    cdef int usable(self, str what) except -1
+    cdef int break_on(self, object failure) except -1
     cdef int reserve_steps(self, Py_ssize_t rows) except -1
     cdef int flush(self) except -1
+    cdef int flush_log(self) except -1
     cdef list staged(self)
     cdef stage_cells(self, int32_t seq_id)
     cdef const unsigned char[::1] host_row(self, object given, Py_ssize_t k)

@@ -80,7 +80,8 @@ cdef int grow_steps(Core* core, Py_ssize_t rows) noexcept with gil:
     try:
         (<MemoryCore>core.owner).reserve_steps(rows)
     except Exception:   # MemoryError, or a storage that could not allocate (a device out of memory)
-        return RC_ERR_NO_MEMORY
+        # a failed flush of the filed step states broke the core; a failed allocation changed nothing
+        return RC_ERR_BROKEN if core.broken else RC_ERR_NO_MEMORY
     return RC_OK
 
 
@@ -91,6 +92,8 @@ cdef int core_apply_ubatch(Core* core, const Split* split, int32_t u, const int3
     cdef int32_t n_seq_tokens = split.ub_n_seq_tokens[u], m = core_steps(core, n_seq_tokens), n
     cdef const int32_t* last_pos = split.group_last_pos + g0
     cdef int code
+    if core.broken:
+        return RC_ERR_BROKEN
     core_file_steps(core)
     if <Py_ssize_t>n_seqs * m > core.step_capacity:   # before any change: failing leaves all as it was
         code = grow_steps(core, <Py_ssize_t>n_seqs * m)
@@ -157,6 +160,8 @@ cdef void core_seq_cp(Core* core, int32_t seq_src, int32_t seq_dst) noexcept nog
 
 cdef int core_seq_keep(Core* core, int32_t seq) noexcept nogil:
     cdef int code
+    if core.broken:
+        return RC_ERR_BROKEN
     core_file_steps(core)
     code = cells_seq_keep(&core.cells, seq)
     if code == RC_OK:
@@ -168,6 +173,8 @@ cdef int core_seq_add(Core* core, int32_t seq, int32_t p0, int32_t p1, int32_t s
     """seq_add; the history of the cell it moves is forgotten (its positions no longer match)."""
     cdef int32_t cell
     cdef int code
+    if core.broken:
+        return RC_ERR_BROKEN
     core_file_steps(core)
     cell = cells_tail_in_range(&core.cells, seq, p0, p1) if 0 <= seq < core.cells.size else -1
     code = cells_seq_add(&core.cells, seq, p0, p1, shift)
@@ -182,6 +189,8 @@ cdef int core_seq_div(Core* core, int32_t seq, int32_t p0, int32_t p1, int32_t d
     """seq_div; the history of the cell it moves is forgotten."""
     cdef int32_t cell
     cdef int code
+    if core.broken:
+        return RC_ERR_BROKEN
     core_file_steps(core)
     cell = cells_tail_in_range(&core.cells, seq, p0, p1) if 0 <= seq < core.cells.size else -1
     code = cells_seq_div(&core.cells, seq, p0, p1, d)
@@ -217,6 +226,8 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
     cdef int32_t seq_offset = 0, n_seq_id = 1, cell
     cdef Py_ssize_t k
     cdef int code
+    if core.broken:
+        return RC_ERR_BROKEN
     if not 0 <= seq < core.cells.size:
         return RC_ERR_SEQ_RANGE
     if core.cells.tail[seq] >= 0:
@@ -242,7 +253,10 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
                          BlobDefect* defect) noexcept nogil:
     cdef BlobLayout layout
     cdef Py_ssize_t k
-    cdef int code = check_blob(&core.cells, seq_id, data, length, core.n_layer, core.n_tensors, core.type_ids,
+    cdef int code
+    if core.broken:
+        return RC_ERR_BROKEN
+    code = check_blob(&core.cells, seq_id, data, length, core.n_layer, core.n_tensors, core.type_ids,
                                core.row_bytes, &layout, defect)
     if code != BLOB_OK:
         return code
@@ -404,10 +418,36 @@ cdef class MemoryCore:
         self.core.step_capacity = rows
         return 0
 
+    cdef int usable(self, str what) except -1:
+        """Raise ``BrokenCacheError`` (the storage's failure chained) if a storage failure broke the core."""
+        if self.core.broken:
+            raise errors.BrokenCacheError(f"{what}: the cache is broken: {self.storage!r} failed while "
+                                          f"moving its rows ({type(self.broken_by).__name__}: "
+                                          f"{self.broken_by}); clear() it to use it again") from self.broken_by
+        return 0
+
+    cdef int break_on(self, object failure) except -1:
+        """Mark the core broken by ``failure``, a storage call that failed after the cells changed."""
+        self.core.broken = True
+        self.broken_by = failure
+        return 0
+
+    cdef int flush(self) except -1:
+        """Hand the recorded moves to the storage.  The cells have changed already: a storage that
+        fails breaks the core (``BrokenCacheError``, the storage's exception chained)."""
+        try:
+            self.flush_log()
+        except BaseException as failure:   # an interrupt mid-flush leaves rows as partly written
+            self.break_on(failure)
+            if isinstance(failure, Exception):
+                self.usable("flush")
+            raise
+        return 0
+
     @cython.boundscheck(True)   # Python objects only here: a wrong index must raise, never read astray
     @cython.wraparound(True)
-    cdef int flush(self) except -1:
-        """Hand the recorded moves to the storage: all rows taken first, then written."""
+    cdef int flush_log(self) except -1:
+        """The recorded moves carried out: all rows taken first, then written."""
         cdef Py_ssize_t d, i, n, row
         cdef int source
         cdef list groups = []
@@ -531,6 +571,7 @@ cdef class MemoryCore:
         """(pos, src, tail, sorted seq ids) of cell i."""
         cdef list members = []
         cdef int32_t seq
+        self.usable("cell")
         if not 0 <= i < self.core.cells.size:
             raise errors.engine_error(errors.CELL_INDEX, what="cell", index=i, size=self.core.cells.size)
         seq = self.core.cells.first[i]
@@ -542,12 +583,15 @@ cdef class MemoryCore:
 
     def seq_cell(self, int32_t seq):
         """The cell holding ``seq`` (in range), or -1."""
+        self.usable("seq_cell")
         return self.core.cells.tail[seq]
 
     def seq_pos_min(self, int32_t seq):
+        self.usable("seq_pos_min")
         return cells_seq_pos_min(&self.core.cells, seq)
 
     def seq_pos_max(self, int32_t seq):
+        self.usable("seq_pos_max")
         return cells_seq_pos_max(&self.core.cells, seq)
 
     def check(self):
@@ -555,6 +599,7 @@ cdef class MemoryCore:
         cdef Cells* c = &self.core.cells
         cdef int32_t at
         cdef int broken = cells_check(c, &at)
+        self.usable("check")
         if not broken:
             return None
         return {
@@ -572,6 +617,7 @@ cdef class MemoryCore:
         """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (docs/rollback.md);
         ``tags[c, q % n_rollback] == q + 1`` marks the state after ``q`` as held in cell c."""
         cdef int32_t size = self.core.cells.size, n = self.core.history.n_rollback
+        self.usable("history")
         core_file_steps(&self.core)
         self.flush_moves()
         history = [self.storage.to_host(t) for t in self.history_kinds]
@@ -582,11 +628,13 @@ cdef class MemoryCore:
         """[n_seqs, m, n_embd] view of the scratch the model writes tensor k's step states into
         (a tensor of the cache's storage)."""
         cdef Py_ssize_t n_state = len(self.layers)
+        self.usable("step_rows")
         tensor = self.step_kinds[k // n_state][k % n_state]
         return tensor[:n_seqs * m].reshape(n_seqs, m, tensor.shape[1])
 
     def steps(self, int32_t n_seq_tokens):
         """m: step states per group the model writes for a ubatch of n_seq_tokens tokens per group."""
+        self.usable("steps")
         return core_steps(&self.core, n_seq_tokens)
 
     # -- changes -------------------------------------------------------------------------
@@ -594,34 +642,44 @@ cdef class MemoryCore:
     # each call below hands its recorded moves to a logged storage before it returns
 
     def clear(self):
+        """Empty every cell and zero every row; also the one call a broken core takes: once the storage
+        has zeroed every row, nothing of the broken state is left, so the core is usable again."""
         core_clear(&self.core)
         self.flush_moves()
+        self.core.broken = False
+        self.broken_by = None
 
     def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
+        self.usable("seq_rm")
         removed = core_seq_rm(&self.core, seq, p0, p1)
         self.flush_moves()
         return removed
 
     def seq_cp(self, int32_t seq_src, int32_t seq_dst):
+        self.usable("seq_cp")
         core_seq_cp(&self.core, seq_src, seq_dst)
         self.flush_moves()
 
     def seq_keep(self, int32_t seq):
+        self.usable("seq_keep")
         code = core_seq_keep(&self.core, seq)
         self.flush_moves()
         return code
 
     def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
+        self.usable("seq_add")
         code = core_seq_add(&self.core, seq, p0, p1, shift)
         self.flush_moves()
         return code
 
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
+        self.usable("seq_div")
         code = core_seq_div(&self.core, seq, p0, p1, d)
         self.flush_moves()
         return code
 
     def rollback_min(self, int32_t seq):
+        self.usable("rollback_min")
         q = core_rollback_min(&self.core, seq)
         self.flush_moves()
         return q
@@ -635,6 +693,7 @@ cdef class MemoryCore:
         cdef const char** pointers
         cdef list views = []
         cdef int32_t cell
+        self.usable("restore")
         if len(rows) != self.core.n_tensors:
             raise ValueError(f"{len(rows)} rows for {self.core.n_tensors} tensors")
         if self.core.logged:
@@ -644,8 +703,12 @@ cdef class MemoryCore:
             cell = core_restore(&self.core, seq, pos, NULL)
             self.flush_moves()
             if cell >= 0 and n_state:
-                for kind in range(2):
-                    self.storage.put(self.kinds[kind], np.array([cell], dtype=np.int64), kinds[kind])
+                try:
+                    for kind in range(2):
+                        self.storage.put(self.kinds[kind], np.array([cell], dtype=np.int64), kinds[kind])
+                except Exception as failure:   # seq already holds the cell: its rows would be another's
+                    self.break_on(failure)
+                    self.usable("restore")
             return cell
         for k in range(self.core.n_tensors):
             row = self.host_row(rows[k], k)
@@ -684,6 +747,7 @@ cdef class MemoryCore:
 
     def state_size(self, int32_t seq_id):
         """Bytes of ``state_write(seq_id)``."""
+        self.usable("state_size")
         return blob_size(&self.core.cells, seq_id, self.core.n_tensors, self.core.row_bytes)
 
     cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1:
@@ -716,6 +780,7 @@ cdef class MemoryCore:
 
     def state_write_into(self, unsigned char[::1] out, int32_t seq_id):
         """Write the blob to the start of out; returns its length."""
+        self.usable("state_write_into")
         if out.shape[0] and shares_rows(&self.core, &out[0], out.shape[0]):
             raise fmt.target_aliases_cache()
         return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
@@ -724,6 +789,7 @@ cdef class MemoryCore:
         """The blob as a new bytes object, written in place (no intermediate copy)."""
         cdef Py_ssize_t n = self.state_size(seq_id)
         cdef bytes blob = PyBytes_FromStringAndSize(NULL, n)
+        self.usable("state_write_bytes")
         rc_advise_hugepages(PyBytes_AS_STRING(blob), n)
         if self.write(<unsigned char*>PyBytes_AS_STRING(blob), n, seq_id) != n:
             # only another thread changing the cache meanwhile can shrink the blob
@@ -740,6 +806,7 @@ cdef class MemoryCore:
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
         cdef int32_t* begin
         cdef int32_t* end
+        self.usable("state_write_file")
         self.stage_cells(seq_id)
         begin = alloc_ranges(c.cells.size)
         end = begin + max_ranges(c.cells.size)
@@ -775,6 +842,7 @@ cdef class MemoryCore:
         cdef const unsigned char* p = &data[0] if length else NULL
         cdef BlobDefect defect
         cdef int code
+        self.usable("state_read")
         if shares_rows(&self.core, p, length):
             # the blob lies in the cache's own rows, which the restore overwrites: read a
             # copy, so the blob is read as it was when the call began

@@ -77,11 +77,13 @@ cdef class Placement:
         cdef MemoryCore core = self.core
         if not 0 <= u < self.split.n_ubatches:
             raise IndexError(f"ubatch {u} of {self.split.n_ubatches}")
+        core.usable("apply")
         with nogil:
             code = core_apply_ubatch(&core.core, &self.split, u, &self.seq_id_flat[0])
             if code == RC_OK:
                 code = self.keep_plan(core.core.cells.head, core.core.cells.n)
         core.flush_moves()   # a logged storage moves its rows now (a failed apply may have moved some too)
+        core.usable("apply")   # a storage that failed while the step scratch grew broke the core
         return code
 
     cdef int keep_plan(self, int32_t head, int32_t n) noexcept nogil:
@@ -201,6 +203,7 @@ def split_batch(MemoryCore core, object seq_id_flat, object seq_id_offset, objec
     cdef SplitDetail detail
     cdef int code
     cdef Placement p
+    core.usable("init_batch")
     if n_tokens < 1 or n_tokens >= INT32_MAX or offsets.shape[0] != n_tokens + 1 or offsets[0] != 0 \
             or offsets[n_tokens] != flat.shape[0]:
         raise CoreError("split_batch: inconsistent batch arrays")

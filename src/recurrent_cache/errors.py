@@ -3,7 +3,9 @@
 Every error the package raises derives from :class:`RecurrentCacheError`, and
 each subclass also derives from the built-in a caller would reach for, so
 ``except ValueError`` keeps working for code written against plain Python
-containers.  A call that raises has changed nothing.
+containers.  A call that raises has changed nothing — except one whose storage
+failed half-way through its row moves: it raises ``BrokenCacheError`` and so
+does every later call until ``clear()`` succeeds.
 """
 
 from collections.abc import Callable
@@ -18,6 +20,7 @@ __all__ = [
     "StateError",
     "ArgumentError",
     "CoreError",
+    "BrokenCacheError",
     "UsageError",
     "OutOfRangeError",
     "NoFreeCellError",
@@ -67,6 +70,12 @@ class StateError(RecurrentCacheError, ValueError):
 
 class CoreError(RecurrentCacheError, RuntimeError):
     """An invariant of the cache is broken: a bug of recurrent_cache, never the caller's input."""
+
+
+class BrokenCacheError(CoreError):
+    """A storage failed while carrying out a call's row moves (a device out of memory), after the
+    cell table had changed: the cells and the rows may disagree, so every later call raises this
+    until ``clear()`` succeeds.  ``__cause__`` is the storage's exception."""
 
 
 class UsageError(RecurrentCacheError, RuntimeError):
