@@ -285,3 +285,76 @@ def test_a_broken_cache_stays_broken_when_clear_fails_too():
     run.cache.clear()
     run.cache.check()
     assert run.cache.used == 0
+
+
+# -- state_write_into's target may share no byte with the cache ---------------------------------
+
+GAP = 1 << 14   # free bytes around every tensor of an arena: room for a whole blob on either side
+
+
+class ArenaStorage:
+    """A storage (numpy or torch on the CPU, with or without host access) whose tensors are carved out
+    of one host arena with GAP free bytes around each, so a test can make a target that overlaps
+    exactly one byte of a tensor and lies in free arena bytes otherwise."""
+
+    def __init__(self, kind: str, host_access: bool) -> None:
+        if kind == "torch":
+            torch = pytest.importorskip("torch", reason="the torch arena needs torch")
+            from recurrent_cache.storage import TorchStorage
+            self.inner: Any = TorchStorage("cpu", host_access=host_access)
+            self.torch_arena = torch.zeros(1 << 20, dtype=torch.uint8)
+            self.arena = self.torch_arena.numpy()   # the same memory
+        else:
+            self.inner = NumpyStorage()
+            self.arena = np.zeros(1 << 20, dtype=np.uint8)
+        self.kind, self.host_access = kind, host_access
+        self.name, self.device = self.inner.name, "cpu"
+        self.extents: list[tuple[int, int]] = []   # [begin, end) of each tensor, as arena offsets
+        self.next_free = GAP
+
+    def allocate(self, shape, dtype):
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        begin = self.next_free
+        self.next_free = begin + (nbytes + 63) // 64 * 64 + GAP
+        assert self.next_free <= self.arena.size
+        self.extents.append((begin, begin + nbytes))
+        if self.kind == "torch":
+            raw = self.torch_arena[begin:begin + nbytes]
+            return raw.view(self.inner.torch_dtype(dtype)).reshape(shape)
+        return self.arena[begin:begin + nbytes].view(dtype.numpy).reshape(shape)
+
+    def host_view(self, tensor):
+        return self.inner.host_view(tensor) if self.host_access else None
+
+    def __getattr__(self, method: str) -> Any:   # take, put, zero, stack, to_host, from_host
+        return getattr(self.inner, method)
+
+
+ARENAS = [("numpy", True, "compiled"), ("numpy", True, "reference"), ("numpy", False, "compiled"),
+          ("torch", True, "compiled"), ("torch", True, "reference"), ("torch", False, "compiled")]
+
+
+@pytest.mark.parametrize("framing", ["bare", "llama"])
+@pytest.mark.parametrize(("kind", "host_access", "engine"), ARENAS,
+                         ids=[f"{k}-{'host' if h else 'indices'}-{e}" for k, h, e in ARENAS])
+def test_state_write_into_refuses_a_target_sharing_one_byte_with_any_tensor_of_the_cache(kind, host_access, engine,
+                                                                                         framing):
+    storage = ArenaStorage(kind, host_access)
+    cache = rc.RecurrentCache(N_LAYER, N_EMBD_R, N_EMBD_S, n_seq_max=SIZE, n_rollback=N_ROLLBACK, storage=storage,
+                              engine=engine)
+    extents = list(storage.extents)   # the cache's tensors (a prefix cache allocates its own pool)
+    run = Run(cache, PrefixCache(cache, max_bytes=1 << 16))
+    decode(run, [0, 1, 2], 1, 8)   # one token a sequence: no step scratch grows, every tensor stays the cache's
+    arch = "mamba" if framing == "llama" else None
+    n = cache.state_size(framing=framing, arch=arch)
+    assert n < GAP and len(extents) >= 2   # r and s at least (the compiled engine: history, steps too)
+    before = cache.state_write()
+    for begin, end in extents:
+        for target in (storage.arena[begin - n + 1:begin + 1], storage.arena[end - 1:end - 1 + n]):
+            arena = storage.arena.copy()
+            with pytest.raises(rc.ArgumentError, match="the target shares memory with the cache's state tensors"):
+                cache.state_write_into(target, framing=framing, arch=arch)
+            assert np.array_equal(storage.arena, arena), "bytes written before the target was refused"
+    assert cache.state_write() == before
+    free = storage.arena[storage.next_free:storage.next_free + n]   # the arena's free tail: accepted
+    assert cache.state_write_into(free, framing=framing, arch=arch) == n

@@ -50,6 +50,8 @@ cdef extern from "rc_hugepages.h":
 cdef enum:
     DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
     TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
+    DLPACK_CPU = 1            # DLPack's device types whose memory the host addresses: kDLCPU,
+    DLPACK_CUDA_HOST = 3      # kDLCUDAHost (pinned)
 
 
 # -- step states (docs/rollback.md) ---------------------------------------------------------------
@@ -280,6 +282,20 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
 
 
 # -- the Python-facing handle ---------------------------------------------------------------
+
+def host_extent(tensor):
+    """``(begin, end)``: the addresses of a storage tensor's bytes when they lie in host memory (a
+    numpy array; a CPU tensor that gives its ``data_ptr``, as torch's do), else None: device memory
+    cannot alias a host buffer.  Storage tensors are C-contiguous, so ``nbytes`` from the start."""
+    if isinstance(tensor, np.ndarray):
+        begin = tensor.__array_interface__["data"][0]
+        return begin, begin + tensor.nbytes
+    if (hasattr(tensor, "__dlpack_device__") and hasattr(tensor, "data_ptr")
+            and tensor.__dlpack_device__()[0] in (DLPACK_CPU, DLPACK_CUDA_HOST)):
+        begin = tensor.data_ptr()
+        return begin, begin + tensor.nbytes
+    return None
+
 
 cdef bint shares_rows(const Core* core, const void* p, Py_ssize_t n) noexcept:
     """Whether bytes [p, p + n) overlap a state tensor (a blob or target made of the cache's rows)."""
@@ -778,10 +794,28 @@ cdef class MemoryCore:
             free(begin)
         return off
 
+    def aliases(self, const unsigned char[::1] buffer):
+        """Whether ``buffer`` shares a byte with any tensor of this core: the cells' rows (host views
+        or, on the index path, the storage's own tensors when they are in host memory), the
+        rollback history, the step scratch and the staging copies."""
+        cdef uintptr_t begin, end
+        if buffer.shape[0] == 0:
+            return False
+        if shares_rows(&self.core, &buffer[0], buffer.shape[0]):
+            return True
+        begin = <uintptr_t>&buffer[0]
+        end = begin + <uintptr_t>buffer.shape[0]
+        for tensor in self.kinds + self.history_kinds + self.step_kinds + tuple(self.stage):
+            extent = host_extent(tensor)
+            if extent is not None and begin < extent[1] and extent[0] < end:
+                return True
+        return False
+
     def state_write_into(self, unsigned char[::1] out, int32_t seq_id):
-        """Write the blob to the start of out; returns its length."""
+        """Write the blob to the start of out; returns its length.  A target sharing memory with
+        the cache (``aliases``) is refused before a byte is written, whichever path moves the rows."""
         self.usable("state_write_into")
-        if out.shape[0] and shares_rows(&self.core, &out[0], out.shape[0]):
+        if self.aliases(out):
             raise fmt.target_aliases_cache()
         return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
 

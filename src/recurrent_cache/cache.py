@@ -25,8 +25,8 @@ from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeErr
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus, RowViews, ThreadGuard
 from .storage import Storage, Tensor, storage_for
-from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_too_small,
-                           target_view, unframe, write_all)
+from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_aliases_cache,
+                           target_too_small, target_view, unframe, write_all)
 
 __all__ = ["CellInfo", "RecurrentCache"]
 
@@ -549,7 +549,8 @@ class RecurrentCache:
             needed = len(prefix) + self._core.state_size(seq_id)
             if len(view) < needed:
                 raise target_too_small(len(view), needed)
-            # the section first: the core refuses a target aliasing the cache before writing a byte
+            if self._core.aliases(view):   # the prefix's bytes too, not only the section's the core checks
+                raise target_aliases_cache()
             written = self._core.state_write_into(view[len(prefix):], seq_id)
         finally:
             self._leave()

@@ -485,6 +485,10 @@ class MemoryCore:
 
     # -- state serialisation (docs/concepts.md §5)
 
+    def aliases(self, buffer: memoryview) -> bool:
+        """Whether ``buffer`` shares memory with the cache's state tensors (a target it must refuse)."""
+        return self._shares_rows(buffer)
+
     def _shares_rows(self, view: memoryview) -> bool:
         """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
         begin, end = _address(view), _address(view) + len(view)
