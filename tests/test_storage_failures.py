@@ -358,3 +358,34 @@ def test_state_write_into_refuses_a_target_sharing_one_byte_with_any_tensor_of_t
     assert cache.state_write() == before
     free = storage.arena[storage.next_free:storage.next_free + n]   # the arena's free tail: accepted
     assert cache.state_write_into(free, framing=framing, arch=arch) == n
+
+
+# -- find_slot's restart: exactly when head > used + 2 * n_tokens ---------------------------------
+
+def placed_after_a_lone_sequence_at(engine: str, head: int, n_tokens: int) -> tuple[Any, ...]:
+    """A cache whose one sequence sits in cell ``head`` (head there, used 1) takes a newcomer of
+    n_tokens tokens in one ubatch: where it goes, and the whole cell table after."""
+    cache = rc.RecurrentCache(1, 1, 1, n_seq_max=head + 2, engine=engine)
+    newcomer = head + 1
+    # seqs 0..head at pos 0: the groups go from the end, seq head - c into cell c
+    for _ in cache.init_batch(rc.Batch(token=[0] * (head + 1), pos=[0] * (head + 1), seq_id=list(range(head + 1)))):
+        pass
+    for seq in range(1, head + 1):
+        assert cache.seq_rm(seq)
+    for _ in cache.init_batch(rc.Batch(token=[0], pos=[1], seq_id=[0])):
+        pass
+    assert (cache.seq_cell(0), cache.head, cache.used) == (head, head, 1)
+    st = cache.init_batch(rc.Batch(token=[0] * n_tokens, pos=list(range(n_tokens)), seq_id=[newcomer] * n_tokens))
+    st.apply()
+    return (st.head, st.n_kv, st.copy_src.tolist(), st.zero.tolist(), cache.seq_cell(newcomer),
+            [cache.cell(i) for i in range(cache.size)])
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 3])
+@pytest.mark.parametrize("past", [-1, 0, 1], ids=["below", "at", "above"])
+def test_find_slot_restarts_its_search_only_when_head_is_past_used_plus_twice_the_ubatch(n_tokens, past):
+    head = 1 + 2 * n_tokens + past   # used is 1
+    compiled = placed_after_a_lone_sequence_at("compiled", head, n_tokens)
+    assert compiled == placed_after_a_lone_sequence_at("reference", head, n_tokens)
+    # restarted: the first free cell from 0; else the search goes on from head, whose cell is taken
+    assert compiled[4] == (0 if past > 0 else head + 1)
