@@ -7,7 +7,9 @@ restores — and after every operation they must hold identical cells, identical
 row, even of empty cells), identical rollback histories and write identical bytes.  The
 storages: torch on the CPU moved by the core in C, torch on the CPU through the index-array
 path a GPU takes, a recording storage that delegates to numpy (so the interface is all the
-core needs), and CUDA where a GPU is present.
+core needs), and CUDA where a GPU is present.  The scripts also run with the histories read
+only at the end (reading them files pending step states, which would hide a late filing),
+on both engines: the reference on the storages with host memory.
 """
 
 from __future__ import annotations
@@ -118,13 +120,18 @@ def run_model(st: rc.MemoryState, tokens: np.ndarray, layers: tuple[int, ...]) -
 
 
 class Lockstep:
-    """The same calls on a numpy cache and on caches of other storages, compared after each."""
+    """The same calls on a numpy cache (compiled) and on caches of other storages (and ``engine``),
+    compared after each.  ``history_every_step=False`` reads the rollback histories only when
+    ``check(history=True)`` asks: reading them files pending step states, so reading them after
+    every step would leave the filing a later call does untested."""
 
     def __init__(self, storages: list[Storage], dtype: str, n_rollback: int, layers: tuple[int, ...] | None,
-                 n_layer: int = 3, size: int = 6) -> None:
+                 n_layer: int = 3, size: int = 6, engine: str = "compiled", history_every_step: bool = True) -> None:
         options = dict(n_seq_max=size, dtype_r=dtype, dtype_s=dtype, n_rollback=n_rollback, layers=layers)
-        self.caches = [rc.RecurrentCache(n_layer, 4, 6, storage="numpy", **options)]
-        self.caches += [rc.RecurrentCache(n_layer, 4, 6, storage=storage, **options) for storage in storages]
+        self.history_every_step = history_every_step
+        self.caches = [rc.RecurrentCache(n_layer, 4, 6, storage="numpy", engine="compiled", **options)]
+        self.caches += [rc.RecurrentCache(n_layer, 4, 6, storage=storage, engine=engine, **options)
+                        for storage in storages]
         self.layers = self.caches[0].layers
         self.prefix = [PrefixCache(cache, max_bytes=3 * 10 * 4 * n_layer * 2, block_size=2) for cache in self.caches]
         self.tokens: dict[int, list[int] | None] = {}   # each sequence's tokens (None: positions scrambled)
@@ -142,11 +149,19 @@ class Lockstep:
         self.check()
         return outcomes[0][1] if outcomes[0][0] == "ok" else None
 
-    def check(self) -> None:
+    def check(self, history: bool | None = None) -> None:
+        """Every cache holds what the first holds; the histories too when ``history`` (default: when
+        the lockstep reads them after every step)."""
         self.steps += 1
         first = self.caches[0]
         expected = ([first.cell(i) for i in range(first.size)], first.head, first.used, raw(first),
                     first.state_write())
+        if not (self.history_every_step if history is None else history):
+            for cache in self.caches[1:]:
+                got = ([cache.cell(i) for i in range(cache.size)], cache.head, cache.used, raw(cache),
+                       cache.state_write())
+                assert got == expected, f"{cache.storage!r} differs after step {self.steps}"
+            return
         tags, history = first.memory_core.history()
         for cache in self.caches[1:]:
             got = ([cache.cell(i) for i in range(cache.size)], cache.head, cache.used, raw(cache), cache.state_write())
@@ -232,9 +247,9 @@ class Lockstep:
 
 
 def run(storages: list[Storage], dtype: str, n_rollback: int, layers: tuple[int, ...] | None, seed: int,
-        n_ops: int = 60) -> Lockstep:
+        n_ops: int = 60, engine: str = "compiled", history_every_step: bool = True) -> Lockstep:
     rng = random.Random(seed)
-    lock = Lockstep(storages, dtype, n_rollback, layers)
+    lock = Lockstep(storages, dtype, n_rollback, layers, engine=engine, history_every_step=history_every_step)
     for _ in range(n_ops):
         if rng.random() < 0.5:
             lock.batch(rng)
@@ -251,6 +266,24 @@ def test_every_storage_holds_what_numpy_holds(storage, dtype, n_rollback, layers
     for seed in range(3):
         lock = run([STORAGES[storage]()], dtype, n_rollback, layers, seed)
         assert lock.steps >= 40   # operations checked (some ops are skipped when they do not apply)
+
+
+# every storage on the compiled engine; the reference engine on the storages with host memory
+ENGINE_PARAMS = [pytest.param(storage, "compiled", marks=CUDA, id=f"{storage}-compiled") if "cuda" in storage
+                 else pytest.param(storage, "compiled", id=f"{storage}-compiled") for storage in STORAGES]
+ENGINE_PARAMS += [pytest.param(storage, "reference", id=f"{storage}-reference") for storage in ("numpy", "torch-cpu")]
+
+
+@pytest.mark.parametrize("layers", [None, (0, 2)], ids=["all-layers", "filtered"])
+@pytest.mark.parametrize(("storage", "engine"), ENGINE_PARAMS)
+def test_histories_read_only_at_the_end_match_too(storage, engine, layers):
+    """No history read between steps: step states are filed by whichever later call comes first
+    (a sequence operation, a state read, a prefix restore...), and must still land where numpy's do."""
+    for seed in range(3):
+        made = NumpyStorage() if storage == "numpy" else STORAGES[storage]()
+        lock = run([made], "f32", 3, layers, seed, engine=engine, history_every_step=False)
+        lock.check(history=True)
+        assert lock.steps >= 40
 
 
 def test_the_scripts_reach_every_kind_of_move():
