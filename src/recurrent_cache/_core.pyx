@@ -259,7 +259,7 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
     if core.broken:
         return RC_ERR_BROKEN
     code = check_blob(&core.cells, seq_id, data, length, core.n_layer, core.n_tensors, core.type_ids,
-                               core.row_bytes, &layout, defect)
+                      core.row_bytes, &layout, defect)
     if code != BLOB_OK:
         return code
     core_file_steps(core)
@@ -614,8 +614,9 @@ cdef class MemoryCore:
         """None, or a sentence naming the first broken invariant of docs/concepts.md §1 (the facade raises it)."""
         cdef Cells* c = &self.core.cells
         cdef int32_t at
-        cdef int broken = cells_check(c, &at)
+        cdef int broken
         self.usable("check")
+        broken = cells_check(c, &at)
         if not broken:
             return None
         return {
@@ -821,9 +822,11 @@ cdef class MemoryCore:
 
     def state_write_bytes(self, int32_t seq_id):
         """The blob as a new bytes object, written in place (no intermediate copy)."""
-        cdef Py_ssize_t n = self.state_size(seq_id)
-        cdef bytes blob = PyBytes_FromStringAndSize(NULL, n)
-        self.usable("state_write_bytes")
+        cdef Py_ssize_t n
+        cdef bytes blob
+        self.usable("state_write")
+        n = self.state_size(seq_id)
+        blob = PyBytes_FromStringAndSize(NULL, n)
         rc_advise_hugepages(PyBytes_AS_STRING(blob), n)
         if self.write(<unsigned char*>PyBytes_AS_STRING(blob), n, seq_id) != n:
             # only another thread changing the cache meanwhile can shrink the blob
