@@ -263,3 +263,21 @@ def test_kv_section_must_be_a_flag():
     call = (lambda cache: cache.state_read(blob, kv_section=torch.tensor([1, 0])))
     kind, message = same_on_both_paths(call)
     assert kind is rc.ArgumentError and "kv_section must be True or False" in message
+
+
+def test_a_tensor_is_not_a_state_blob_on_either_path():
+    blob = served_cache(PATHS["host"]()).state_write()
+    as_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    kind, message = same_on_both_paths(lambda cache: cache.state_read(as_tensor))
+    assert kind is rc.ArgumentError and "got Tensor" in message
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_prefix_cache_restores_rows_given_with_grad_as_plain_rows(path):
+    cache = served_cache(PATHS[path]())
+    cache.seq_restore(2, 3, [torch.ones(N_EMBD_R, requires_grad=True)] * 2, [torch.ones(N_EMBD_S) * 2] * 2)
+    pc = rc.PrefixCache(cache, 1 << 12, block_size=2)
+    assert pc.save(2, [7, 7, 7, 7])
+    assert pc.restore(3, [7, 7, 7, 7, 1]) == 4
+    assert torch.equal(cache.s[1][cache.seq_cell(3)], torch.full((N_EMBD_S,), 2.0))
+    assert not any(t.requires_grad or t.grad_fn is not None for t in (*cache.tensors, *cache.seq_state(3)[0]))
