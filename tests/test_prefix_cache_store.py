@@ -258,6 +258,29 @@ def test_any_store_object_checked_by_the_prefix_cache(model, caplog):
         rc.PrefixCache(cache, 1 << 20, store=object())
 
 
+class CounterlessStore(PlainStore):
+    """A store whose stats() returns None (it keeps no counters) or raises."""
+
+    def __init__(self, raises: bool) -> None:
+        super().__init__()
+        self.raises = raises
+
+    def stats(self):
+        if self.raises:
+            raise ConnectionError("the network is down")
+        return None
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["none", "raises"])
+def test_stats_of_a_store_without_counters_are_unknown_not_an_error(model, raises):
+    cache = model.new_cache(n_seq_max=2)
+    pc = rc.PrefixCache(cache, 1 << 20, block_size=BLOCK, store=CounterlessStore(raises), namespace=NAMESPACE)
+    serve(model, cache, pc, SYSTEM + [50])
+    stats = pc.stats()
+    assert stats["store_puts"] >= 1 and stats["store_damaged"] == 0
+    assert stats["store_errors"] == int(raises)   # a raising stats() is a failed call; None is no count
+
+
 # -- eviction and failures ---------------------------------------------------------------------
 
 def test_evicted_snapshots_are_found_in_the_store(kind, model):

@@ -77,12 +77,12 @@ class Pair:
     """One model served from two caches of the same shape: the numpy forward on one, the torch forward on
     the other (a torch-storage cache on ``device``)."""
 
-    def __init__(self, model, dtype: str, device: str, n_rollback: int = 2) -> None:
+    def __init__(self, model, dtype: str, device: str, n_rollback: int = 2, engine: str | None = None) -> None:
         self.model, self.device = model, device
         self.tolerance = TOLERANCE[model.dtype.type][dtype]
-        self.on_numpy = model.new_cache(n_seq_max=4, dtype=dtype, n_rollback=n_rollback)
+        self.on_numpy = model.new_cache(n_seq_max=4, dtype=dtype, n_rollback=n_rollback, engine=engine)
         self.on_torch = model.new_cache(n_seq_max=4, dtype=dtype, n_rollback=n_rollback, storage="torch",
-                                        device=device)
+                                        device=device, engine=engine)
         self.storage = StateStorage.named(dtype)
         self.worst = 0.0   # the largest relative difference seen
         self.step_states = 0   # step-state tensors compared that hold something (m > 0)
@@ -175,6 +175,15 @@ def test_torch_forward_equals_numpy_forward(architecture, model_dtype, state_dty
     pair = Pair(MODELS[architecture](model_dtype), state_dtype, device)
     script(pair)
     assert pair.step_states >= 2 * pair.model.hparams.n_layer   # the prefill's and the draft's
+
+
+@pytest.mark.parametrize("architecture", ["mamba1", "mamba2"])
+def test_torch_forward_runs_on_the_reference_engine(architecture):
+    """The reference engine hands out step rows of the storage's type, so the torch forward writes its step
+    states (a draft verified, then rolled back) on it as on the compiled engine."""
+    pair = Pair(MODELS[architecture](np.float64), "f32", "cpu", engine="reference")
+    script(pair)
+    assert pair.step_states >= 2 * pair.model.hparams.n_layer
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -114,7 +114,11 @@ def layer_filter(value: Any, n_layer: int, error: type[Exception] = ArgumentErro
         return None
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise error(f"layers must be None or an iterable of layer indices, got {type(value).__name__}")
-    layers = sorted(in_range(il, "layers entry", 0, n_layer, error) for il in value)
+    try:
+        entries = list(value)
+    except TypeError as exc:   # iterable by its type, not by its value: a 0-d numpy array or tensor
+        raise error(f"layers must be None or an iterable of layer indices, got {value!r} ({exc})") from None
+    layers = sorted(in_range(il, "layers entry", 0, n_layer, error) for il in entries)
     for before, il in zip(layers, layers[1:]):
         if before == il:
             raise error(f"layers must not repeat a layer, got {il} twice")

@@ -40,6 +40,11 @@ class Config:
         """The ggml type id of every state tensor: r of each layer with state, then s."""
         return [self.dtype_r.type_id] * len(self.layers) + [self.dtype_s.type_id] * len(self.layers)
 
+    def state_bytes(self, n_rollback: int) -> int:
+        """Bytes of the state tensors with ``n_rollback`` past states per cell (their rollback history)."""
+        return (len(self.layers) * self.size * (1 + n_rollback)
+                * (self.n_embd_r * self.dtype_r.itemsize + self.n_embd_s * self.dtype_s.itemsize))
+
     def allocate(self, storage: Storage) -> tuple[Any, Any]:
         """The zeroed r and s tensors of ``storage``: ``[n_state, size, n_embd_r]`` and
         ``[n_state, size, n_embd_s]`` (row k of axis 0: the k-th layer with state)."""

@@ -118,7 +118,7 @@ def _build_reference(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes
         raise ConfigError(f"the reference engine moves rows in host memory; {storage!r} has none: "
                           "use the compiled engine")
     tensors = [view[k] for view in host if view is not None for k in range(len(layers))]
-    core = reference.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers)
+    core = reference.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers, storage)
     return core, functools.partial(reference.split_batch, core)
 
 

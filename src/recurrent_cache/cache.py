@@ -24,7 +24,7 @@ from .batch import Batch
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus, RowViews, ThreadGuard
-from .storage import Storage, Tensor, storage_for
+from .storage import Storage, Tensor, allocating, storage_for
 from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_aliases_cache,
                            target_too_small, target_view, unframe, write_all)
 
@@ -90,7 +90,15 @@ class RecurrentCache:
         self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
         self._storage = storage_for(storage, device)
-        kinds = self._tensors = self._config.allocate(self._storage)
+        # the states, the engine's cell table and rollback history: a cache too big to allocate is a
+        # ConfigError
+        with allocating(f"the cache (size={self._config.size}: {self._config.state_bytes(self._n_rollback)} bytes "
+                        f"of states with n_rollback={self._n_rollback}) on {self._storage!r}"):
+            kinds = self._tensors = self._config.allocate(self._storage)
+            self._core, self._split = self._engine.build(self._config.size, self._storage, kinds,
+                                                         (self._config.dtype_r, self._config.dtype_s),
+                                                         self._n_rollback, self._config.type_ids(),
+                                                         self._config.n_layer, self._config.layers)
         # whether the engine moves the rows in host memory (then rows it is given are made numpy first)
         self._host_rows = self._storage.host_view(kinds[0]) is not None
         placed_r: list[Any] = [None] * self._config.n_layer
@@ -100,10 +108,6 @@ class RecurrentCache:
         # r[il] / s[il] of a layer without state is None (tuples of n_layer entries either way)
         self.r: tuple[Any, ...] = tuple(placed_r)
         self.s: tuple[Any, ...] = tuple(placed_s)
-        self._core, self._split = self._engine.build(self._config.size, self._storage, kinds,
-                                                     (self._config.dtype_r, self._config.dtype_s),
-                                                     self._n_rollback, self._config.type_ids(),
-                                                     self._config.n_layer, self._config.layers)
         self._guard = ThreadGuard()
         self._views = RowViews()
 
@@ -398,7 +402,8 @@ class RecurrentCache:
         exactly these rows (byte for byte): ``r_rows[k]`` / ``s_rows[k]``, one per layer with state
         (the k-th of ``layers``, as ``seq_state`` returns them), each a 1-D row of ``n_embd_r`` /
         ``n_embd_s`` values of the tensor's dtype: a numpy array, or a tensor of the cache's
-        storage (a torch cache takes torch rows from any device).  The cell keeps no
+        storage (a torch cache takes torch rows from any device, copies them to its own and
+        detaches them; a sparse or ``meta`` row is refused).  The cell keeps no
         rollback history (another sequence's past is not this one's).  Returns the cell.
 
         Placed as ``state_read`` of a one-cell blob would place it (a sequence without a cell
@@ -419,7 +424,10 @@ class RecurrentCache:
 
     def _rows_of(self, which: str, given: Sequence[Tensor], kind: str) -> list[Tensor]:
         """``given`` checked as one row per layer with state of the ``kind`` tensors' dtype and width:
-        numpy arrays (made C-contiguous) or tensors of the storage's type."""
+        numpy arrays (made C-contiguous) or tensors of the storage's type.  Tensor rows are stacked
+        by the storage first, which refuses one it cannot read and detaches and moves the others, so
+        that both paths check the same and a bad row changes nothing; a host storage's core then
+        copies host bytes."""
         tensors = [t for t in (self.r if kind == "r" else self.s) if t is not None]
         dtype = self._config.dtype_r if kind == "r" else self._config.dtype_s
         width = self.n_embd_r if kind == "r" else self.n_embd_s
@@ -427,21 +435,26 @@ class RecurrentCache:
             raise ArgumentError(f"seq_restore: {which}_rows must be a sequence of {len(tensors)} rows "
                                 f"(one per layer with state), got {type(given).__name__}"
                                 + (f" of {len(given)}" if isinstance(given, Sequence) else ""))
-        rows = []
-        for il, (row, tensor) in enumerate(zip(given, tensors)):
+        rows = list(given)
+        for il, (row, tensor) in enumerate(zip(rows, tensors)):
             if isinstance(row, np.ndarray):
                 fits = row.dtype == dtype.numpy and row.shape == (width,)
             else:
-                fits = type(row) is type(tensor) and row.dtype == tensor.dtype and tuple(row.shape) == (width,)
+                fits = isinstance(row, type(tensor)) and row.dtype == tensor.dtype and tuple(row.shape) == (width,)
             if not fits:
                 got = (f"{row.dtype} array of shape {tuple(row.shape)}" if hasattr(row, "dtype")
                        and hasattr(row, "shape") else type(row).__name__)
                 raise ArgumentError(f"seq_restore: {which}_rows[{il}] must be a {tensor.dtype} array of shape "
                                     f"{(width,)}, got a {got}")
-            if not isinstance(row, np.ndarray) and self._host_rows:
-                row = self._storage.to_host(row)   # a host storage's core copies host bytes
-            rows.append(np.ascontiguousarray(row) if isinstance(row, np.ndarray) else row)
-        return rows
+        if all(isinstance(row, np.ndarray) for row in rows):
+            return [np.ascontiguousarray(row) for row in rows]
+        try:
+            stacked = self._storage.stack(rows, dtype)
+        except ArgumentError as exc:   # the storage names the row as rows[k]
+            raise ArgumentError(f"seq_restore: {which}_{exc}") from None
+        if self._host_rows:
+            stacked = self._storage.to_host(stacked)
+        return [stacked[k] for k in range(len(rows))]
 
     # -- batches -------------------------------------------------------------------------
 
@@ -581,6 +594,7 @@ class RecurrentCache:
         byte offset leaves the cache, cells and rows, exactly as it was.
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
+        kv_section = as_flag(kv_section, "state_read: kv_section")
         unframed = unframe(data, seq_id, arch, kv_section, framing=framing, cache=Geometry.of(self),
                            kv_cell_ext=kv_cell_ext)
         self._read_section(unframed.section, seq_id, unframed.framing)
@@ -601,6 +615,7 @@ class RecurrentCache:
         """``state_read`` of everything from a binary file's position to its end (the same framings,
         ``framing`` and ``kv_cell_ext``)."""
         seq_id = state_seq_id(seq_id, self.size, "state_read_from")
+        kv_section = as_flag(kv_section, "state_read_from: kv_section")
         # bounded by this cache's state size, and checked as state_read checks the bytes
         contents = read_file(file, "state_read_from", Geometry.of(self), seq_id, sequence_file=None, arch=arch,
                              kv_section=kv_section, framing=framing, kv_cell_ext=kv_cell_ext)

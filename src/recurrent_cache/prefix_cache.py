@@ -97,7 +97,7 @@ import numpy as np
 from ._args import count, in_range, index, text
 from .errors import ArgumentError, NoFreeCellError, PositionError, SeqIdError
 from .state_format import STATE_TYPES
-from .storage import Tensor
+from .storage import Tensor, allocating
 from .stores import Geometry, StoreTier
 
 __all__ = ["PrefixCache", "NoFreeCellError", "SnapshotTier"]
@@ -238,16 +238,21 @@ class PrefixCache:
         self.namespace = namespace
         # the layers with state only (a layer filter leaves the others None): a snapshot holds
         # one row of each, in layer order, as cache.seq_state / seq_restore list them
-        self._storage = cache.storage
-        self._dtypes = (STATE_TYPES[cache.dtype_r], STATE_TYPES[cache.dtype_s])
-        self._n_state = len(cache.layers)
+        try:   # a RecurrentCache, or an object with its interface (a proxy)
+            self._storage = cache.storage
+            self._dtypes = (STATE_TYPES[cache.dtype_r], STATE_TYPES[cache.dtype_s])
+            self._n_state = len(cache.layers)
+        except (AttributeError, KeyError, TypeError):
+            raise ArgumentError(f"PrefixCache: cache must be a RecurrentCache, got {type(cache).__name__}") from None
         self.snapshot_bytes = self._n_state * (cache.n_embd_r * self._dtypes[0].itemsize
                                                + cache.n_embd_s * self._dtypes[1].itemsize)
         self.capacity = self.max_bytes // max(1, self.snapshot_bytes)
         # The pools, in the cache's storage (on its device): snapshot slot i is row i of
         # pools[0] (r, [n_state, capacity, n_embd_r]) and of pools[1] (s).
-        self._pools = tuple(self._storage.allocate((self._n_state, self.capacity, tensor.shape[2]), dtype)
-                            for tensor, dtype in zip(cache.tensors, self._dtypes))
+        with allocating(f"PrefixCache's snapshot pools (max_bytes={max_bytes}: {self.capacity} snapshots of "
+                        f"{self.snapshot_bytes} bytes) on {self._storage!r}"):
+            self._pools = tuple(self._storage.allocate((self._n_state, self.capacity, tensor.shape[2]), dtype)
+                                for tensor, dtype in zip(cache.tensors, self._dtypes))
         self._held: dict[int, _Snapshot] = {}   # slot -> the snapshot in it
         self._free_slots: list[int] = []        # slots freed by evictions; slots from len(_held) up are unused
         # Paths whose state was evicted or not let in, so that plan still finds the junctions

@@ -19,8 +19,9 @@ import numpy as np
 
 from . import errors as E
 from .errors import engine_error
-from .state_format import (CELL, CELL_COUNT, DATA_HEADER, TENSOR_HEADER, Geometry, parse_blob, target_aliases_cache,
-                           target_too_small, write_all)
+from .state_format import (CELL, CELL_COUNT, DATA_HEADER, GGML_TYPES, TENSOR_HEADER, Geometry, parse_blob,
+                           target_aliases_cache, target_too_small, write_all)
+from .storage import Storage, Tensor
 
 __all__ = ["MemoryCore", "Placement", "split_batch"]
 
@@ -49,9 +50,10 @@ class MemoryCore:
     self_check = False   # the compiled core's debug builds check every placement; this one is read
 
     def __init__(self, size: int, tensors: list[np.ndarray], n_rollback: int, type_ids: list[int], n_layer: int,
-                 layers: tuple[int, ...]) -> None:
+                 layers: tuple[int, ...], storage: Storage) -> None:
         self.size = size
-        self.tensors = tensors
+        self.tensors = tensors   # host views of the storage's tensors, one per layer with state: r, then s
+        self.storage = storage
         self.type_ids = tuple(type_ids)
         self.n_layer = n_layer
         self.layers = layers
@@ -62,8 +64,12 @@ class MemoryCore:
         self.rollback_history = ([np.zeros((size, n_rollback, t.shape[1]), dtype=t.dtype) for t in tensors]
                                  if n_rollback else [])
         self.tags = np.zeros((size, n_rollback), dtype=np.int32)
-        # where the model writes a ubatch's step states, and which ubatch they are still to be filed for
-        self.step_scratch = [np.zeros((0, t.shape[1]), dtype=t.dtype) for t in tensors]
+        # where the model writes a ubatch's step states: tensors of the storage (the model writes them as it
+        # writes the cells' rows, torch ones on torch) and their host views, which the filing reads
+        self.step_scratch: list[Tensor] = []
+        self.step_host: list[np.ndarray] = []
+        self._allocate_steps(0)
+        # which ubatch the step states are still to be filed for
         self.pending: tuple[int, int, list[int]] | None = None   # head, m, each group's last position
         self.pos = [-1] * size
         self.src = [-1] * size
@@ -120,8 +126,16 @@ class MemoryCore:
         """m: the states the model writes per group, after tokens n_seq_tokens - 1 - m .. n_seq_tokens - 2."""
         return min(self.n_rollback, n_seq_tokens - 1) if self.n_rollback else 0
 
-    def step_rows(self, k: int, n_seqs: int, m: int) -> np.ndarray:
-        """[n_seqs, m, n_embd]: where the model writes tensor k's step states."""
+    def _allocate_steps(self, rows: int) -> None:
+        """New step scratch of ``rows`` rows per tensor (a view the model still holds of the old one
+        stays valid)."""
+        self.step_scratch = [self.storage.allocate((rows, t.shape[1]), GGML_TYPES[type_id])
+                             for t, type_id in zip(self.tensors, self.type_ids)]
+        host = [self.storage.host_view(t) for t in self.step_scratch]
+        self.step_host = [view for view in host if view is not None]   # a host storage: every one
+
+    def step_rows(self, k: int, n_seqs: int, m: int) -> Tensor:
+        """[n_seqs, m, n_embd]: where the model writes tensor k's step states (of the cache's storage)."""
         scratch = self.step_scratch[k]
         return scratch[:n_seqs * m].reshape(n_seqs, m, scratch.shape[1])
 
@@ -135,7 +149,7 @@ class MemoryCore:
             for j in range(m):
                 q = last - m + j                    # the state after position q
                 for k, history in enumerate(self.rollback_history):
-                    history[head + g, q % self.n_rollback] = self.step_rows(k, len(last_pos), m)[g, j]
+                    history[head + g, q % self.n_rollback] = self.step_host[k][g * m + j]
                 self.tags[head + g, q % self.n_rollback] = q + 1
 
     def history(self) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -376,9 +390,7 @@ class MemoryCore:
         m = self.steps(n_seq_tokens)
         rows = len(groups) * m
         if self.step_scratch and rows > self.step_scratch[0].shape[0]:
-            # new arrays: a view the model still holds of the old ones stays valid
-            rows = max(rows, 2 * self.step_scratch[0].shape[0])
-            self.step_scratch = [np.zeros((rows, t.shape[1]), dtype=t.dtype) for t in self.tensors]
+            self._allocate_steps(max(rows, 2 * self.step_scratch[0].shape[0]))
         self.generation += 1
         code = self._find_slot(groups, last_pos, n_tokens)
         if code:

@@ -16,15 +16,17 @@ first (``take``), then written (``put``, ``zero``) — see docs/storage.md.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import ConfigError
+from ._args import as_flag
+from .errors import ArgumentError, ConfigError, RecurrentCacheError
 from .state_format import STATE_TYPES, StateType
 
-__all__ = ["NumpyStorage", "Storage", "Tensor", "TorchStorage", "storage_for"]
+__all__ = ["NumpyStorage", "Storage", "Tensor", "TorchStorage", "allocating", "storage_for"]
 
 # A tensor of a cache's storage: numpy.ndarray (numpy), torch.Tensor (torch), or what another
 # storage allocates.  Both support the indexing, slicing and reshape the package applies to rows.
@@ -61,8 +63,9 @@ class Storage(Protocol):
         """``tensor[:, rows] = 0``."""
 
     def stack(self, rows: Sequence[Any], dtype: StateType) -> Any:
-        """A tensor of this storage ``[len(rows), width]`` from rows of ``dtype`` (numpy arrays or
-        tensors of this storage; the numpy ones in one transfer)."""
+        """A new tensor of this storage ``[len(rows), width]`` from rows of ``dtype`` (numpy arrays or
+        tensors of this storage; the numpy ones in one transfer).  Raises ``ArgumentError`` naming
+        ``rows[k]`` for a tensor whose values it cannot read; called before anything changes."""
 
     def to_host(self, tensor: Any) -> np.ndarray:
         """A numpy copy of ``tensor`` (one transfer; never a view of it)."""
@@ -113,6 +116,11 @@ def _torch() -> Any:
         raise ConfigError("storage='torch' needs PyTorch: pip install 'recurrent_cache[torch]'") from exc
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's reason in one line (its type's name when it gives none)."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
 class TorchStorage:
     """torch tensors on ``device`` (``"cpu"``, ``"cuda:0"``, ``"mps"``, …): f32, f16 and bf16 as
     ``torch.float32`` / ``float16`` / ``bfloat16``.
@@ -126,16 +134,25 @@ class TorchStorage:
 
     def __init__(self, device: Any = None, host_access: bool | None = None) -> None:
         torch = self._torch = _torch()
+        if host_access is not None:
+            host_access = as_flag(host_access, "TorchStorage: host_access", ConfigError)
         try:
             self._device = torch.device("cpu" if device is None else device)
-            torch.empty(0, device=self._device)
-        except (RuntimeError, TypeError, ValueError) as exc:   # torch's words for a device it lacks
-            raise ConfigError(f"device {device!r}: {str(exc).splitlines()[0]}") from None
+        except (RuntimeError, TypeError, ValueError) as exc:   # torch's words for a name it does not know
+            raise ConfigError(f"device {device!r}: {_first_line(exc)}") from None
         on_host = self._device.type == "cpu"
         if host_access is None:
             host_access = on_host
         if host_access and not on_host:
             raise ConfigError(f"host_access=True needs device 'cpu', not {str(self._device)!r}")
+        if self._device.type == "meta":
+            raise ConfigError(f"device {device!r} holds no data: a cache's states need a device with memory")
+        try:
+            torch.empty(0, device=self._device)
+        # Any failure here means torch cannot serve the device, and each backend words it its
+        # own way: an AssertionError (cuda, xpu not compiled in), an ImportError (hpu), ...
+        except Exception as exc:
+            raise ConfigError(f"device {device!r}: {_first_line(exc)}") from None
         self.host_access = bool(host_access)
         self._types = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -152,7 +169,10 @@ class TorchStorage:
         return next(t.numpy for t in STATE_TYPES.values() if self._types[t.name] == tensor.dtype)
 
     def allocate(self, shape: tuple[int, ...], dtype: StateType) -> Any:
-        return self._torch.zeros(shape, dtype=self._types[dtype.name], device=self._device)
+        # never an inference tensor, even inside torch.inference_mode(): a cache made there is
+        # written in place (by its moves and by a model) outside it too
+        with self._torch.inference_mode(False):
+            return self._torch.zeros(shape, dtype=self._types[dtype.name], device=self._device)
 
     def host_view(self, tensor: Any) -> np.ndarray | None:
         if not self.host_access:
@@ -169,17 +189,33 @@ class TorchStorage:
         return tensor.index_select(1, self._index(rows))
 
     def put(self, tensor: Any, rows: np.ndarray, values: Any) -> None:
-        tensor.index_copy_(1, self._index(rows), values)
+        with self._torch.no_grad():   # the cache's tensors never join an autograd graph
+            tensor.index_copy_(1, self._index(rows), values)
 
     def zero(self, tensor: Any, rows: np.ndarray) -> None:
-        tensor.index_fill_(1, self._index(rows), 0)
+        with self._torch.no_grad():
+            tensor.index_fill_(1, self._index(rows), 0)
 
     def stack(self, rows: Sequence[Any], dtype: StateType) -> Any:
+        """Raises ``ArgumentError`` naming a tensor row that holds no readable data (a sparse or
+        other non-strided layout, the ``meta`` device); a row on another device is copied here,
+        one with ``requires_grad`` detached."""
         if all(isinstance(row, np.ndarray) for row in rows):
             return self.from_host(np.stack(rows) if rows else np.zeros((0, 0), dtype.numpy), dtype)
         torch = self._torch
-        return torch.stack([self.from_host(row, dtype) if isinstance(row, np.ndarray) else row for row in rows]
-                           ).to(device=self._device, dtype=self._types[dtype.name])
+        kind = self._types[dtype.name]
+        dense = [self.from_host(row, dtype) if isinstance(row, np.ndarray) else self._readable(row, k)
+                 for k, row in enumerate(rows)]
+        with torch.no_grad():
+            return torch.stack([row.to(device=self._device, dtype=kind) for row in dense])
+
+    def _readable(self, row: Any, k: int) -> Any:
+        """Tensor ``row`` (the k-th given) detached, or ``ArgumentError`` if its values cannot be read."""
+        if row.layout != self._torch.strided:
+            raise ArgumentError(f"rows[{k}] is a {row.layout} tensor: rows must be dense (torch.strided)")
+        if row.is_meta:
+            raise ArgumentError(f"rows[{k}] is on device 'meta', which holds no data")
+        return row.detach()
 
     def to_host(self, tensor: Any) -> np.ndarray:
         host = tensor.detach().to("cpu", copy=True).contiguous()   # a copy even of a CPU tensor
@@ -193,6 +229,20 @@ class TorchStorage:
 
     def __repr__(self) -> str:
         return f"TorchStorage(device={self.device!r}, host_access={self.host_access})"
+
+
+@contextmanager
+def allocating(what: str) -> Iterator[None]:
+    """Around a constructor's allocations: the allocator's failure — out of memory (numpy's
+    MemoryError, torch's RuntimeError), a size it cannot represent (ValueError, TypeError,
+    OverflowError) — becomes a ``ConfigError`` naming ``what`` (the sizes asked for), so that no
+    half-made object is left and no allocator's error escapes raw."""
+    try:
+        yield
+    except RecurrentCacheError:
+        raise
+    except (MemoryError, RuntimeError, ValueError, TypeError, OverflowError) as exc:
+        raise ConfigError(f"cannot allocate {what}: {_first_line(exc)}") from None
 
 
 def storage_for(storage: Any, device: Any) -> Storage:

@@ -17,7 +17,7 @@ logger; a damaged or foreign entry is a miss counted in ``damaged``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,12 +102,14 @@ class StoreTier:
     def stats(self) -> dict[str, int]:
         """``damaged`` and ``errors``: this tier's (entries it rejected, calls that raised) plus the
         store's own counters (the store object's, shared by every user of it in this process)."""
-        mine = self._counters.snapshot()
         try:
             theirs = self.store.stats()
         except Exception as exc:
             self._failed("stats", exc)
             theirs = {}
+        if not isinstance(theirs, Mapping):   # a store that keeps no counters (None): its counts are unknown
+            theirs = {}
+        mine = self._counters.snapshot()   # after the call: a failing stats() is one of the errors reported
         return {name: mine[name] + _count(theirs.get(name)) for name in ("damaged", "errors")}
 
     def _failed(self, what: str, exc: Exception) -> None:
