@@ -14,6 +14,7 @@ sequence's whole history (weights read from the same files, upcast to f32).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -189,6 +190,28 @@ def test_converter_writes_a_gguf_that_loads_to_the_same_logits(checkpoint, tmp_p
     served = serve_scenario(gguf_model, "compiled")
     assert served.check(reference) == 43   # every token fed was an output
     assert isinstance(load_gguf(out), type(hf_model))
+
+
+def test_convert_f16_refuses_a_weight_beyond_f16_in_one_line_and_keeps_the_old_output(small_mamba2,
+                                                                                       tmp_path_factory, capsys):
+    """--outtype f16 of a finite weight f16 cannot hold: one line naming the tensor and the value,
+    a non-zero exit, no numpy warning, and the previous output file as it was."""
+    def enlarge(tensors):
+        tensors["backbone.layers.1.mixer.out_proj.weight"][0, 1] = 1e5
+    edit_weights(small_mamba2, enlarge)
+    out = tmp_path_factory.mktemp("converted") / "out.gguf"
+    out.write_bytes(b"the previous conversion")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        status = command_line(["convert", str(small_mamba2), str(out), "--outtype", "f16"])
+    captured = capsys.readouterr()
+    assert status != 0 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert: "), captured.err
+    assert "blk.1.ssm_out.weight" in lines[0] and "100000.0" in lines[0] and "f16" in lines[0], lines[0]
+    assert out.read_bytes() == b"the previous conversion"
+    assert command_line(["convert", str(small_mamba2), str(out)]) == 0    # f32 holds it
+    assert load_gguf(out).layers[1].ssm_out[0, 1] == 1e5
 
 
 # -- what load_hf refuses -------------------------------------------------------------------

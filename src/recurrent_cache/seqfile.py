@@ -15,14 +15,13 @@ A 'ggsn' file given to ``load_seq_file`` or a 'ggsq' file to
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 from typing import Any
 
 import numpy as np
 
 from . import _args
+from .atomic_write import atomic_write
 from .errors import ArgumentError, StateError
 from .state_format import (GGSN, MAX_TOKENS, FileContents, Geometry, arch_string, read_file, seq_file_format,
                            seq_file_header, write_all)
@@ -51,7 +50,8 @@ def save_seq_file(path: _Path, cache: Any, seq_id: int, tokens: Any, *, version:
 
 def save_session_file(path: _Path, cache: Any, tokens: Any, arch: str) -> int:
     """Write the whole ``cache`` and ``tokens`` as llama.cpp's ``llama_state_save_file`` does
-    ('ggsn' version 10) for a model of architecture ``arch`` (e.g. "mamba"); returns the size."""
+    ('ggsn' version 10) for a model of architecture ``arch`` (e.g. "mamba"); returns the size.
+    Written whole or not at all, as ``save_seq_file`` writes."""
     path = _args.path(path, "save_session_file: path")
     token_array = _file_tokens(tokens)
     name = arch_string(arch)
@@ -69,24 +69,12 @@ def _file_tokens(tokens: Any) -> np.ndarray:
 
 
 def _write_atomically(path: str, head: tuple[Any, ...], cache: Any, seq_id: int) -> None:
-    """The ``head`` parts, then ``seq_id``'s memory section, written into a temporary file
-    renamed over ``path`` once complete and synced."""
-    directory, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-    # os.open honours the umask (tempfile.mkstemp would leave the file 0600)
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            for part in head:
-                write_all(file, part)
-            cache.state_write_into(file, seq_id)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    """The ``head`` parts, then ``seq_id``'s memory section, written whole or not at all
+    (``atomic_write``)."""
+    with atomic_write(path) as temporary, open(temporary, "wb") as file:
+        for part in head:
+            write_all(file, part)
+        cache.state_write_into(file, seq_id)
 
 
 def load_seq_file(path: _Path, cache: Any, seq_id: int, *, max_tokens: int = MAX_TOKENS,

@@ -61,6 +61,7 @@ __all__ = [
     "SEQ_BLOB_MAGIC", "ARCH_LENGTH", "KV_STREAMS", "KV_DATA_HEADER", "KV_V_TRANS_HEADER", "seq_file_format",
     "arch_string", "framing_prefix", "Framing", "Unframed", "unframe", "in_section", "GGSN_V9", "CONTEXT_BLOB_V9",
     "OUTPUT_COUNT", "OUTPUT_BUFFER", "KV_CELL_EXT", "READ_FRAMINGS", "Outputs", "read_framing", "MAX_INFERRED_LAYERS",
+    "MAX_SKIPPED_BYTES",
 ]
 
 
@@ -195,6 +196,14 @@ MAX_INFERRED_LAYERS = 2**16
 # 256 MiB, beyond any context window, so a header claiming 2**32 - 1 from a stream
 # cannot make a reader buffer 16 GiB.
 MAX_TOKENS = 2**26
+
+# The most bytes of framing a read steps over without handing them to the cache: June-2025's
+# output block (its logits and embeddings) and a hybrid's attention KV section (its cells' seq
+# ids, K and V rows), all of them together.  The cache's geometry bounds neither (it holds no
+# logits and no attention rows), so this cap does: 16 GiB, more than a full batch's logits of any
+# vocabulary or the KV cache of a long context, and far below a hostile header's 2**40.  A stream
+# is stepped over in pieces that are not kept, so this bounds the time spent, not the memory.
+MAX_SKIPPED_BYTES = 2**34
 
 
 def seq_file_header(n_tokens: int, framing: SeqFileFormat = GGSQ) -> bytes:
@@ -339,6 +348,18 @@ def type_mismatch(tensor: str, offset: int, got: int, expected: int) -> StateErr
 
 def row_bytes_mismatch(tensor: str, offset: int, got: int, expected: int) -> StateError:
     return StateError(f"state blob {tensor} row size {got} at byte {offset} != the cache's {expected}")
+
+
+def charge_skip(skipped: int, n: int, field: str, offset: int) -> int:
+    """The bytes of framing stepped over once ``n`` more (``field`` at ``offset``) are; a
+    ``StateError`` naming the field and its claim, before any of them is read, past
+    ``MAX_SKIPPED_BYTES``."""
+    total = skipped + n
+    if total > MAX_SKIPPED_BYTES:
+        before = f" after {skipped} bytes already stepped over" if skipped else ""
+        raise StateError(f"{field} at byte {offset} claims {n} bytes to step over{before}, more than "
+                         f"MAX_SKIPPED_BYTES ({MAX_SKIPPED_BYTES}) of framing the cache does not read")
+    return total
 
 
 # -- the parsed form -----------------------------------------------------------
@@ -555,6 +576,7 @@ class _Reader:
         self.data = data
         self.offset = 0
         self.length = len(data)
+        self.skipped = 0             # bytes of framing stepped over (``charge_skip``)
 
     def _need(self, n: int, field: str) -> int:
         start = self.offset
@@ -579,6 +601,8 @@ class _Reader:
 
     def step_over(self, n: int, field: str) -> int:
         """Step over n bytes of a framing (not rows); returns where they start."""
+        if self.length - self.offset >= n:   # a claim past the end is a truncation first
+            self.skipped = charge_skip(self.skipped, n, field, self.offset)
         return self._need(n, field)
 
     def take(self, n: int, short: Any) -> memoryview:
@@ -931,6 +955,7 @@ class _FileReader:
         self.op = op                 # who reads, for the messages: "state_read_from", a path, ...
         self.rows = rows
         self.offset = 0              # relative to the start (see ``rebase``)
+        self.skipped = 0             # bytes of framing stepped over (``charge_skip``)
         self.pending = b""           # bytes read by ``peek``, served first
         self.length = _remaining(file)
         self.start = file.tell() if self.length is not None else 0
@@ -993,10 +1018,13 @@ class _FileReader:
         return struct.unpack(f"<{count}i", self.take(4 * count, _truncation(field))), at
 
     def step_over(self, n: int, field: str) -> int:
-        """Step over n bytes of a framing: the rows consumer does not see them."""
-        if self.rows is None:
+        """Step over n bytes of a framing: the rows consumer does not see them, and a stream's
+        are read in pieces and dropped (framing is never part of the blob that is kept)."""
+        if self.length is None or self.length - self.offset >= n:   # past a file's end: truncated
+            self.skipped = charge_skip(self.skipped, n, field, self.offset)
+        if self.rows is None and self.length is not None:
             return self.skip(n, field)
-        if self.length is None:   # a stream read for its rows: read and drop
+        if self.length is None:
             at = self.offset
             got = sum(len(piece) for piece in self._pieces(n))
             if got < n:
@@ -1121,13 +1149,19 @@ def parse_seq_file_header(data: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.n
     return tokens, reader.offset
 
 
-def _arch_name(head: bytes) -> str | None:
-    """The architecture name when ``head`` begins with an architecture string, else None."""
+def _arch_name(reader: Any) -> str | None:
+    """The architecture name when the cursor is at an architecture string, else None.
+
+    Its length is peeked first and its characters only if it is a name's: a stream is never
+    asked for bytes the string does not claim (a FIFO would block for them)."""
+    head = reader.peek(ARCH_LENGTH.size)
     if len(head) < ARCH_LENGTH.size:
         return None
     (length,) = ARCH_LENGTH.unpack_from(head)
-    name = head[ARCH_LENGTH.size:ARCH_LENGTH.size + length]
-    if not MIN_ARCH <= length <= MAX_ARCH or len(name) != length or not set(name) <= _ARCH_CHARS:
+    if not MIN_ARCH <= length <= MAX_ARCH:
+        return None
+    name = bytes(reader.peek(ARCH_LENGTH.size + length))[ARCH_LENGTH.size:]
+    if len(name) != length or not set(name) <= _ARCH_CHARS:
         return None
     return name.decode("ascii")
 
@@ -1135,7 +1169,7 @@ def _arch_name(head: bytes) -> str | None:
 def _read_arch(reader: Any, arch: str | None) -> str:
     """The architecture string at the cursor (it must be one), checked against ``arch``."""
     at = reader.offset
-    name = _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH))
+    name = _arch_name(reader)
     if name is None:
         (length,), _ = reader.unpack(ARCH_LENGTH, "architecture string length")
         raise StateError(f"the architecture string at byte {at} is not a name (length {length}, "
@@ -1172,11 +1206,15 @@ def _read_output_buffer(reader: Any, name: str, n_outputs: int, count_at: int) -
     return int(size)
 
 
-def _read_outputs(reader: Any) -> Outputs:
-    """The output block at the cursor (see ``OUTPUT_COUNT``), checked field by field."""
+def _read_outputs(reader: Any, max_tokens: int) -> Outputs:
+    """The output block at the cursor (see ``OUTPUT_COUNT``), checked field by field; an output
+    is a token of the batch, so there are at most ``max_tokens`` of them."""
     (n_outputs,), count_at = reader.unpack(OUTPUT_COUNT, "output block n_outputs")
     if n_outputs < 0:
         raise StateError(f"the output block's n_outputs is {n_outputs} at byte {count_at}, expected >= 0")
+    if n_outputs > max_tokens:
+        raise StateError(f"the output block's n_outputs {n_outputs} at byte {count_at} is more than max_tokens "
+                         f"{max_tokens} (each output is a token of the batch)")
     positions, at = reader.ids(n_outputs, f"{n_outputs} output positions")
     for i, position in enumerate(positions):
         if position < 0:
@@ -1228,7 +1266,8 @@ def _check_whole(name: str, seq_id: int | None) -> None:
                      + (" (load_seq_file loads it, not load_session_file)" if file else ""))
 
 
-def _read_prefix(reader: Any, prefix: str, arch: str | None) -> tuple[int | None, str | None, Outputs | None]:
+def _read_prefix(reader: Any, prefix: str, arch: str | None,
+                 max_tokens: int) -> tuple[int | None, str | None, Outputs | None]:
     """The fields of a blob framing ``prefix`` at the cursor: (source seq id, arch, outputs)."""
     if prefix == SEQ_BLOB:
         (magic, source), at = reader.unpack(SEQ_BLOB_HEADER, "sequence blob header (magic and seq id)")
@@ -1239,31 +1278,50 @@ def _read_prefix(reader: Any, prefix: str, arch: str | None) -> tuple[int | None
         return None, _read_arch(reader, arch), None
     if prefix == CONTEXT_BLOB_V9:
         name = _read_arch(reader, arch)
-        return None, name, _read_outputs(reader)
+        return None, name, _read_outputs(reader, max_tokens)
     return None, None, None
 
 
-def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool) -> None:
+def _kv_count_bound(where: str, field: str, value: int, at: int, bound: int, bound_name: str) -> None:
+    if value > bound:
+        raise StateError(f"{where} {field} {value} at byte {at} is more than {bound_name} {bound}")
+
+
+def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry | None, max_tokens: int) -> None:
     """Step over llama.cpp's attention KV section (docs/llamacpp_formats.md), checking that it
     is whole and, for a sequence (``seq_id >= 0``), that every cell lists exactly one seq id.
-    ``ext``: every cell carries ``KV_CELL_EXT`` after its n_seq_id."""
-    (n_stream,), _ = reader.unpack(KV_STREAMS, "KV section n_stream")
+    ``ext``: every cell carries ``KV_CELL_EXT`` after its n_seq_id.
+
+    Every count is bounded before what it counts is read: streams and seq ids by the cache's
+    sequences (``cache.size``; llama.cpp's KV cache has one stream per sequence at most), layers
+    by the model's (``cache.n_layer``), cells by ``max_tokens`` (a KV cell holds a token of the
+    context), and the seq ids and rows it steps over by ``MAX_SKIPPED_BYTES``."""
+    (n_stream,), at = reader.unpack(KV_STREAMS, "KV section n_stream")
+    if cache is not None:
+        _kv_count_bound("KV section", "n_stream", n_stream, at, cache.size, "the cache's sequences")
     for stream in range(n_stream):
         where = f"KV section stream {stream}"
-        (cell_count,), _ = reader.unpack(CELL_COUNT, f"{where} cell_count")
+        (cell_count,), at = reader.unpack(CELL_COUNT, f"{where} cell_count")
         if cell_count == 0:
             continue
+        _kv_count_bound(where, "cell_count", cell_count, at, max_tokens, "max_tokens")
         for i in range(cell_count):
             (_, n_seq_id), at = reader.unpack(CELL, f"{where} cell {i} pos and n_seq_id")
             if seq_id is not None and seq_id >= 0 and n_seq_id != 1:
                 raise StateError(f"{where} cell {i} has n_seq_id {n_seq_id} at byte {at + 4} "
                                  f"(a sequence's KV cell lists one seq id)")
+            if cache is not None:
+                _kv_count_bound(where, f"cell {i} n_seq_id", n_seq_id, at + 4, cache.size, "the cache's sequences")
             if ext:
                 reader.unpack(KV_CELL_EXT, f"{where} cell {i} extended position (x, y, token)")
-            reader.ids(n_seq_id, f"{where} cell {i} seq ids")
+            field = f"{where} cell {i} seq ids"
+            reader.skipped = charge_skip(reader.skipped, 4 * n_seq_id, field, reader.offset)
+            reader.ids(n_seq_id, field)
         (v_trans, n_layer), at = reader.unpack(KV_DATA_HEADER, f"{where} v_trans and n_layer")
         if v_trans not in (0, 1):
             raise StateError(f"{where} v_trans is {v_trans} at byte {at}, expected 0 or 1")
+        if cache is not None:
+            _kv_count_bound(where, "n_layer", n_layer, at + 4, cache.n_layer, "the model's layers")
         for il in range(n_layer):
             (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} K type and row size")
             reader.step_over(cell_count * row_bytes, f"{where} layer {il} K rows")
@@ -1325,7 +1383,7 @@ class _Attempt:
 
 
 def _attempt(reader: Any, prefix: str, ext: bool | None, arch: str | None, seq_id: int | None,
-             cache: Geometry | None, layers: Sequence[int] | None, watch: Any) -> _Attempt:
+             cache: Geometry | None, layers: Sequence[int] | None, watch: Any, max_tokens: int) -> _Attempt:
     """Parse everything from the cursor as framing ``prefix`` (KV cells with ``ext``; None: no KV
     section) without moving the reader: a copy of the cursor in memory, a file read again from
     the same position, or a stream whose bytes are handed back.  ``watch.trial()`` (optional)
@@ -1343,10 +1401,10 @@ def _attempt(reader: Any, prefix: str, ext: bool | None, arch: str | None, seq_i
     framing_parsed, section_at = False, 0
     try:
         _check_whole(prefix, seq_id)
-        _read_prefix(trial, prefix, arch)
+        _read_prefix(trial, prefix, arch, max_tokens)
         framing_parsed = True
         if ext is not None:
-            _skip_kv_section(trial, seq_id, ext)
+            _skip_kv_section(trial, seq_id, ext, cache, max_tokens)
         section_at = trial.offset
         trial_watch = None if watch is None else watch.trial()
         if cache is None and layers is None:   # which layers hold state is not known: any filter fits
@@ -1374,7 +1432,7 @@ def _candidate_name(prefix: str, ext: bool | None, exts: Sequence[bool | None]) 
 
 def _pick(reader: Any, prefixes: Sequence[str], exts: Sequence[bool | None], arch: str | None,
           seq_id: int | None, cache: Geometry | None, layers: Sequence[int] | None,
-          watch: Any = None) -> tuple[str, bool | None, str | None]:
+          watch: Any, max_tokens: int) -> tuple[str, bool | None, str | None]:
     """The one candidate (framing prefix, KV cell ext) whose parse fits the bytes exactly, and
     the defects of the other readings that got past their framing's fields (or None).
 
@@ -1395,7 +1453,7 @@ def _pick(reader: Any, prefixes: Sequence[str], exts: Sequence[bool | None], arc
             others = "; ".join(f"as a {_candidate_name(other, other_ext, exts)}: {attempt.error}"
                                for (other, other_ext), attempt in attempts.items() if attempt.framing_parsed)
             return prefix, ext, others or None
-        attempts[prefix, ext] = _attempt(reader, prefix, ext, arch, seq_id, cache, layers, watch)
+        attempts[prefix, ext] = _attempt(reader, prefix, ext, arch, seq_id, cache, layers, watch, max_tokens)
     fitting = [combo for combo in combos if attempts[combo].parsed]
     if len({(prefix, attempts[prefix, ext].section_offset) for prefix, ext in fitting}) > 1:
         names = " and ".join(f"a {_candidate_name(prefix, ext, exts)}" for prefix, ext in fitting)
@@ -1472,20 +1530,20 @@ def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_se
                         else BARE]
         elif len(head) == 4 and struct.unpack("<I", head)[0] == SEQ_BLOB_MAGIC:
             prefixes = [SEQ_BLOB]
-        elif _arch_name(reader.peek(ARCH_LENGTH.size + MAX_ARCH)) is not None:
+        elif _arch_name(reader) is not None:
             prefixes = [CONTEXT_BLOB_V9, CONTEXT_BLOB]
         else:
             prefixes = [BARE]
     exts: list[bool | None] = [None] if not kv_section else [False, True] if kv_cell_ext is None else [kv_cell_ext]
-    prefix, ext, others = _pick(reader, prefixes, exts, arch, seq_id, cache, layers, watch)
+    prefix, ext, others = _pick(reader, prefixes, exts, arch, seq_id, cache, layers, watch, max_tokens)
     if tokens is None:
         label = prefix
     _check_whole(label, seq_id)
-    source, name, outputs = _read_prefix(reader, prefix, arch)
+    source, name, outputs = _read_prefix(reader, prefix, arch, max_tokens)
     kv_at = None
     if ext is not None:
         kv_at = reader.offset
-        _skip_kv_section(reader, seq_id, ext)
+        _skip_kv_section(reader, seq_id, ext, cache, max_tokens)
     return Framing(label, tokens, source, name, kv_at, reader.offset, outputs, ext, others)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic_write import atomic_write
 from ..errors import GGUFError, ModelError
 from . import mamba, mamba2
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
@@ -220,6 +221,11 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     ``tokenizer.ggml.*`` of a ``tokenizer`` model, as llama.cpp's converter
     writes them ("gpt2": byte-level BPE pieces).  A Mamba-2 model whose
     ``time_step_limit`` clamps is refused: llama.cpp has no such key.
+
+    A finite weight beyond the range of the type it is stored in (f16's
+    65504) raises ``ModelError`` naming the tensor and the value, before
+    anything is written.  The file is written whole or not at all
+    (``atomic_write``): a failure part-way leaves what was at ``path``.
     """
     if file_type not in ("f32", "f16"):
         raise ModelError(f"file_type must be 'f32' or 'f16', got {file_type!r}")
@@ -235,8 +241,43 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     else:
         raise ModelError(f"write_gguf writes Mamba-1 and Mamba-2 models, not {type(model).__name__}")
     gguf = import_gguf()
+    named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
+    if not model.tied:
+        named["output.weight"] = model.output
+    for il, layer in enumerate(model.layers):
+        for field_name, suffix in tables.items():
+            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shapes[field_name])
+    stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
+                                   or _stays_f32(tensor_name, array) else np.float16)
+              for tensor_name, array in named.items()}
+    # written whole or not at all: a failure part-way (a full disk) leaves what was at ``path``
+    with atomic_write(os.fspath(path)) as temporary:
+        _write(gguf, model, temporary, arch, file_type, stored, name, tokens, token_types, tokenizer, eos, merges)
+
+
+def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) -> np.ndarray:
+    """``array`` as ``dtype``; ``ModelError`` naming the tensor and the value when a finite value
+    is beyond the type's range (it would become infinite)."""
+    with np.errstate(over="ignore"):
+        converted = np.ascontiguousarray(array, dtype=dtype)
+    overflow = np.isinf(converted) & np.isfinite(array)
+    if overflow.any():
+        index = np.unravel_index(int(np.argmax(overflow)), overflow.shape)
+        value = np.asarray(array)[index]
+        kind = np.dtype(dtype).name.replace("float", "f")
+        hint = "; write the file as f32" if kind == "f16" else ""
+        raise ModelError(f"tensor {tensor_name}: value {float(value)!r} at index {tuple(map(int, index))} is beyond "
+                         f"{kind}'s range (largest {float(np.finfo(dtype).max)!r}) and would be stored as "
+                         f"infinity{hint}")
+    return converted
+
+
+def _write(gguf: ModuleType, model: RecurrentModel, path: str, arch: str, file_type: str,
+           stored: dict[str, np.ndarray], name: str, tokens: Sequence[str] | None, token_types: Sequence[int] | None,
+           tokenizer: str, eos: int | None, merges: Sequence[str] | None) -> None:
+    """The GGUF file of ``write_gguf`` at ``path``: its keys, then the ``stored`` tensors."""
     p = model.hparams
-    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)
     writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
     writer.add_embedding_length(p.n_embd)
@@ -269,15 +310,8 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
         if eos is not None:
             writer.add_eos_token_id(eos)
 
-    named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
-    if not model.tied:
-        named["output.weight"] = model.output
-    for il, layer in enumerate(model.layers):
-        for field_name, suffix in tables.items():
-            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shapes[field_name])
-    for tensor_name, array in named.items():
-        stored = np.float32 if file_type == "f32" or _stays_f32(tensor_name, array) else np.float16
-        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=stored))
+    for tensor_name, array in stored.items():
+        writer.add_tensor(tensor_name, array)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

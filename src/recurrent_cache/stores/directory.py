@@ -32,9 +32,10 @@ key may be about to link to it, so a ``put`` that returned True leaves an
 entry that stays readable until it is evicted (the last writer's link points
 at a complete file); the file of an entry replaced by other content is
 removed by a later scan once no link has pointed to it for ten minutes.
-Files are not
-fsync'ed: after a power cut an entry can be lost or damaged, and the
-CRC-32 turns damage into a miss.
+An entry's file is synced (fsync) before it is renamed, as every file the
+package writes is (``recurrent_cache.atomic_write``); the links are not, so
+after a power cut an entry can be lost, and the CRC-32 turns any damage into
+a miss.
 
 Size cap: with ``max_bytes``, every process scans the directory once it has
 written an eighth of the cap since its last scan (or when its last total plus
@@ -59,6 +60,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from .. import _args
+from ..atomic_write import atomic_write
 from ..errors import ArgumentError
 from .base import StoreCounters
 from .snapshot import (TRAILER_SIZE, check_entry, entry_ggsq_length, ggsq_declared_length, key_digest,
@@ -269,20 +271,10 @@ class DirectoryStore:
     # -- writing -------------------------------------------------------------------
 
     def _write_file(self, path: str, data: memoryview, prefix: str) -> None:
-        """Write ``data`` to ``path`` through a temporary file renamed over it."""
-        temporary = os.path.join(self.path, f"{prefix}.{secrets.token_hex(8)}.tmp")
-        # os.open honours the umask, so other users of a shared directory can read
-        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        try:
-            with os.fdopen(handle, "wb", buffering=0) as file:
-                done = 0
-                while done < len(data):
-                    done += file.write(data[done:])
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        """Write ``data`` to ``path`` whole or not at all (``atomic_write``), through a
+        temporary file named ``prefix.<random>.tmp`` that a scan recognises."""
+        with atomic_write(path, prefix) as temporary, open(temporary, "wb") as file:
+            file.write(data)   # a buffered file writes every byte or raises
 
     # -- size -----------------------------------------------------------------------
 
