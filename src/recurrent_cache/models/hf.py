@@ -308,11 +308,18 @@ def _check_json(path: Path, value: Any) -> None:
         if depth > MAX_JSON_DEPTH:
             raise ModelError(f"{path}: {key} is nested more than {MAX_JSON_DEPTH} levels deep")
         if isinstance(item, dict):
-            pending.extend((v, f"{key}.{k}" if key else str(k), depth + 1) for k, v in item.items())
+            pending.extend((v, _key(key, k), depth + 1) for k, v in item.items())
         elif isinstance(item, list):
             pending.extend((v, f"{key}[{i}]", depth + 1) for i, v in enumerate(item))
         elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= MAX_JSON_INT:
             raise ModelError(f"{path}: {key} = {short_repr(item)} is out of range (beyond 64 bits)")
+
+
+def _key(parent: str, key: str) -> str:
+    """The path of ``parent``'s member ``key`` as a message shows it: ``a.b``, or ``a['b c']``."""
+    if not key.isidentifier():
+        return f"{parent}[{short_repr(key)}]"
+    return f"{parent}.{key}" if parent else key
 
 
 def _as_float(value: Any) -> float | None:

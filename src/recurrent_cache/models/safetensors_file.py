@@ -109,7 +109,7 @@ class SafetensorsFile:
             raise SafetensorsError(f"tensor {name}: data_offsets {short_repr(offsets)} are not [begin, end]")
         begin, end = start + offsets[0], start + offsets[1]
         if end > size:
-            raise SafetensorsError(f"tensor {name}: its data ends at byte {end}, past the end of the file "
+            raise SafetensorsError(f"tensor {name}: its data ends at byte {short_repr(end)}, past the end of the file "
                                    f"({size} bytes): truncated?")
         if end - begin != math.prod(shape) * _ITEMSIZES[dtype]:
             raise SafetensorsError(f"tensor {name}: {end - begin} bytes for a {dtype} tensor of shape {shape}")
