@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from recurrent_cache.errors import ModelError
-from recurrent_cache.models import Mamba2Model, MambaModel, convert_hf_to_gguf, load_gguf, load_hf
+from recurrent_cache.models import Mamba2Model, MambaModel, convert_hf_to_gguf, load_gguf, load_hf, load_model
 from recurrent_cache.models.vocab import gpt2_byte_decoder
 
 N_VOCAB, N_EMBD, N_LAYER, D_STATE, D_CONV = 260, 16, 2, 4, 4
@@ -267,15 +267,18 @@ EMBEDDINGS = "backbone.embeddings.weight"
 BIG = 10**400   # valid JSON, beyond any float
 HUGE_FLOAT_TEXT = "1e999"
 
+# each file load_hf reads, and a checkpoint that has it
+FILES = [("config.json", "mamba1"), ("model.safetensors", "mamba2"), ("tokenizer.json", "mamba1"),
+         ("model.safetensors.index.json", "sharded"), ("model-00002-of-00002.safetensors", "sharded")]
+
 # (case id, checkpoint, damage, what the message must mention)
 CASES: list[tuple[str, str, Callable[[Path], None], str]] = [
     # -- file kinds and sizes (the issue: a FIFO blocks, /dev/zero reads until memory runs out) --
     *[(f"{name}-{kind}", checkpoint, replace_with(name, make), rf"{name}.* is {what}")
-      for name, checkpoint in [("config.json", "mamba1"), ("model.safetensors", "mamba2"),
-                               ("tokenizer.json", "mamba1"), ("model.safetensors.index.json", "sharded"),
-                               ("model-00002-of-00002.safetensors", "sharded")]
-      for kind, make, what in [("fifo", fifo, "a FIFO"), ("dev-zero", dev_zero, "a character device"),
-                               ("directory", Path.mkdir, "a directory")]],
+      for name, checkpoint in FILES
+      for kind, make, what in [("fifo", fifo, "a FIFO"), ("dev-zero", dev_zero, "a character device")]],
+    *[(f"{name}-directory", checkpoint, replace_with(name, Path.mkdir), rf"{name}: cannot read .*Is a directory")
+      for name, checkpoint in FILES],
     ("config-dangling-symlink", "mamba1", replace_with("config.json", lambda p: p.symlink_to(p.parent / "nowhere")),
      r"config\.json: cannot read it"),
     ("config-oversized", "mamba1", raw_json("config.json", json.dumps(CONFIGS["mamba1"]) + " " * (4 * 2**20)),
@@ -515,3 +518,12 @@ def test_an_unreadable_file_is_named(pristine, tmp_path, name):
     (directory / name).chmod(0)
     with pytest.raises(ModelError, match=rf"{name}: cannot read"):
         load_hf(directory)
+
+
+@pytest.mark.parametrize("kind, make", [("a FIFO", fifo), ("a character device", dev_zero)])
+def test_load_model_refuses_a_gguf_path_that_is_no_regular_file(tmp_path, kind, make, deadline):
+    """``load_model`` reads a path that is no directory as GGUF: the same check of the file's kind."""
+    path = tmp_path / "model.gguf"
+    make(path)
+    with pytest.raises(ModelError, match=rf"model\.gguf: not a valid GGUF file: it is {kind}, not a regular file"):
+        load_model(path)

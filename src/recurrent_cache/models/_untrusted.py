@@ -10,24 +10,28 @@ Hugging Face hub's cache links every checkpoint file into its blob store.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import Any, BinaryIO
 
 __all__ = ["open_regular", "read_capped", "short_repr"]
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def open_regular(path: str | os.PathLike[str], error: type[Exception]) -> BinaryIO:
-    """``path`` opened for binary reading; ``error`` saying what it is when it is not a regular file.
+    """``path`` opened for binary reading; ``error`` saying what it is when it is a FIFO, a device or a socket.
 
-    ``OSError`` when it cannot be opened (missing, unreadable).  The messages leave the path to the caller.
+    ``OSError`` when it cannot be opened (missing, unreadable) and ``IsADirectoryError`` for a directory, as
+    ``open`` raises them.  The messages leave the path to the caller.
     """
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
         mode = os.fstat(descriptor).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise error(f"it is {kind}, not a regular file")
