@@ -331,3 +331,15 @@ def test_the_demo_serves_a_mamba2_checkpoint_directory(tmp_path, capsys):
                          "--n-predict", "4", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "Mamba-2" in out and "verification     PASSED: 3 of 3 clients" in out
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2"])
+def test_the_damage_suites_numpy_checkpoints_are_what_transformers_reads(tmp_path, arch):
+    """tests/test_damaged_checkpoints.py damages checkpoints it writes without transformers: transformers
+    loads them with no missing, unexpected or misshapen weight, and load_hf serves its logits."""
+    from test_damaged_checkpoints import write_checkpoint
+    directory = write_checkpoint(tmp_path / arch, arch)
+    kind = transformers.MambaForCausalLM if arch == "mamba1" else transformers.Mamba2ForCausalLM
+    reference, info = kind.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    assert serve_scenario(load_hf(directory), "compiled").check(reference.eval()) == 43

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import GGUFError
 from ..state_format import GGML_TYPES
+from ._untrusted import open_regular
 
 __all__ = ["GGUFFile", "TensorInfo"]
 
@@ -66,10 +67,12 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        size = os.path.getsize(self.path)  # OSError for a missing file: the caller names it
-        if size == 0:
-            raise GGUFError("the file is empty")
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # OSError for a missing file: the caller names it; a FIFO or a device is refused without reading it
+        with open_regular(self.path, GGUFError) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                raise GGUFError("the file is empty")
+            self._data = np.memmap(handle, dtype=np.uint8, mode="r")
         self._at = 0
         if self._read(4, "the magic") != MAGIC:
             raise GGUFError(f"not a GGUF file (the first bytes are {bytes(self._data[:4])!r}, not b'GGUF')")

@@ -10,6 +10,14 @@ Supported: ``MambaForCausalLM`` (architecture ``mamba``) and
 ``Mamba2ForCausalLM`` (``mamba2``) with llama.cpp's restrictions: no biases on
 ``in_proj`` / ``out_proj`` (``use_bias = false``), ``hidden_act = silu``.
 Anything else is one ``ModelError`` naming the file and the field.
+
+A checkpoint directory is untrusted input.  Each file is read only when it is
+a regular file (a FIFO, a device, a directory or a socket under a checkpoint
+file's name is refused without waiting on it) and only up to a cap:
+``JSON_LIMITS`` for the JSON files, the format's 100 MB for a safetensors
+header.  JSON nested deeper than ``MAX_JSON_DEPTH`` or holding an integer
+beyond 64 bits is refused, and every config value is checked for its type
+and range (integers in ``[1, 2**31)``, floats finite) before it is used.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from ..errors import ModelError
 from .recurrent import RecurrentModel
 from ..errors import SafetensorsError
 from .safetensors_file import SafetensorsFile
+from ._untrusted import read_capped, short_repr
 from .vocab import TokenizerTable, Vocabulary
 
 __all__ = ["ARCHITECTURES", "convert_hf_to_gguf", "load_hf", "load_model"]
@@ -38,6 +47,12 @@ ARCHITECTURES = ("MambaForCausalLM", "Mamba2ForCausalLM")
 T = TypeVar("T")
 CONFIG, WEIGHTS, WEIGHTS_INDEX, TOKENIZER = ("config.json", "model.safetensors", "model.safetensors.index.json",
                                              "tokenizer.json")
+# The most load_hf reads of each JSON file, far above real ones: a config.json is a few KB, an index a few
+# hundred KB for thousands of tensors, a tokenizer.json up to ~20 MB (large multilingual vocabularies).
+JSON_LIMITS = {CONFIG: 4 * 2**20, WEIGHTS_INDEX: 64 * 2**20, TOKENIZER: 128 * 2**20}
+MAX_JSON_DEPTH = 64        # real files nest a handful of levels (tokenizer.json's Sequence of decoders)
+MAX_JSON_INT = 2**63       # larger integers are no count, id or offset of any real checkpoint
+MAX_CONFIG_INT = 2**31 - 1  # sizes and counts of a config.json: llama.cpp stores them in 32 bits
 
 
 def load_model(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
@@ -54,13 +69,7 @@ def load_hf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentM
     token ids only without it.  Raises ``ModelError`` naming the file and the
     field for anything it does not support or that is inconsistent.
     """
-    checkpoint = _Checkpoint(Path(path))
-    config = checkpoint.config
-    architecture = checkpoint.architecture
-    vocab = checkpoint.vocabulary()
-    if architecture == "MambaForCausalLM":
-        return _mamba(checkpoint, config, dtype, vocab)
-    return _mamba2(checkpoint, config, dtype, vocab)
+    return _load(_Checkpoint(Path(path)), dtype)
 
 
 def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLike[str],
@@ -72,17 +81,28 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLi
     ``file_type`` "f16" stores the 2-D weights in f16 as its ``--outtype f16``.
     """
     checkpoint = _Checkpoint(Path(hf_dir))
-    model = load_hf(hf_dir, dtype=np.float32)
-    table = checkpoint.tokenizer_table()
+    model = _load(checkpoint, np.float32)   # every check of the checkpoint before the output file is opened
+    tokenizer = checkpoint.tokenizer()
     name = Path(hf_dir).resolve().name
-    if table is not None:
-        table = table.padded(model.hparams.n_vocab)
-    if table is None:
+    if tokenizer is None:
         write_gguf(model, out_gguf, file_type=file_type, name=name)
     else:
+        table = tokenizer[0].padded(model.hparams.n_vocab)
         write_gguf(model, out_gguf, file_type=file_type, name=name, tokens=table.tokens,
                    token_types=table.token_types, tokenizer=table.model, eos=checkpoint.eos(),
                    merges=table.merges or None)
+    return model
+
+
+def _load(checkpoint: _Checkpoint, dtype: Any) -> RecurrentModel:
+    """The model of ``checkpoint``, computing in ``dtype``."""
+    vocab = checkpoint.vocabulary()
+    build = _mamba if checkpoint.architecture == "MambaForCausalLM" else _mamba2
+    model: RecurrentModel = build(checkpoint, checkpoint.config, dtype, vocab)
+    if checkpoint.unread:
+        extra = sorted(checkpoint.unread)
+        raise ModelError(f"{checkpoint.directory}: {len(extra)} tensors the {CONFIG} does not call for, "
+                         f"such as {short_repr(extra[0])}: weights of another configuration?")
     return model
 
 
@@ -94,12 +114,9 @@ class _Checkpoint:
         config_path = directory / CONFIG
         if not directory.is_dir():
             raise ModelError(f"{directory}: not a directory")
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"), object_hook=_json_floats)
-        except FileNotFoundError:
-            raise ModelError(f"{config_path}: missing (a save_pretrained directory has one)") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelError(f"{config_path}: cannot read it as JSON: {exc}") from None
+        if not _present(config_path):
+            raise ModelError(f"{config_path}: missing (a save_pretrained directory has one)")
+        config = _read_json(config_path)
         if not isinstance(config, dict):
             raise ModelError(f"{config_path}: not a JSON object")
         self.config: dict[str, Any] = config
@@ -109,51 +126,68 @@ class _Checkpoint:
                              f"{' and '.join(ARCHITECTURES)} checkpoints")
         self.architecture = str(architectures[0])
         self._open: dict[Path, SafetensorsFile] = {}   # each shard parsed once
+        self._tokenizer: tuple[TokenizerTable, Any] | None = None   # read once, by tokenizer()
         self.files: dict[str, Path] = self._weight_files()
+        self.unread = set(self.files)   # tensors no layer has asked for: a checkpoint of another config
 
     # -- config fields --------------------------------------------------------------
 
     def field(self, name: str, kind: type, default: Any = None) -> Any:
-        """``config.json`` field ``name``, checked to be ``kind`` (int, float, bool, str)."""
+        """``config.json`` field ``name``, checked to be ``kind``: a bool, a str, or an int in
+        ``[1, MAX_CONFIG_INT]`` (every integer field is a size or a count)."""
         value = self.config.get(name, default)
         where = self.directory / CONFIG
         if value is None:
             raise ModelError(f"{where}: field {name} is missing")
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ModelError(f"{where}: field {name} is {value!r}, not an integer")
-        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ModelError(f"{where}: field {name} is {value!r}, not a number")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)
+                            or not 1 <= value <= MAX_CONFIG_INT):
+            raise ModelError(f"{where}: field {name} is {short_repr(value)}, not an integer in [1, 2**31)")
         if kind in (bool, str) and not isinstance(value, kind):
-            raise ModelError(f"{where}: field {name} is {value!r}, not a {kind.__name__}")
+            raise ModelError(f"{where}: field {name} is {short_repr(value)}, not a {kind.__name__}")
         return kind(value)
 
+    def positive_float(self, name: str, default: float, high: float) -> float:
+        """``config.json`` field ``name``: a finite number in ``(0, high]``."""
+        value = self.config.get(name, default)
+        number = _as_float(value)
+        if number is None or not 0 < number <= high:
+            raise ModelError(f"{self.directory / CONFIG}: field {name} is {short_repr(value)}, not a number "
+                             f"in (0, {high:g}]")
+        return number
+
     def refuse(self, name: str, reason: str) -> ModelError:
-        return ModelError(f"{self.directory / CONFIG}: field {name} = {self.config.get(name)!r}: {reason}")
+        return ModelError(f"{self.directory / CONFIG}: field {name} = {short_repr(self.config.get(name))}: {reason}")
 
     def eos(self) -> int | None:
+        """``eos_token_id`` when it is one token id of the vocabulary (a list of them is not read)."""
         eos = self.config.get("eos_token_id")
-        return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+        if not isinstance(eos, int) or isinstance(eos, bool):
+            return None
+        n_vocab = self.field("vocab_size", int)
+        if not 0 <= eos < n_vocab:
+            raise self.refuse("eos_token_id", f"not a token id of the vocabulary [0, {n_vocab})")
+        return eos
 
     # -- weights -------------------------------------------------------------------------
 
     def _weight_files(self) -> dict[str, Path]:
         index = self.directory / WEIGHTS_INDEX
         single = self.directory / WEIGHTS
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-                raise ModelError(f"{index}: cannot read it as JSON: {exc}") from None
+        if _present(index):
+            contents = _read_json(index)
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ModelError(f"{index}: field weight_map is not an object of file names")
             files = {}
             for tensor, file in weight_map.items():
                 shard = self.directory / file
-                if Path(file).name != file:  # a shard outside the directory: refuse rather than follow
-                    raise ModelError(f"{index}: weight_map names {file!r}, not a file in the directory")
+                # a shard outside the directory: refuse rather than follow ("", "." and ".." name a directory)
+                if Path(file).name != file or file in ("", ".", ".."):
+                    raise ModelError(f"{index}: weight_map names {short_repr(file)} for tensor {short_repr(tensor)}, "
+                                     f"not a file in the directory")
                 files[tensor] = shard
             return files
-        if single.is_file():
+        if _present(single):
             return {name: single for name in self._safetensors(single).tensors}
         found = sorted(p.name for p in self.directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         hint = f" (found {', '.join(found)}: torch pickles are not read; save with safe_serialization)" if found else ""
@@ -176,6 +210,7 @@ class _Checkpoint:
         """Tensor ``name`` of ``shape`` (unit axes aside) as float32/float64: ModelError naming file and tensor
         when it is missing, of another shape or type, or holds NaN or infinity."""
         path = self.files.get(name)
+        self.unread.discard(name)
         if path is None:
             raise ModelError(f"{self.directory}: tensor {name} is missing from the checkpoint")
         file = self._safetensors(path)
@@ -197,37 +232,118 @@ class _Checkpoint:
 
     # -- vocabulary ----------------------------------------------------------------------
 
-    def tokenizer_table(self) -> TokenizerTable | None:
+    def tokenizer(self) -> tuple[TokenizerTable, Any] | None:
+        """``tokenizer.json`` as a table of at most ``vocab_size`` tokens, and its JSON; None when the
+        directory has none."""
         path = self.directory / TOKENIZER
-        if not path.is_file():
-            return None
-        try:
-            return TokenizerTable.read(path)
-        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
-            raise ModelError(f"{path}: not a tokenizer.json this loader reads: {exc}") from None
+        if self._tokenizer is None and _present(path):
+            data = _read_json(path)
+            try:
+                table = TokenizerTable.from_json(data)
+            except ValueError as exc:
+                raise ModelError(f"{path}: not a tokenizer.json this loader reads: {exc}") from None
+            n_vocab = self.field("vocab_size", int)
+            if len(table.tokens) > n_vocab:
+                raise ModelError(f"{path}: token id {len(table.tokens) - 1} is outside the vocabulary "
+                                 f"[0, {n_vocab}) of {CONFIG}'s vocab_size")
+            self._tokenizer = table, data
+        return self._tokenizer
 
     def vocabulary(self) -> Vocabulary | None:
-        table = self.tokenizer_table()
-        if table is None:
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
             return None
-        return table.vocabulary(self.eos(), _tokenizer_encoder(self.directory / TOKENIZER))
+        table, data = tokenizer
+        return table.vocabulary(self.eos(), _tokenizer_encoder(self.directory / TOKENIZER, data))
+
+
+_SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def _json_floats(obj: dict[str, Any]) -> Any:
-    """transformers >= 5 writes infinities as ``{"__float__": "Infinity"}``: read them back as floats."""
-    if set(obj) == {"__float__"} and isinstance(obj["__float__"], str):
-        return float(obj["__float__"])
+    """transformers >= 5 writes infinities as ``{"__float__": "Infinity"}``: read them back as floats
+    (any other object is left as it is, as transformers leaves it)."""
+    if set(obj) == {"__float__"} and obj["__float__"] in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
     return obj
 
 
-def _tokenizer_encoder(path: Path) -> Any:
-    """The ``tokenizers`` package's encoder of ``path`` (text -> ids), or None when the package is missing."""
+def _present(path: Path) -> bool:
+    """Whether the directory has an entry ``path`` (of any kind: reading it checks that it is a regular file)."""
+    try:
+        path.lstat()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    return True
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON value in ``path`` (a regular file of at most ``JSON_LIMITS`` bytes), checked by ``_check_json``;
+    ModelError naming the file and what is wrong."""
+    try:
+        raw = read_capped(path, JSON_LIMITS[path.name], ModelError)
+    except ModelError as exc:
+        raise ModelError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        value = json.loads(raw.decode("utf-8"), object_hook=_json_floats)
+    except RecursionError:
+        raise ModelError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: bad JSON, an integer of too many digits
+        raise ModelError(f"{path}: cannot read it as JSON: {exc}") from None
+    _check_json(path, value)
+    return value
+
+
+def _check_json(path: Path, value: Any) -> None:
+    """ModelError naming ``path`` and the key when ``value`` nests deeper than ``MAX_JSON_DEPTH`` or holds an
+    integer of ``MAX_JSON_INT`` or more.  Iterative: a depth no real file has cannot exhaust the stack here,
+    and the readers after it may recurse."""
+    pending: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while pending:
+        item, key, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ModelError(f"{path}: {key} is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(item, dict):
+            pending.extend((v, _key(key, k), depth + 1) for k, v in item.items())
+        elif isinstance(item, list):
+            pending.extend((v, f"{key}[{i}]", depth + 1) for i, v in enumerate(item))
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= MAX_JSON_INT:
+            raise ModelError(f"{path}: {key} = {short_repr(item)} is out of range (beyond 64 bits)")
+
+
+def _key(parent: str, key: str) -> str:
+    """The path of ``parent``'s member ``key`` as a message shows it: ``a.b``, or ``a['b c']``."""
+    if not key.isidentifier():
+        return f"{parent}[{short_repr(key)}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a finite float; None when it is not a number (a bool, a string), infinite, NaN or
+    too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+
+def _tokenizer_encoder(path: Path, data: Any) -> Any:
+    """The ``tokenizers`` package's encoder of ``data``, the JSON of ``path`` (text -> ids), or None when the
+    package is missing."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         return None
     try:
-        tokenizer = Tokenizer.from_file(os.fspath(path))
+        tokenizer = Tokenizer.from_str(json.dumps(data))
     except Exception as exc:  # the Rust side raises its own Exception subclass
         raise ModelError(f"{path}: the tokenizers package cannot load it: {exc}") from None
 
@@ -245,7 +361,7 @@ def _common(checkpoint: _Checkpoint) -> dict[str, Any]:
     return dict(n_vocab=checkpoint.field("vocab_size", int), n_embd=n_embd,
                 n_layer=checkpoint.field("num_hidden_layers", int), d_conv=checkpoint.field("conv_kernel", int),
                 d_state=checkpoint.field("state_size", int),
-                rms_eps=checkpoint.field("layer_norm_epsilon", float, 1e-5))
+                rms_eps=checkpoint.positive_float("layer_norm_epsilon", 1e-5, high=1.0))
 
 
 def _head(checkpoint: _Checkpoint, n_vocab: int, n_embd: int, tied_default: bool
@@ -256,6 +372,8 @@ def _head(checkpoint: _Checkpoint, n_vocab: int, n_embd: int, tied_default: bool
     token_embd = checkpoint.tensor(embeddings, (n_vocab, n_embd))
     output_norm = checkpoint.tensor("backbone.norm_f.weight", (n_embd,))
     tied = checkpoint.field("tie_word_embeddings", bool, tied_default)
+    if tied:   # a tied checkpoint may still carry lm_head.weight; transformers ties it over the embeddings
+        checkpoint.unread.discard("lm_head.weight")
     output = None if tied else checkpoint.tensor("lm_head.weight", (n_vocab, n_embd))
     return token_embd, output_norm, output
 
@@ -303,15 +421,16 @@ def _mamba(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: V
 def _mamba2(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
     common = _common(checkpoint)
     n_embd = common["n_embd"]
-    d_inner = int(checkpoint.field("expand", float, 2) * n_embd)
+    d_inner = int(checkpoint.positive_float("expand", 2, high=MAX_CONFIG_INT) * n_embd)
     n_head, head_dim = checkpoint.field("num_heads", int), checkpoint.field("head_dim", int)
     if n_head * head_dim != d_inner:
         raise checkpoint.refuse("num_heads", f"num_heads × head_dim = {n_head * head_dim}, but "
                                 f"expand × hidden_size = {d_inner}")
     limit = config.get("time_step_limit", (0.0, math.inf))
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers")
+    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
+    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or _as_float(limit[0]) is None
+            or (_as_float(limit[1]) is None and limit[1] != math.inf)):
+        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
     p = _built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
                                 n_group=checkpoint.field("n_groups", int, 1),
                                 time_step_limit=(float(limit[0]), float(limit[1])))

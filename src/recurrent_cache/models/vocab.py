@@ -24,12 +24,12 @@ the ``tokenizers`` package installed, ``encode`` is then the tokenizer's own.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ._untrusted import short_repr
 
 __all__ = ["TokenizerTable", "Vocabulary", "escape", "gpt2_byte_decoder"]
 
@@ -38,6 +38,7 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 _NOT_ENCODED = {TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_UNUSED}
 _SILENT = {TOKEN_CONTROL, TOKEN_UNUSED}   # decode to nothing, as llama.cpp's token_to_piece without special
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+MAX_TOKEN_ID = 2**31 - 1   # llama.cpp's token ids are int32
 
 
 def gpt2_byte_decoder() -> dict[str, int]:
@@ -157,38 +158,45 @@ class TokenizerTable:
     merges: list[str]         # BPE merges, "left right"
 
     @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> "TokenizerTable":
-        """Parse ``tokenizer.json`` (ValueError naming what is wrong; OSError when unreadable)."""
-        with open(path, encoding="utf-8") as handle:
-            try:
-                data = json.load(handle)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not JSON: {exc}") from None
+    def from_json(cls, data: Any) -> "TokenizerTable":
+        """The table of a parsed ``tokenizer.json`` (ValueError naming the key and the value that are wrong).
+
+        Token ids are integers in ``[0, MAX_TOKEN_ID]``; pieces and merges are strings.
+        """
         model = data.get("model") if isinstance(data, dict) else None
         if not isinstance(model, dict):
             raise ValueError("no 'model' object")
-        vocab = model.get("vocab")
         ids: dict[int, str] = {}
+        vocab = model.get("vocab")
         if isinstance(vocab, dict):          # BPE, WordPiece, WordLevel: {piece: id}
-            ids = {int(i): str(t) for t, i in vocab.items()}
+            for piece, token_id in vocab.items():
+                ids[_token_id(token_id, f"model.vocab[{short_repr(piece)}]")] = piece
         elif isinstance(vocab, list):        # Unigram: [[piece, score], ...]
-            ids = {i: str(entry[0]) for i, entry in enumerate(vocab)}
+            for token_id, entry in enumerate(vocab):
+                if not isinstance(entry, list) or not entry or not isinstance(entry[0], str):
+                    raise ValueError(f"model.vocab[{token_id}] = {short_repr(entry)} is not [piece, score]")
+                ids[token_id] = entry[0]
         else:
             raise ValueError("model.vocab is neither an object nor a list")
         types = {i: TOKEN_NORMAL for i in ids}
-        for added in data.get("added_tokens") or []:
-            token_id, content = added.get("id"), added.get("content")
-            if isinstance(token_id, int) and isinstance(content, str):
-                ids[token_id] = content
-                types[token_id] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
-        if not ids or min(ids) < 0:
-            raise ValueError("no tokens, or a negative token id")
+        added_tokens = data.get("added_tokens") or []
+        if not isinstance(added_tokens, list):
+            raise ValueError(f"added_tokens = {short_repr(added_tokens)} is not a list")
+        for at, added in enumerate(added_tokens):
+            content = added.get("content") if isinstance(added, dict) else None
+            if not isinstance(content, str):
+                raise ValueError(f"added_tokens[{at}] = {short_repr(added)} is not a token with a string content")
+            token_id = _token_id(added.get("id"), f"added_tokens[{at}].id")
+            ids[token_id] = content
+            types[token_id] = TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED
+        if not ids:
+            raise ValueError("no tokens")
         n_tokens = max(ids) + 1
         if n_tokens > 2 * len(ids) + 1024:   # a hostile id would make the padded list huge
             raise ValueError(f"token id {n_tokens - 1} for {len(ids)} tokens")
         tokens = [ids.get(i, f"[PAD{i}]") for i in range(n_tokens)]
         token_types = [types.get(i, TOKEN_UNUSED) for i in range(n_tokens)]
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+        merges = [_merge(m, f"model.merges[{at}]") for at, m in enumerate(_list(model.get("merges"), "model.merges"))]
         kind = "gpt2" if _mentions_byte_level(data.get("decoder")) else "llama"
         if kind == "llama":
             token_types = [TOKEN_BYTE if kind_ == TOKEN_NORMAL and _BYTE_PIECE.fullmatch(t) else kind_
@@ -208,13 +216,39 @@ class TokenizerTable:
         return Vocabulary(vocab.kind, vocab.pieces, vocab.encodable, vocab.eos, encoder)
 
 
+def _token_id(value: Any, key: str) -> int:
+    """``value`` as a token id, or ValueError naming ``key``: an integer (not a bool) in ``[0, MAX_TOKEN_ID]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
+        raise ValueError(f"{key} = {short_repr(value)} is not a token id (an integer in [0, 2**31))")
+    return value
+
+
+def _list(value: Any, key: str) -> list[Any]:
+    """``value`` when it is a list, [] when it is missing or null; ValueError naming ``key`` otherwise."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{key} = {short_repr(value)} is not a list")
+    return value
+
+
+def _merge(merge: Any, key: str) -> str:
+    """A BPE merge as ``"left right"``: tokenizer.json writes it so, or (tokenizers >= 0.20) as a pair."""
+    if isinstance(merge, str):
+        return merge
+    if isinstance(merge, list) and len(merge) == 2 and all(isinstance(side, str) for side in merge):
+        return " ".join(merge)
+    raise ValueError(f"{key} = {short_repr(merge)} is not a merge (\"left right\" or [left, right])")
+
+
 def _mentions_byte_level(decoder: Any) -> bool:
     """Whether a tokenizer.json decoder (possibly a Sequence of them) is GPT-2's ByteLevel."""
     if not isinstance(decoder, dict):
         return False
     if decoder.get("type") == "ByteLevel":
         return True
-    return any(_mentions_byte_level(d) for d in decoder.get("decoders") or [])
+    decoders = decoder.get("decoders")
+    return isinstance(decoders, list) and any(_mentions_byte_level(d) for d in decoders)
 
 
 def escape(data: bytes) -> str:
