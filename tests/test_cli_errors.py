@@ -12,9 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from recurrent_cache import cli
-from recurrent_cache.cli import demo
-from recurrent_cache.models import TRAINED_GGUF, ModelError, load_gguf
+import recurrent_cache as rc
+from recurrent_cache import cli, errors, storage
+from recurrent_cache.cli import convert, demo, demo_prefix, demo_speculative, generate
+from recurrent_cache.models import TRAINED_GGUF, ModelError, Sampler, load_gguf
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -196,65 +197,160 @@ def test_store_implies_prefix_cache():
     assert demo.parse_args(["--store", "states"]).prefix_cache
 
 
-# -- a stdout that fails: a closed pipe, a full disk ------------------------------------------------
+# -- the package's errors, from any command: one line, status 2 -----------------------------------
 
 
-def blob_file(directory) -> str:
-    from recurrent_cache import RecurrentCache, Batch
-    cache = RecurrentCache(1, 4, 4, n_seq_max=1)
-    cache.init_batch(Batch(token=[1, 2], pos=[0, 1])).apply()
-    path = directory / "state.bin"
-    path.write_bytes(cache.state_write())
-    return str(path)
+def package_errors() -> list[type[errors.RecurrentCacheError]]:
+    """Every class of the package's hierarchy but OutputError (a failed stdout: test_cli_output.py)."""
+    found, todo = [], [errors.RecurrentCacheError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo += cls.__subclasses__()
+    return sorted((cls for cls in found if cls is not errors.OutputError), key=lambda cls: cls.__name__)
 
 
-OUTPUT_COMMANDS = {
-    "demo": ["demo", "--clients", "2", "--parallel", "2", "--n-predict", "2", "--quiet"],
-    "generate": ["generate", "def f", "-n", "20"],
-    "inspect": ["inspect", "BLOB"],
-    "help": ["demo", "--help"],
+# command line -> (module, the name in it that the command's work goes through)
+RAISING = {
+    ("demo", "--quiet"): (demo, "serve_clients"),
+    ("demo", "--prefix-cache", "--quiet"): (demo_prefix, "run"),
+    ("demo", "--speculative", "2", "--quiet"): (demo_speculative, "run"),
+    ("generate", "x", "-n", "3"): (generate, "serve"),
+    ("convert", "hf_dir", "out.gguf"): (convert, "convert_hf_to_gguf"),
 }
 
 
-def output_args(name: str, directory) -> list[str]:
-    return [blob_file(directory) if arg == "BLOB" else arg for arg in OUTPUT_COMMANDS[name]]
+@pytest.mark.parametrize("error", package_errors(), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("args", RAISING, ids=" ".join)
+def test_every_package_error_of_every_command_is_one_line(capsys, monkeypatch, args, error):
+    """Whatever the package raises inside a command is ``PROG: MESSAGE`` and status 2."""
+    def fail(*_args, **_kwargs):
+        raise error(f"what went wrong ({error.__name__})")
+    monkeypatch.setattr(*RAISING[args], fail)
+    result = run_in_process(capsys, *args)
+    assert (result.returncode, result.stderr) == (2, f"{args[0]}: what went wrong ({error.__name__})\n")
 
 
-def assert_stdout_failure(status: int, stderr: str) -> None:
-    assert status == 1, stderr
-    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot write to stdout" in lines[0], stderr
+def test_an_unexpected_exception_is_still_a_traceback(capsys, monkeypatch):
+    """A bug is reported as one: only the package's errors are the user's."""
+    def fail(*_args, **_kwargs):
+        raise KeyError("a bug")
+    monkeypatch.setattr(generate, "serve", fail)
+    with pytest.raises(KeyError, match="a bug"):
+        cli.main(["generate", "x", "-n", "3"])
 
 
-@pytest.mark.parametrize("name", sorted(OUTPUT_COMMANDS))
-def test_a_closed_stdout_is_one_line(tmp_path, name):
-    """``python -m recurrent_cache ... | head -0``: the reader has left before the first write."""
-    process = subprocess.Popen([sys.executable, "-m", "recurrent_cache", *output_args(name, tmp_path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    process.stdout.close()
-    stderr = process.stderr.read()
-    assert_stdout_failure(process.wait(timeout=120), stderr)
+CACHE_COMMANDS = {"demo": ["demo", "--quiet", "--clients", "2", "--n-predict", "2"],
+                  "demo --fork": ["demo", "--quiet", "--fork", "--n-predict", "2"],
+                  "demo --prefix-cache": ["demo", "--quiet", "--prefix-cache", "--clients", "2", "--n-predict", "2"],
+                  "demo --speculative": ["demo", "--quiet", "--speculative", "2", "--clients", "2",
+                                         "--n-predict", "2"],
+                  "generate": ["generate", "x", "-n", "2"]}
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
-@pytest.mark.parametrize("name", sorted(OUTPUT_COMMANDS))
-def test_a_full_stdout_is_one_line(tmp_path, name):
-    with open("/dev/full", "w") as full:
-        result = subprocess.run([sys.executable, "-m", "recurrent_cache", *output_args(name, tmp_path)],
-                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
-    assert_stdout_failure(result.returncode, result.stderr)
+@pytest.mark.parametrize("name", CACHE_COMMANDS)
+def test_a_device_torch_cannot_serve_is_named_in_one_line(capsys, monkeypatch, name):
+    """TorchStorage's refusal of a device (storage.py), in its own words: not as cells that
+    cannot be allocated, and before the model runs."""
+    def no_cuda(device=None, host_access=None):
+        raise rc.ConfigError(f"device {device!r}: Torch not compiled with CUDA enabled")
+    monkeypatch.setattr(storage, "TorchStorage", no_cuda)
+    result = run_in_process(capsys, *CACHE_COMMANDS[name], "--storage", "torch", "--device", "cuda")
+    prog = CACHE_COMMANDS[name][0]
+    assert (result.returncode, result.stderr) == (2, f"{prog}: device 'cuda': Torch not compiled with CUDA enabled\n")
 
 
-def test_head_of_the_demo_through_a_shell_pipe():
-    """The user's command: the first line arrives, and whatever happens after is at most one line."""
-    shell = shutil.which("bash")
-    if shell is None:
-        pytest.skip("no bash")
-    command = f"{sys.executable} -m recurrent_cache demo --clients 2 --n-predict 2 --quiet | head -1"
-    result = subprocess.run([shell, "-c", command], capture_output=True, text=True, timeout=120)
-    assert result.stdout.startswith("model ") and result.stdout.count("\n") == 1
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 1, result.stderr
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_cuda_without_cuda_is_one_line_in_a_real_process(command):
+    """The issue's run: ``--device cuda`` on a torch without CUDA."""
+    torch = pytest.importorskip("torch", reason="--storage torch needs torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: --device cuda works here")
+    try:
+        storage.TorchStorage("cuda")
+    except rc.ConfigError:
+        pass
+    except AssertionError:   # torch's own words, before storage.py names such a device in a ConfigError
+        pytest.skip("TorchStorage('cuda') raises torch's AssertionError here, not a ConfigError")
+    args = CACHE_COMMANDS[command]
+    result = run_cli(*args, "--storage", "torch", "--device", "cuda")
+    assert_one_line_error(result, f"{command}: ", "cuda")
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize("name", ["demo", "generate"])
+def test_storage_torch_without_torch_says_so(capsys, monkeypatch, name):
+    """Without torch installed, the line names what is missing and how to get it."""
+    monkeypatch.setitem(sys.modules, "torch", None)   # import torch raises ImportError
+    result = run_in_process(capsys, *CACHE_COMMANDS[name], "--storage", "torch")
+    assert (result.returncode, result.stderr) == (
+        2, f"{name}: storage='torch' needs PyTorch: pip install 'recurrent_cache[torch]'\n")
+
+
+# -- a newcomer's messages -------------------------------------------------------------------------
+
+
+def test_no_command_lists_the_commands(capsys):
+    result = run_in_process(capsys)
+    assert_one_line_error(result, *cli.COMMANDS, "--help")
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in cli.COMMANDS)], ids=lambda c: " ".join(c) or "top")
+def test_help_has_no_markup(capsys, command):
+    """--help is read in a terminal: no reST or Markdown backticks."""
+    result = run_in_process(capsys, *command, "--help")
+    assert result.returncode == 0 and "usage:" in result.stdout
+    assert "`" not in result.stdout, result.stdout
+
+
+def test_inspect_names_a_gguf_model_file(capsys):
+    result = run_in_process(capsys, "inspect", str(TRAINED_GGUF))
+    assert_one_line_error(result, str(TRAINED_GGUF), "GGUF model file", "--model")
+    assert result.returncode == 1
+
+
+def test_generate_takes_token_ids(capsys):
+    """--tokens gives the same run as the text those ids encode."""
+    text = run_in_process(capsys, "generate", "def ", "-n", "12", "--temperature", "0")
+    ids = ",".join(map(str, b"def "))
+    tokens = run_in_process(capsys, "generate", "--tokens", ids, "-n", "12", "--temperature", "0")
+    assert tokens.returncode == text.returncode == 0, tokens.stderr
+    assert tokens.stdout == text.stdout and tokens.stdout.startswith("def ")
+
+
+GENERATE_TOKENS_BAD = [
+    (["--tokens", "100,256"], ("256 is not a token of the model", "0 to 255")),
+    (["--tokens", "1,,2"], ("--tokens", "''")),
+    (["--tokens", "-1"], ("--tokens", "-1")),
+    (["--tokens", "one"], ("--tokens", "'one'")),
+    (["x", "--tokens", "1"], ("--tokens", "not allowed with argument prompt")),
+    (["-n", "3"], ("prompt --tokens", "required")),
+]
+
+
+@pytest.mark.parametrize("args, needles", GENERATE_TOKENS_BAD, ids=[" ".join(a) for a, _ in GENERATE_TOKENS_BAD])
+def test_generate_refuses_bad_token_ids_in_one_line(capsys, args, needles):
+    result = run_in_process(capsys, "generate", *args)
+    assert_one_line_error(result, *needles)
+    assert result.returncode == 2
+
+
+def test_a_model_without_vocabulary_takes_and_gives_token_ids(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from recurrent_cache.models import load_model, random_model, write_gguf
+    path = tmp_path / "ids.gguf"
+    write_gguf(random_model(seed=0, n_vocab=100, n_embd=16, n_layer=1, d_state=4), path)
+    result = run_in_process(capsys, "generate", "--tokens", "7,8,9", "-n", "4", "--temperature", "0",
+                            "--model", str(path))
+    assert result.returncode == 0, result.stderr
+    expected, _ = generate.generate(load_model(path), [7, 8, 9], 4, Sampler(), n_ubatch=64, dtype="f32")
+    assert result.stdout == " ".join(map(str, [7, 8, 9, *expected])) + "\n"
+    assert_one_line_error(run_in_process(capsys, "generate", "--tokens", "100", "--model", str(path)),
+                          "100 is not a token", "0 to 99")
+
+
+# -- Ctrl-C (a failing stdout: test_cli_output.py) -------------------------------------------------
 
 
 def test_ctrl_c_is_one_line():
@@ -357,15 +453,14 @@ def test_a_model_without_vocabulary_cannot_take_text(tmp_path, capsys):
     from recurrent_cache.models import random_model, write_gguf
     path = tmp_path / "ids.gguf"
     write_gguf(random_model(seed=0, n_vocab=100, n_embd=16, n_layer=1, d_state=4), path)
-    assert_one_line_error(run_in_process(capsys, "generate", "x", "--model", str(path)), "no vocabulary")
+    assert_one_line_error(run_in_process(capsys, "generate", "x", "--model", str(path)), "no vocabulary", "--tokens")
     result = run_in_process(capsys, "demo", "--quiet", "--model", str(path), "--clients", "2", "--n-predict", "3")
     assert result.returncode == 0 and "PASSED" in result.stdout, result.stderr  # random token-id prompts
 
 
 def test_no_hang_and_no_traceback_when_the_model_file_is_a_fifo(tmp_path, capsys):
-    if not hasattr(__import__("os"), "mkfifo"):
+    if not hasattr(os, "mkfifo"):
         pytest.skip("no FIFOs here")
-    import os
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     assert_one_line_error(run_in_process(capsys, "generate", "x", "--model", str(fifo)), str(fifo))

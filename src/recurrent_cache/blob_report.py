@@ -39,6 +39,7 @@ __all__ = ["describe", "describe_file"]
 
 _LIMIT = INT32_END - 1   # the constructor's largest size, n_layer and n_embd
 _BF16 = STATE_TYPES["bf16"].type_id   # stored as the upper half of a float32, widened by hand
+_GGUF_MAGIC = b"GGUF"   # how a model file begins: given to inspect for a state file, it is named as such
 _FORMAT_NAMES = {BARE: "state blob", SEQ_BLOB: "state blob (llama_state_seq_get_data)",
                  CONTEXT_BLOB: "state blob (llama_state_get_data)",
                  CONTEXT_BLOB_V9: "state blob (June-2025 llama_state_get_data)",
@@ -164,11 +165,15 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = Fa
     layers whose r and s sections the blob holds (see the module's docstring).
     """
     inspection = _Inspection(layers)
+    head = _first_bytes(file, len(_GGUF_MAGIC))
     try:
         contents = read_file(file, "inspect", seq_id=None, watch=inspection, rows=inspection.rows,
                              max_tokens=max_tokens, kv_section=kv_section, layers=layers,
                              infer_layers=layers is None)
     except StateError as exc:
+        if head == _GGUF_MAGIC:
+            raise StateError("not a valid state blob or sequence file: this is a GGUF model file (a model's "
+                             "weights, which demo and generate load with --model)") from None
         raise StateError(f"not a valid state blob or sequence file: {exc}") from None
     blob, framing = contents.blob, contents.framing
     if layers is None and blob.n_layer and not blob.tensors:   # inferred: the empty filter
@@ -188,6 +193,18 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = Fa
         "kv_cell_ext": framing.kv_cell_ext,
         "cells": [{"pos": cell.pos, "seq_ids": list(cell.seq_ids)} for cell in blob.cells],
         "tensors": [tensor.result() for tensor in inspection.tensors]}
+
+
+def _first_bytes(file: Any, n: int) -> bytes:
+    """Up to ``n`` bytes from the file's position, left there to be read again: by seeking back,
+    or (a pipe) from a buffered reader's buffer; b"" when the file allows neither."""
+    if file.seekable():
+        start = file.tell()
+        head = bytes(file.read(n))
+        file.seek(start)
+        return head
+    peek = getattr(file, "peek", None)
+    return bytes(peek(n)[:n]) if peek is not None else b""
 
 
 def describe(data: Any) -> dict[str, Any]:

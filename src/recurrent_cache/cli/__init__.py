@@ -5,10 +5,13 @@
 ``options`` (one-line parse errors, range-checked numbers), ``model_options``
 (the model, read in one place), ``serving`` (the one serving loop and batch
 builder), ``clients`` and ``verification`` (the demo's clients and their
-check against solo runs), and ``output`` (a stdout that fails in one line).
+check against solo runs), and ``output`` (what a failed stdout does).
 
 ``main`` dispatches to the subcommand's module, imported only when it is run,
-so ``inspect`` never pays for loading a model.
+so ``inspect`` never pays for loading a model.  It is also where any error of
+the package (a ``RecurrentCacheError``) that a subcommand lets through becomes
+one line, ``demo: MESSAGE``, and exit status 2: a user's mistake is never a
+traceback.  Any other exception still is one, because it is a bug to report.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import argparse
 import importlib
 import sys
 
-from .options import OneLineParser
+from ..errors import RecurrentCacheError
+from .options import USER_ERROR, OneLineParser
 from .output import guarded_stdout
 
 __all__ = ["COMMANDS", "INTERRUPTED", "main"]
@@ -44,12 +48,16 @@ examples:
 def main(argv: list[str] | None = None) -> int:
     """Run the subcommand named by ``argv[0]`` with the rest of ``argv``; its exit status.
 
-    A failed write to stdout, or Ctrl-C, ends it with one line on stderr, named by the subcommand.
+    An error of the package, a failed write to stdout, or Ctrl-C, ends it with one line on stderr,
+    named by the subcommand; a reader that closed the pipe, silently (see ``output``).
     """
     argv = sys.argv[1:] if argv is None else argv
     name = argv[0] if argv and argv[0] in COMMANDS else "python -m recurrent_cache"
     try:
         return guarded_stdout(name, lambda: _dispatch(argv))
+    except RecurrentCacheError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return USER_ERROR
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -57,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     """Parse the subcommand's name, import its module, run its ``main`` on the rest."""
+    if not argv:
+        print(f"python -m recurrent_cache: a command is needed: {', '.join(COMMANDS)} "
+              "(python -m recurrent_cache --help shows what each does)", file=sys.stderr)
+        return USER_ERROR
     parser = OneLineParser(prog="python -m recurrent_cache", epilog=EXAMPLES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=sorted(COMMANDS),

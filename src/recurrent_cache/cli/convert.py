@@ -2,7 +2,8 @@
 
 The file has llama.cpp's keys, tensor names and tokenizer, so the same model —
 and its state files — can be taken to llama.cpp.  A bad directory or option
-is one line on stderr (``convert: ...``) and exit status 2.
+is one line on stderr (``convert: ...``) and exit status 2 (the package's
+other errors become that line in ``cli.main``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from .options import USER_ERROR, OneLineParser, text
 
 __all__ = ["EXAMPLES", "main", "parse_args"]
 
+DESCRIPTION = ("Write a Hugging Face Mamba / Mamba-2 checkpoint directory as a GGUF file with llama.cpp's\n"
+               "keys, tensor names and tokenizer, so that llama.cpp can run the model and read its states.")
+
 EXAMPLES = """\
 examples:
   python -m recurrent_cache convert ./mamba-130m-hf mamba-130m.gguf
@@ -26,7 +30,7 @@ examples:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options, checked: a bad value exits with one line."""
-    parser = OneLineParser(prog="python -m recurrent_cache convert", description=(__doc__ or "").split("\n\n")[0],
+    parser = OneLineParser(prog="python -m recurrent_cache convert", description=DESCRIPTION,
                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hf_dir", metavar="HF_DIR", type=text("HF_DIR"),
                         help="a directory written by transformers' save_pretrained")

@@ -26,7 +26,6 @@ import argparse
 import sys
 import time
 
-from ..errors import ConfigError
 from ..models import RecurrentModel, ModelError, write_gguf
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
@@ -158,15 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, OSError, ModelError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return USER_ERROR
-    try:
-        if options.prefix_cache:
-            return demo_prefix.run(options, model)
-        if options.speculative:
-            return demo_speculative.run(options, model)
-        return serve_clients(options, model)
-    except ConfigError as exc:
-        print(f"demo: {exc}", file=sys.stderr)
-        return USER_ERROR
+    if options.prefix_cache:
+        return demo_prefix.run(options, model)
+    if options.speculative:
+        return demo_speculative.run(options, model)
+    return serve_clients(options, model)
 
 
 def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:

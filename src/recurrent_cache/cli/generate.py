@@ -11,6 +11,10 @@ positions and state size) go to stderr at the end, so
 The model is the shipped byte-level Mamba unless ``--model FILE.gguf`` names
 another (its own vocabulary encodes the prompt and decodes the tokens) or
 ``--random-weights`` asks for the seeded random one.
+
+``--tokens 1,2,3`` gives the prompt as token ids instead of text, each checked
+against the model's vocabulary; a model without a vocabulary takes only these,
+and its stdout is then the prompt's and the generated token ids.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import sys
 import time
 from typing import TextIO
 
-from ..errors import ConfigError
 from ..models import RecurrentModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .model_options import add_model_options, add_storage_options, build_model, storage_refusal
@@ -40,7 +43,28 @@ examples:
   python -m recurrent_cache generate "import os" -n 400 --temperature 0.8 --top-k 20 --seed 3
   python -m recurrent_cache generate "class Stack:" --temperature 0 > continuation.txt
   python -m recurrent_cache generate "def main():" --storage torch --device cpu
+  python -m recurrent_cache generate --tokens 100,101,102,32 -n 20   # the prompt as token ids
 """
+
+MAX_TOKEN_ID = 2**31 - 2   # a token id is an int32 row of the embedding
+
+
+def token_ids(text: str) -> list[int]:
+    """An argparse ``type``: token ids separated by commas, e.g. "1,2,3"."""
+    ids = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a token id (ids are separated by commas, "
+                                             f"e.g. 1,2,3)") from None
+        if not 0 <= value <= MAX_TOKEN_ID:
+            raise argparse.ArgumentTypeError(f"token id {value} is outside [0, {MAX_TOKEN_ID}]")
+        ids.append(value)
+    return ids
+
+
+token_ids.__name__ = "token ids"   # how argparse names the type in its error
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,7 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python -m recurrent_cache generate",
         description="Continue one prompt with a Mamba model served from a recurrent cache, streaming the text.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt", help="the text to continue")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("prompt", nargs="?", help="the text to continue")
+    prompt.add_argument("--tokens", metavar="IDS", type=token_ids,
+                        help="the prompt as token ids of the model's vocabulary instead of text, e.g. 1,2,3; "
+                             "a model without a vocabulary takes only these, and prints token ids")
     parser.add_argument("-n", "--n-predict", type=int_in(1, 1_000_000), default=200,
                         help="tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float_in(0.0, 100.0), default=DEFAULT_TEMPERATURE,
@@ -131,36 +159,33 @@ def serve(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sam
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Generate from the prompt (text or ``--tokens``) the arguments give; the exit status."""
     options = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         model = build_model(options)
     except (ModelError, ImportError) as exc:
         print(f"generate: {exc}", file=sys.stderr)
         return USER_ERROR
-    if model.vocab is None:
-        print(f"generate: {options.model}: the model has no vocabulary (tokenizer.ggml.tokens) and "
-              f"{model.hparams.n_vocab} tokens, so text cannot be encoded", file=sys.stderr)
-        return USER_ERROR
-    try:
-        prompt = model.vocab.encode(options.prompt)
-    except ValueError as exc:
-        print(f"generate: the prompt cannot be encoded: {exc}", file=sys.stderr)
-        return USER_ERROR
-    if not prompt:
-        print("generate: the prompt is empty", file=sys.stderr)
+    prompt, problem = encoded_prompt(model, options)
+    if problem:
+        print(f"generate: {problem}", file=sys.stderr)
         return USER_ERROR
 
     sampler = Sampler(options.temperature, options.top_k, options.seed)
-    stream = TextStream(sys.stdout)
-    sys.stdout.write(options.prompt)
-    try:
+    if model.vocab is None:   # token ids in, token ids out: no vocabulary gives them text
+        client, figures = serve(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype,
+                                storage=options.storage, device=options.device)
+        print(" ".join(map(str, prompt + client.tokens)))
+    else:
+        stream = TextStream(sys.stdout)
+        if options.tokens is None:
+            sys.stdout.write(options.prompt)
+        else:
+            stream.write(model.vocab.decode(prompt))   # the ids' text, escaped as generated text is
         client, figures = serve(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream,
                                 options.storage, options.device)
-    except ConfigError as exc:
-        print(f"generate: {exc}", file=sys.stderr)
-        return USER_ERROR
-    stream.write(b"", final=True)
-    sys.stdout.write("\n")
+        stream.write(b"", final=True)
+        sys.stdout.write("\n")
     sys.stdout.flush()
 
     name = options.model or ("random weights" if options.random_weights else "shipped byte-level model")
@@ -177,6 +202,26 @@ def main(argv: list[str] | None = None) -> int:
     if options.storage != "numpy":
         return verify_against_numpy(model, client, options)
     return 0
+
+
+def encoded_prompt(model: RecurrentModel, options: argparse.Namespace) -> tuple[list[int], str]:
+    """The prompt as token ids: ``--tokens`` checked against the model's vocabulary, or the text
+    encoded by it; and "" or why there is no prompt to run."""
+    n_vocab = model.hparams.n_vocab
+    if options.tokens is not None:
+        outside = [token for token in options.tokens if token >= n_vocab]
+        if outside:
+            return [], (f"--tokens: {outside[0]} is not a token of the model, whose vocabulary has the ids "
+                        f"0 to {n_vocab - 1}")
+        return options.tokens, ""
+    if model.vocab is None:
+        return [], (f"{options.model}: the model has no vocabulary (tokenizer.ggml.tokens) and {n_vocab} "
+                    f"tokens, so text cannot be encoded: give the prompt as ids with --tokens")
+    try:
+        prompt = model.vocab.encode(options.prompt)
+    except ValueError as exc:
+        return [], f"the prompt cannot be encoded: {exc}"
+    return prompt, "" if prompt else "the prompt is empty"
 
 
 def verify_against_numpy(model: RecurrentModel, client: Client, options: argparse.Namespace) -> int:

@@ -1,12 +1,22 @@
-"""A failed write to stdout is one line on stderr and a non-zero exit, never a traceback.
+"""What a command does when its stdout fails: never a traceback.
 
-``python -m recurrent_cache demo | head -1`` closes the pipe after one line;
-``... > /dev/full`` has no room.  Either way the next write (or the final
-flush) raises ``OSError``.  ``guarded_stdout`` tells such a failure apart
-from every other ``OSError`` by wrapping ``sys.stdout``: only writes through
-the wrapper raise ``OutputError``.  After one, stdout is pointed at the null
-device, as the CPython documentation recommends for ``BrokenPipeError``, so
-that the interpreter's own flush at exit does not fail a second time.
+``python -m recurrent_cache inspect F | head -3`` closes the pipe once the
+reader has what it wanted; a Unix tool is then ended by SIGPIPE, silently, and
+a shell reports status 141 (128 + SIGPIPE).  Python ignores SIGPIPE, so the
+write raises ``BrokenPipeError`` instead: the command stops there, says
+nothing and exits with ``READER_LEFT`` (141), as the tool would.
+
+Any other failure means the output is lost: ``... > /dev/full`` has no room,
+and ``... >&-`` starts the command without a stdout at all (``sys.stdout`` is
+None).  That is one line on stderr, ``PROG: cannot write to stdout: REASON``,
+and exit status ``OUTPUT_FAILED`` (1); without a stdout the command does not
+run.
+
+``guarded_stdout`` tells such a failure apart from every other ``OSError`` by
+wrapping ``sys.stdout``: only writes through the wrapper raise
+``OutputError``.  After one, stdout is pointed at the null device, as the
+CPython documentation recommends for ``BrokenPipeError``, so that the
+interpreter's own flush at exit does not fail a second time.
 """
 
 from __future__ import annotations
@@ -19,9 +29,10 @@ from typing import TextIO, cast
 
 from ..errors import OutputError
 
-__all__ = ["OUTPUT_FAILED", "guarded_stdout"]
+__all__ = ["OUTPUT_FAILED", "READER_LEFT", "guarded_stdout"]
 
 OUTPUT_FAILED = 1   # the exit status when stdout cannot be written
+READER_LEFT = 141   # the exit status after the reader closed the pipe: a shell's for a process ended by SIGPIPE
 
 
 class _GuardedStream(io.TextIOBase):
@@ -51,9 +62,13 @@ class _GuardedStream(io.TextIOBase):
 
 
 def guarded_stdout(prog: str, command: Callable[[], int]) -> int:
-    """Run ``command`` with a guarded stdout; its exit status, or ``OUTPUT_FAILED`` after one
-    line ``prog: cannot write to stdout: REASON`` on stderr when stdout failed."""
+    """Run ``command`` with a guarded stdout; its exit status, ``READER_LEFT`` (quietly) when the
+    reader closed the pipe, or ``OUTPUT_FAILED`` after one line ``prog: cannot write to stdout:
+    REASON`` on stderr when stdout is closed or a write to it failed otherwise."""
     stdout = sys.stdout
+    if stdout is None:   # started with file descriptor 1 closed: whatever the command printed would be lost
+        print(f"{prog}: cannot write to stdout: it is closed", file=sys.stderr)
+        return OUTPUT_FAILED
     sys.stdout = cast(TextIO, _GuardedStream(stdout))
     try:
         try:
@@ -62,6 +77,8 @@ def guarded_stdout(prog: str, command: Callable[[], int]) -> int:
             sys.stdout.flush()
     except OutputError as failure:
         _silence(stdout)
+        if isinstance(failure.__cause__, BrokenPipeError):
+            return READER_LEFT
         print(f"{prog}: cannot write to stdout: {failure}", file=sys.stderr)
         return OUTPUT_FAILED
     finally:

@@ -26,6 +26,7 @@ import numpy as np
 import recurrent_cache as rc
 
 from ..models import RecurrentModel, Sampler
+from ..storage import storage_for
 
 __all__ = ["Client", "Feed", "NoProgress", "Progress", "Server", "Stats", "build_batch",
            "new_cache", "progress_bar"]
@@ -34,10 +35,14 @@ __all__ = ["Client", "Feed", "NoProgress", "Progress", "Server", "Stats", "build
 def new_cache(model: RecurrentModel, n_seq_max: int, dtype: str, n_rollback: int = 0, storage: str = "numpy",
               device: str | None = None) -> rc.RecurrentCache:
     """A cache of ``n_seq_max`` cells for ``model`` in ``storage`` (on ``device``); ``ConfigError``
-    (saying which and why) when it cannot be had."""
+    (saying which and why) when it cannot be had.
+
+    The storage comes first, so that a storage that cannot be had (torch missing, a device torch
+    cannot serve) says so in its own words, not as cells that cannot be allocated."""
+    where = storage_for(storage, device)
     try:
         cache: rc.RecurrentCache = model.new_cache(n_seq_max=n_seq_max, dtype=dtype, n_rollback=n_rollback,
-                                                   storage=storage, device=device)
+                                                   storage=where)
     except (MemoryError, rc.RecurrentCacheError) as exc:
         rollback = f" with n_rollback {n_rollback}" if n_rollback else ""
         raise rc.ConfigError(f"cannot allocate {n_seq_max} state cells{rollback} for this model: {exc}") from exc
