@@ -3,10 +3,17 @@ pure-Python reference on numpy storage, and the compiled core on torch storage (
 through index arrays as on a GPU), all behind the one facade.  ``rc`` is used like
 ``import recurrent_cache as rc``; its ``RecurrentCache`` builds caches on the engine and storage
 under test, ``rc.ENGINE`` names the engine and ``rc.STORAGE`` the storage (``"numpy"`` or
-``"torch"``)."""
+``"torch"``).
+
+Every test that runs torch or transformers carries the ``needs_torch`` marker, applied here: the
+torch variant of a parametrized test, and every test of a module that imports torch or transformers.
+The newcomer's ``python -m pytest`` (the ``test`` extra, no torch) skips them; CI's second stage
+installs the ``test-torch`` extra and runs ``pytest -m needs_torch``.  A test that skips for lack of
+torch without the marker fails instead, so that the second stage cannot forget it."""
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -18,6 +25,8 @@ import recurrent_cache
 from recurrent_cache.storage import TorchStorage
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/golden.py and friends
+
+pytest_plugins = ["pytester"]   # tests/test_extras.py runs this conftest on tests of its own
 
 ENGINES = ("compiled", "reference")
 # The ``rc`` fixture's parameters: an engine on numpy storage, or "torch" (compiled, torch storage).
@@ -64,13 +73,50 @@ def pytest_configure(config):
                             "given (host memory a device storage lacks, or a run that would repeat another)")
 
 
+# The distributions whose tests are CI's second stage: the test-torch extra installs them.
+TORCH_MODULES = ("torch", "transformers")
+# A skip reason that says torch or transformers is missing (importorskip's own, or a test's words).
+TORCH_SKIP = re.compile(r"\b(torch|transformers)\b")
+
+
+def runs_torch_variant(value: Any) -> bool:
+    """Whether a parameter value is the torch variant: ``"torch"``, or ``package_on("torch")``."""
+    return value == "torch" or getattr(value, "STORAGE", None) == "torch"
+
+
+def imports_torch(module: types.ModuleType | None) -> bool:
+    """Whether a test module imported torch or transformers (or one of their modules) at its top level."""
+    return module is not None and any(
+        isinstance(value, types.ModuleType) and value.__name__.split(".")[0] in TORCH_MODULES
+        for value in vars(module).values())
+
+
 def pytest_collection_modifyitems(items):
-    """Apply ``torch_xfail`` / ``torch_skip`` to the torch run of a test (``rc`` = "torch") only."""
+    """Mark ``needs_torch`` (see the module's docstring); apply ``torch_xfail`` / ``torch_skip`` to the
+    torch run of a test (``rc`` = "torch") only."""
     for item in items:
         callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        if any(runs_torch_variant(value) for value in params) or imports_torch(getattr(item, "module", None)):
+            item.add_marker(pytest.mark.needs_torch)
         if callspec is None or callspec.params.get("rc") != "torch":
             continue
         for marker in item.iter_markers("torch_xfail"):
             item.add_marker(pytest.mark.xfail(strict=True, reason=marker.args[0]))
         for marker in item.iter_markers("torch_skip"):
             item.add_marker(pytest.mark.skip(reason=marker.args[0]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skips for lack of torch or transformers must carry ``needs_torch``: fail it otherwise."""
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and not hasattr(report, "wasxfail") and call.excinfo is not None
+            and item.get_closest_marker("needs_torch") is None):
+        reason = str(call.excinfo.value)
+        if TORCH_SKIP.search(reason):
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} skips for lack of torch ({reason}) but is not marked needs_torch, "
+                               "so CI's torch stage would not run it: parametrize it over the torch variant, "
+                               "import torch at its module's top level, or mark it @pytest.mark.needs_torch")
