@@ -5,14 +5,16 @@ through index arrays as on a GPU), all behind the one facade.  ``rc`` is used li
 under test, ``rc.ENGINE`` names the engine and ``rc.STORAGE`` the storage (``"numpy"`` or
 ``"torch"``).
 
-Every test that runs torch or transformers carries the ``needs_torch`` marker, applied here: the
-torch variant of a parametrized test, and every test of a module that imports torch or transformers.
-The newcomer's ``python -m pytest`` (the ``test`` extra, no torch) skips them; CI's second stage
-installs the ``test-torch`` extra and runs ``pytest -m needs_torch``.  A test that skips for lack of
+Every test that runs torch or transformers carries the ``needs_torch`` marker, applied here
+(``needs_torch()`` says how it is found).  Without torch (the newcomer's ``python -m pytest``, the
+``test`` extra) they skip, naming the extra to install; CI's second stage installs the ``test-torch``
+extra and runs ``pytest -m needs_torch``.  The slowest tests carry ``slow`` (``SLOW``), which a quick
+run while editing leaves out (``-m "not slow"``).  A test that skips for lack of
 torch without the marker fails instead, so that the second stage cannot forget it."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import types
@@ -75,13 +77,17 @@ def pytest_configure(config):
 
 # The distributions whose tests are CI's second stage: the test-torch extra installs them.
 TORCH_MODULES = ("torch", "transformers")
+TORCH_MISSING = importlib.util.find_spec("torch") is None
 # A skip reason that says torch or transformers is missing (importorskip's own, or a test's words).
 TORCH_SKIP = re.compile(r"\b(torch|transformers)\b")
 
 
 def runs_torch_variant(value: Any) -> bool:
-    """Whether a parameter value is the torch variant: ``"torch"``, or ``package_on("torch")``."""
-    return value == "torch" or getattr(value, "STORAGE", None) == "torch"
+    """Whether a value is the torch variant: ``"torch"`` or ``package_on("torch")``, or a list or
+    tuple holding one."""
+    if isinstance(value, (list, tuple)):
+        return any(runs_torch_variant(element) for element in value)
+    return (isinstance(value, str) and value == "torch") or getattr(value, "STORAGE", None) == "torch"
 
 
 def imports_torch(module: types.ModuleType | None) -> bool:
@@ -91,14 +97,61 @@ def imports_torch(module: types.ModuleType | None) -> bool:
         for value in vars(module).values())
 
 
+# Tests that need torch where nothing in the test shows it, and why.
+NEEDS_TORCH_BY_ID = {
+    "tests/test_tooling.py::test_the_whole_package_type_checks_strictly":
+        "mypy --strict reads torch's own types for the torch storage and forward",
+    "tests/test_bench_smoke.py::test_every_script_runs_quick[storage.py]": "bench/storage.py times the torch storage",
+}
+
+
+def needs_torch(item: pytest.Item) -> bool:
+    """Whether a test runs torch: it is marked or listed in ``NEEDS_TORCH_BY_ID``, its parameters hold
+    the torch variant, its module imports torch or transformers, its function reads a module-level
+    torch variant (``IMPLEMENTATIONS``), or it runs a hypothesis state machine whose class holds one."""
+    if item.get_closest_marker("needs_torch") is not None or item.nodeid in NEEDS_TORCH_BY_ID:
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(runs_torch_variant(value) for value in callspec.params.values()):
+        return True
+    module = getattr(item, "module", None)
+    if imports_torch(module):
+        return True
+    function = getattr(item, "function", None)
+    # a hypothesis test's own body is its wrapper's inner_test
+    function = getattr(getattr(function, "hypothesis", None), "inner_test", function)
+    code = getattr(function, "__code__", None)
+    if module is not None and code is not None and any(
+            runs_torch_variant(vars(module).get(name)) for name in code.co_names):
+        return True
+    machine = getattr(getattr(item, "obj", None), "_hypothesis_state_machine_class", None)
+    return machine is not None and any(runs_torch_variant(getattr(machine, name, None)) for name in dir(machine)
+                                       if not name.startswith("_"))
+
+
+# The slowest tests (pytest --durations on 2 cores), by node id prefix: each runs the demo, a
+# subprocess build, mypy or a long state machine.
+SLOW = ("tests/test_transcripts.py::", "tests/test_prefix_cache_demo.py::", "tests/test_tooling.py::",
+        "tests/test_state_machine.py::TestCoreMatchesReference", "tests/test_prefix_cache_machine.py::",
+        "tests/test_hostile.py::test_former_crashers_raise_package_errors[huge cache sizes]",
+        "tests/test_capi.py::test_example_loop_equals_python_api", "tests/test_prepare.py::",
+        "tests/test_bench_smoke.py::", "tests/test_stores_shared.py::", "tests/test_speculative.py::test_demo_",
+        "tests/test_prefix_cache_trust.py::test_saves_racing_a_thread")
+
+
 def pytest_collection_modifyitems(items):
-    """Mark ``needs_torch`` (see the module's docstring); apply ``torch_xfail`` / ``torch_skip`` to the
-    torch run of a test (``rc`` = "torch") only."""
+    """Mark ``slow`` and ``needs_torch`` (see the module's docstring) and, without torch, skip the
+    latter saying what to install; apply ``torch_xfail`` / ``torch_skip`` to the torch run of a test
+    (``rc`` = "torch") only."""
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        params = callspec.params.values() if callspec is not None else ()
-        if any(runs_torch_variant(value) for value in params) or imports_torch(getattr(item, "module", None)):
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+        if needs_torch(item):
             item.add_marker(pytest.mark.needs_torch)
+            if TORCH_MISSING:
+                item.add_marker(pytest.mark.skip(reason="runs torch: pip install '.[test-torch]' "
+                                                 "(CI's second stage, pytest -m needs_torch)"))
+        callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("rc") != "torch":
             continue
         for marker in item.iter_markers("torch_xfail"):

@@ -258,7 +258,14 @@ def test_strict_build_fails_on_a_broken_page(tmp_path, breakage):
 
 # -- the code blocks -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def runs_torch(page: Path) -> bool:
+    """Whether a page's python blocks build torch caches (docs/storage.md): CI's torch stage runs them."""
+    return any(block.language == "python" and "torch" in block.code
+               for block in blocks_of(page.read_text(encoding="utf-8"), page.name))
+
+
+@pytest.mark.parametrize("page", [pytest.param(page, marks=[pytest.mark.needs_torch] if runs_torch(page) else [])
+                                  for page in PAGES], ids=[page.name for page in PAGES])
 def test_code_blocks_run(page, tmp_path, rc, monkeypatch):
     """Every block of the page passes its language's rule (this module's docstring); the python
     blocks run on both engines (the caches they build take ``RECURRENT_CACHE_IMPL``), the

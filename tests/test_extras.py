@@ -256,20 +256,25 @@ def test_an_extra_of_this_package_is_expanded():
         EXTRAS["test"] | EXTRAS["train"] | {"torch"}
 
 
-def test_a_test_that_skips_for_lack_of_torch_without_the_needs_torch_marker_fails(pytester):
-    """CI's torch stage runs ``-m needs_torch``: tests/conftest.py marks the torch variants and the modules
-    that import torch, and fails a test that skips for lack of torch without the marker (it would be lost)."""
+def test_conftest_marks_every_torch_test_and_fails_one_it_cannot_see(pytester):
+    """CI's torch stage runs ``-m needs_torch``: tests/conftest.py marks the torch variants, the tests
+    reading a module-level list of variants, and fails a test that skips for lack of torch without the
+    marker (the torch stage would never run it)."""
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text(encoding="utf-8"))
     pytester.makepyfile(test_lost="""
         import pytest
 
+        VARIANTS = ["numpy", "torch"]
+
         def test_unmarked():
             pytest.importorskip("torch_that_is_not_installed", reason="the comparison needs torch")
 
-        @pytest.mark.parametrize("variant", ["numpy", "torch"])
+        @pytest.mark.parametrize("variant", VARIANTS)
         def test_variants(variant):
-            if variant == "torch":
-                pytest.skip("the torch variant needs torch")
+            assert variant in ("numpy", "torch")
+
+        def test_every_variant():
+            assert len(VARIANTS) == 2
 
         @pytest.mark.needs_torch
         def test_marked():
@@ -278,8 +283,9 @@ def test_a_test_that_skips_for_lack_of_torch_without_the_needs_torch_marker_fail
         def test_other_skip():
             pytest.skip("needs CUDA")
     """)
-    result = pytester.runpytest("-p", "no:xdist", "-p", "no:cacheprovider", "-rfs")
-    result.assert_outcomes(passed=1, skipped=3, failed=1)
+    result = pytester.runpytest("-p", "no:xdist", "-p", "no:cacheprovider", "-rf")
+    assert result.parseoutcomes()["failed"] == 1
     result.stdout.fnmatch_lines(["*test_unmarked skips for lack of torch*not marked needs_torch*"])
-    marked = pytester.runpytest("-p", "no:xdist", "-p", "no:cacheprovider", "-m", "needs_torch")
-    marked.assert_outcomes(skipped=2)
+    marked = pytester.runpytest("-p", "no:xdist", "-p", "no:cacheprovider", "-m", "needs_torch", "--collect-only", "-q")
+    marked.stdout.fnmatch_lines(["test_lost.py::test_variants[[]torch[]]", "test_lost.py::test_every_variant",
+                                 "test_lost.py::test_marked", "3/6 tests collected (3 deselected)*"])
