@@ -3,10 +3,19 @@ pure-Python reference on numpy storage, and the compiled core on torch storage (
 through index arrays as on a GPU), all behind the one facade.  ``rc`` is used like
 ``import recurrent_cache as rc``; its ``RecurrentCache`` builds caches on the engine and storage
 under test, ``rc.ENGINE`` names the engine and ``rc.STORAGE`` the storage (``"numpy"`` or
-``"torch"``)."""
+``"torch"``).
+
+Every test that runs torch or transformers carries the ``needs_torch`` marker, applied here
+(``needs_torch()`` says how it is found).  Without torch (the newcomer's ``python -m pytest``, the
+``test`` extra) they skip, naming the extra to install; CI's second stage installs the ``test-torch``
+extra and runs ``pytest -m needs_torch``.  The slowest tests carry ``slow`` (``SLOW``), which a quick
+run while editing leaves out (``-m "not slow"``).  A test that skips for lack of
+torch without the marker fails instead, so that the second stage cannot forget it."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import sys
 import types
 from pathlib import Path
@@ -18,6 +27,8 @@ import recurrent_cache
 from recurrent_cache.storage import TorchStorage
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/golden.py and friends
+
+pytest_plugins = ["pytester"]   # tests/test_extras.py runs this conftest on tests of its own
 
 ENGINES = ("compiled", "reference")
 # The ``rc`` fixture's parameters: an engine on numpy storage, or "torch" (compiled, torch storage).
@@ -64,9 +75,82 @@ def pytest_configure(config):
                             "given (host memory a device storage lacks, or a run that would repeat another)")
 
 
+# The distributions whose tests are CI's second stage: the test-torch extra installs them.
+TORCH_MODULES = ("torch", "transformers")
+TORCH_MISSING = importlib.util.find_spec("torch") is None
+# A skip reason that says torch or transformers is missing (importorskip's own, or a test's words).
+TORCH_SKIP = re.compile(r"\b(torch|transformers)\b")
+
+
+def runs_torch_variant(value: Any) -> bool:
+    """Whether a value is the torch variant: ``"torch"`` or ``package_on("torch")``, or a list or
+    tuple holding one."""
+    if isinstance(value, (list, tuple)):
+        return any(runs_torch_variant(element) for element in value)
+    return (isinstance(value, str) and value == "torch") or getattr(value, "STORAGE", None) == "torch"
+
+
+def imports_torch(module: types.ModuleType | None) -> bool:
+    """Whether a test module imported torch or transformers (or one of their modules) at its top level."""
+    return module is not None and any(
+        isinstance(value, types.ModuleType) and value.__name__.split(".")[0] in TORCH_MODULES
+        for value in vars(module).values())
+
+
+# Tests that need torch where nothing in the test shows it, and why.
+NEEDS_TORCH_BY_ID = {
+    "tests/test_tooling.py::test_the_whole_package_type_checks_strictly":
+        "mypy --strict reads torch's own types for the torch storage and forward",
+    "tests/test_bench_smoke.py::test_every_script_runs_quick[storage.py]": "bench/storage.py times the torch storage",
+}
+
+
+def needs_torch(item: pytest.Item) -> bool:
+    """Whether a test runs torch: it is marked or listed in ``NEEDS_TORCH_BY_ID``, its parameters hold
+    the torch variant, its module imports torch or transformers, its function reads a module-level
+    torch variant (``IMPLEMENTATIONS``), or it runs a hypothesis state machine whose class holds one."""
+    if item.get_closest_marker("needs_torch") is not None or item.nodeid in NEEDS_TORCH_BY_ID:
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(runs_torch_variant(value) for value in callspec.params.values()):
+        return True
+    module = getattr(item, "module", None)
+    if imports_torch(module):
+        return True
+    function = getattr(item, "function", None)
+    # a hypothesis test's own body is its wrapper's inner_test
+    function = getattr(getattr(function, "hypothesis", None), "inner_test", function)
+    code = getattr(function, "__code__", None)
+    if module is not None and code is not None and any(
+            runs_torch_variant(vars(module).get(name)) for name in code.co_names):
+        return True
+    machine = getattr(getattr(item, "obj", None), "_hypothesis_state_machine_class", None)
+    return machine is not None and any(runs_torch_variant(getattr(machine, name, None)) for name in dir(machine)
+                                       if not name.startswith("_"))
+
+
+# The slowest tests (pytest --durations on 2 cores), by node id prefix: each runs the demo, a
+# subprocess build, mypy or a long state machine.
+SLOW = ("tests/test_transcripts.py::", "tests/test_prefix_cache_demo.py::", "tests/test_tooling.py::",
+        "tests/test_state_machine.py::TestCoreMatchesReference", "tests/test_prefix_cache_machine.py::",
+        "tests/test_hostile.py::test_former_crashers_raise_package_errors[huge cache sizes]",
+        "tests/test_capi.py::test_example_loop_equals_python_api", "tests/test_prepare.py::",
+        "tests/test_bench_smoke.py::", "tests/test_stores_shared.py::", "tests/test_speculative.py::test_demo_",
+        "tests/test_prefix_cache_trust.py::test_saves_racing_a_thread")
+
+
 def pytest_collection_modifyitems(items):
-    """Apply ``torch_xfail`` / ``torch_skip`` to the torch run of a test (``rc`` = "torch") only."""
+    """Mark ``slow`` and ``needs_torch`` (see the module's docstring) and, without torch, skip the
+    latter saying what to install; apply ``torch_xfail`` / ``torch_skip`` to the torch run of a test
+    (``rc`` = "torch") only."""
     for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+        if needs_torch(item):
+            item.add_marker(pytest.mark.needs_torch)
+            if TORCH_MISSING:
+                item.add_marker(pytest.mark.skip(reason="runs torch: pip install '.[test-torch]' "
+                                                 "(CI's second stage, pytest -m needs_torch)"))
         callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("rc") != "torch":
             continue
@@ -74,3 +158,18 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xfail(strict=True, reason=marker.args[0]))
         for marker in item.iter_markers("torch_skip"):
             item.add_marker(pytest.mark.skip(reason=marker.args[0]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skips for lack of torch or transformers must carry ``needs_torch``: fail it otherwise."""
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and not hasattr(report, "wasxfail") and call.excinfo is not None
+            and item.get_closest_marker("needs_torch") is None):
+        reason = str(call.excinfo.value)
+        if TORCH_SKIP.search(reason):
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} skips for lack of torch ({reason}) but is not marked needs_torch, "
+                               "so CI's torch stage would not run it: parametrize it over the torch variant, "
+                               "import torch at its module's top level, or mark it @pytest.mark.needs_torch")

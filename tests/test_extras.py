@@ -46,6 +46,11 @@ AREAS = [
     ("tools/train_byte_mamba.py", "train"),
     ("tools/write_transcripts.py", "demo"),          # runs the documented commands
     ("tests/test_training.py", "train"),
+    # CI's second stage: what they import beyond the test extra (torch, transformers) is test-torch's
+    ("tests/test_hf_models.py", "test-torch"),
+    ("tests/test_torch_forward.py", "test-torch"),
+    ("tests/test_storage.py", "test-torch"),
+    ("tests/test_cli_storage.py", "test-torch"),
     ("tests/**/*.py", "test"),
     ("examples/**/*.py", "test"),                     # tests/test_examples.py builds them
     ("docs/**/*.py", "docs"),
@@ -68,8 +73,17 @@ def normalized(name: str) -> str:
 
 
 def requirement_names(requirements: list[str]) -> set[str]:
-    """The distribution names of requirement strings (versions, extras and markers dropped)."""
-    return {normalized(re.match(r"[A-Za-z0-9._-]+", requirement).group()) for requirement in requirements}
+    """The distribution names of requirement strings (versions, extras and markers dropped); this
+    package's own extras among them (``recurrent_cache[test]``) are expanded into theirs."""
+    names = set()
+    for requirement in requirements:
+        match = re.match(r"([A-Za-z0-9._-]+)(?:\[([\w,-]+)\])?", requirement)
+        if normalized(match.group(1)) == normalized(PYPROJECT["project"]["name"]):
+            names |= {name for extra in match.group(2).split(",")
+                      for name in requirement_names(PYPROJECT["project"]["optional-dependencies"][extra])}
+        else:
+            names.add(normalized(match.group(1)))
+    return names
 
 
 BASE = requirement_names(PYPROJECT["project"]["dependencies"])
@@ -229,6 +243,49 @@ def test_every_extra_enables_something():
 
 
 def test_the_test_extra_is_lean():
-    """The training run's JAX and optax (SciPy with them) are the train extra's, not the suite's."""
-    assert not EXTRAS["test"] & {"jax", "jaxlib", "optax", "scipy"}, EXTRAS["test"]
+    """The training run's JAX and optax (SciPy with them) are the train extra's, not the suite's; torch
+    and transformers (several GB with CUDA) are the test-torch extra's, which includes the test extra."""
+    assert not EXTRAS["test"] & {"jax", "jaxlib", "optax", "scipy", "torch", "transformers"}, EXTRAS["test"]
     assert {"jax", "optax"} <= EXTRAS["train"]
+    assert EXTRAS["test"] | {"torch", "transformers"} <= EXTRAS["test-torch"]
+
+
+def test_an_extra_of_this_package_is_expanded():
+    """``recurrent_cache[test]`` in an extra stands for the test extra's distributions."""
+    assert requirement_names(["recurrent_cache[test,train] ; python_version>='3.10'", "torch>=2.1"]) == \
+        EXTRAS["test"] | EXTRAS["train"] | {"torch"}
+
+
+def test_conftest_marks_every_torch_test_and_fails_one_it_cannot_see(pytester):
+    """CI's torch stage runs ``-m needs_torch``: tests/conftest.py marks the torch variants, the tests
+    reading a module-level list of variants, and fails a test that skips for lack of torch without the
+    marker (the torch stage would never run it)."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text(encoding="utf-8"))
+    pytester.makepyfile(test_lost="""
+        import pytest
+
+        VARIANTS = ["numpy", "torch"]
+
+        def test_unmarked():
+            pytest.importorskip("torch_that_is_not_installed", reason="the comparison needs torch")
+
+        @pytest.mark.parametrize("variant", VARIANTS)
+        def test_variants(variant):
+            assert variant in ("numpy", "torch")
+
+        def test_every_variant():
+            assert len(VARIANTS) == 2
+
+        @pytest.mark.needs_torch
+        def test_marked():
+            pytest.skip("needs transformers")
+
+        def test_other_skip():
+            pytest.skip("needs CUDA")
+    """)
+    result = pytester.runpytest("-p", "no:xdist", "-p", "no:cacheprovider", "-rf")
+    assert result.parseoutcomes()["failed"] == 1
+    result.stdout.fnmatch_lines(["*test_unmarked skips for lack of torch*not marked needs_torch*"])
+    marked = pytester.runpytest("-p", "no:xdist", "-p", "no:cacheprovider", "-m", "needs_torch", "--collect-only", "-q")
+    marked.stdout.fnmatch_lines(["test_lost.py::test_variants[[]torch[]]", "test_lost.py::test_every_variant",
+                                 "test_lost.py::test_marked", "3/6 tests collected (3 deselected)*"])

@@ -21,6 +21,7 @@ __all__ = ["TRAINED_GGUF", "trained_model", "training_facts", "held_out_prompts"
 
 DATA = Path(__file__).resolve().parent / "data"
 TRAINED_GGUF = DATA / "byte_mamba.gguf"
+"""The shipped byte-level Mamba-1 model's GGUF file, inside the package (``trained_model`` loads it)."""
 TRAINING_FACTS = DATA / "byte_mamba.json"
 
 
