@@ -106,6 +106,7 @@ def measure(directory: Path) -> dict[str, Any]:
     # llama.cpp -> the package
     saved = directory / "by_llama.ggsq"
     llama_saves(llama, saved)
+    whole = llama.save_state().llama_state                # llama_state_get_data: the whole context
     llama_own = llama_continue(llama, CONTINUATION)      # llama.cpp continues its own sequence
     for compute, model in models.items():
         cache = model.new_cache()
@@ -116,6 +117,10 @@ def measure(directory: Path) -> dict[str, Any]:
             rc.save_seq_file(directory / "written_back.ggsq", cache, 0, tokens)
             results["file_bytes"] = saved.stat().st_size
             results["same_bytes"] = (directory / "written_back.ggsq").read_bytes() == saved.read_bytes()
+            context = model.new_cache()
+            context.state_read(whole, -1, arch="mamba")
+            results["context_bytes"] = len(whole)
+            results["context_same_bytes"] = context.state_write(-1, framing="llama", arch="mamba") == whole
         results[f"llama_to_package_{compute}"] = agreement(package_continue(model, cache, 0, CONTINUATION),
                                                            llama_own)
 
@@ -140,6 +145,8 @@ def main() -> None:
         results = measure(Path(directory))
     print(f"llama.cpp's 'ggsq' file ({results['file_bytes']:,} bytes, {len(PROMPT)} tokens), loaded by the "
           f"package and written back: {'the same bytes' if results['same_bytes'] else 'DIFFERENT BYTES'}")
+    print(f"llama.cpp's whole-context blob (Llama.save_state, {results['context_bytes']:,} bytes), read by the "
+          f"package and written back: {'the same bytes' if results['context_same_bytes'] else 'DIFFERENT BYTES'}")
     print(f"logits over {len(CONTINUATION)} continuation steps, one token per step:")
     labels = {"llama_to_package": "llama.cpp saved, package continued vs llama.cpp continued",
               "package_to_llama": "package saved, llama.cpp continued vs package continued"}

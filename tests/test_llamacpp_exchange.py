@@ -133,7 +133,7 @@ def test_the_example_exchanges_both_ways_within_the_stated_bounds(tmp_path):
     pytest.importorskip("llama_cpp", reason="the example runs llama.cpp: pip install llama-cpp-python")
     example = _load_script("llamacpp_exchange", ROOT / "examples" / "llamacpp_exchange.py")
     results = example.measure(tmp_path)
-    assert results["same_bytes"]
+    assert results["same_bytes"] and results["context_same_bytes"]
     for direction in ("llama_to_package", "package_to_llama"):
         for compute in COMPUTES:
             figures = results[f"{direction}_{compute}"]
