@@ -3,7 +3,7 @@
 Always (no llama.cpp needed): ``tests/data/llamacpp_exchange``, recorded by
 ``tools/record_llamacpp.py --record-exchange``, holds llama.cpp's 'ggsq' file of a 59-byte prompt
 and llama.cpp's logits continuing it for 54 steps, for the shipped GGUF (f16 weights) and for the
-same weights widened to f32.  The package loads each file, reads it back byte for byte, and
+same weights widened to f32.  The package loads each file, writes it back byte for byte, and
 continues the sequence within the bounds the page states: the f16 file within ``F16_BOUND`` of the
 largest logit, the f32 file within ``F32_BOUND`` — the gap is llama.cpp rounding activations to
 f16 for f16 weights, not the package's arithmetic, whose f32 and f64 runs agree within
@@ -153,7 +153,15 @@ def test_a_new_exchange_recording_reproduces_the_committed_one(tmp_path):
     recorder = _load_script("record_llamacpp", ROOT / "tools" / "record_llamacpp.py")
     recorder.quiet_logs()
     fresh = recorder.record_exchange(tmp_path / "out", tmp_path)
-    assert fresh["variants"] == RECORD["variants"]
-    for weights in ("f16", "f32"):
-        assert (tmp_path / "out" / f"{weights}.ggsq").read_bytes() == (DATA / f"{weights}.ggsq").read_bytes()
-        assert np.array_equal(np.load(tmp_path / "out" / "logits.npz")[weights], LOGITS[weights])
+    # llama.cpp's kernels differ between CPUs (AVX-512 or AVX2 sum in other orders): the same bytes
+    # and logits on the recording's kind of CPU, the same layout and logits within the bounds elsewhere
+    same_cpu = fresh["llama_cpp"]["system_info"] == RECORD["llama_cpp"]["system_info"]
+    for old, new in zip(RECORD["variants"], fresh["variants"], strict=True):
+        assert new == old if same_cpu else {**new, "sha256": None} == {**old, "sha256": None}
+    logits = np.load(tmp_path / "out" / "logits.npz")
+    for weights, bound in (("f16", F16_BOUND), ("f32", F32_BOUND)):
+        if same_cpu:
+            assert (tmp_path / "out" / f"{weights}.ggsq").read_bytes() == (DATA / f"{weights}.ggsq").read_bytes()
+            assert np.array_equal(logits[weights], LOGITS[weights])
+        else:
+            assert _relative(logits[weights], LOGITS[weights]) <= bound, weights
