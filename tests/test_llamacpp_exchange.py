@@ -121,6 +121,10 @@ def test_the_pages_code_is_the_examples():
 # -- live: llama.cpp through llama-cpp-python ------------------------------------------------------
 
 def _load_script(name, path):
+    """The script as a module, loaded once: test_llamacpp_live.py's recorder collects llama.cpp's
+    errors in its module's list, which a second copy's log callback would take over."""
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module   # dataclasses look their module up there
