@@ -56,7 +56,9 @@ AREAS = [
     ("docs/**/*.py", "docs"),
 ]
 # Files outside every extra, and why.
-NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)"}
+NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
+            "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
+                                             "(tests/test_llamacpp_exchange.py runs it only when llama_cpp imports)"}
 
 # Names of the package whose use needs an extra: the code behind them imports its module.
 NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
@@ -148,6 +150,8 @@ def used_names(path: Path) -> set[str]:
 
 
 def area_of(relative: str) -> str | None:
+    if relative in NO_EXTRA:   # outside every extra, whatever folder it is in
+        return None
     for pattern, extra in AREAS:
         if pattern.endswith("/**/*.py"):
             if relative.startswith(pattern[:-len("**/*.py")]):

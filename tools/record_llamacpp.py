@@ -7,7 +7,7 @@ for instance a separate venv::
     python3 -m venv /work/llama-venv
     /work/llama-venv/bin/pip install llama-cpp-python==0.3.36 numpy gguf
 
-Three modes:
+Four modes:
 
 ``--record DIR`` (default ``tests/data/llamacpp_current``)
     For each scenario (the package's shipped Mamba-1 GGUF; small random
@@ -38,6 +38,15 @@ Three modes:
     times the largest recorded logit.  ``--check`` on a recording checks
     llama.cpp against itself.
 
+``--record-exchange [DIR]`` (default ``tests/data/llamacpp_exchange``)
+    One sequence of the shipped model, for ``docs/llamacpp-exchange.md``: a
+    59-byte prompt decoded in one batch, saved with
+    ``llama_state_seq_save_file`` (``DIR/f16.ggsq``), then continued one token
+    per step for 54 steps; the same again for the shipped weights widened to
+    f32 (``DIR/f32.ggsq``; the package writes that GGUF, so it must be
+    importable).  The logits are in ``DIR/logits.npz``, the rest in
+    ``DIR/exchange.json``.
+
 ``--describe FILE``
     Print the byte layout of a blob or file of a recording (see
     ``docs/llamacpp_formats.md``), as this script's own parser reads it.
@@ -57,6 +66,7 @@ import json
 import shlex
 import struct
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -840,6 +850,69 @@ def load_records(data_dir: Path) -> dict[str, dict[str, Any]]:
         return {item["scenario"]: item for item in map(json.loads, file)}
 
 
+# -- an exchange: one sequence handed over, then continued for many steps ------------------
+
+EXCHANGE_DIR = REPO / "tests" / "data" / "llamacpp_exchange"
+EXCHANGE_RECORD = "exchange.json"
+EXCHANGE_LOGITS = "logits.npz"
+# One sequence of Python source: the prompt decoded in one batch, its state saved, then the
+# continuation decoded one token per step (the logits a restored state must reproduce).
+EXCHANGE = Scenario("exchange", "mamba", "mamba",
+                    prompts=(_text_tokens("def mean(values):\n    total = 0.0\n    for value in values:\n"),),
+                    continuation=(_text_tokens("        total += value\n    return total / len(values)\n"),),
+                    fork=None)
+# "f16": the shipped GGUF; "f32": the same weights widened to f32 (the same values, so the
+# package computes the same model from either), which llama.cpp multiplies without rounding
+# activations to f16.
+EXCHANGE_WEIGHTS = ("f16", "f32")
+
+
+def write_f32_copy(path: Path) -> None:
+    """The shipped model with its f16 weights widened to f32, by the package's own GGUF writer
+    (so ``--record-exchange`` needs the package importable as well)."""
+    from recurrent_cache.models import trained_model, write_gguf
+
+    write_gguf(trained_model(np.float32), path, "f32", name="byte-mamba-f32")
+
+
+def record_exchange(out: Path, scratch: Path) -> dict[str, Any]:
+    """``--record-exchange``: per weights variant, llama.cpp decodes the prompt, saves the sequence
+    ('ggsq', ``out/<weights>.ggsq``), continues it one token per step, and restores its own file into
+    a fresh context to continue again.  Writes ``out/exchange.json`` and the logits (float32) in
+    ``out/logits.npz``; ``scratch`` takes the f32 GGUF, which is not kept."""
+    out.mkdir(parents=True, exist_ok=True)
+    prompt, continuation = list(EXCHANGE.prompts[0]), EXCHANGE.continuation[0]
+    paths = {"f16": MAMBA_GGUF, "f32": scratch / "byte_mamba_f32.gguf"}
+    write_f32_copy(paths["f32"])
+    variants, logits = [], {}
+    for weights in EXCHANGE_WEIGHTS:
+        model = Model(paths[weights])
+        file = out / f"{weights}.ggsq"
+        try:
+            with Context(model, EXCHANGE) as ctx:
+                ctx.decode([(token, pos, 0, pos == len(prompt) - 1) for pos, token in enumerate(prompt)])
+                ctx.state_seq_save_file(file, 0, prompt)
+                continued = _continue_one(ctx, 0, len(prompt), continuation)
+            with Context(model, EXCHANGE) as ctx:
+                read, tokens = ctx.state_seq_load_file(file, 0)
+                if read != file.stat().st_size or tokens != prompt:
+                    raise RuntimeError(f"llama.cpp refused its own {file.name}")
+                restored = _continue_one(ctx, 0, len(prompt), continuation)
+        finally:
+            model.close()
+        logits[weights] = np.asarray(continued, dtype=np.float32)
+        variants.append({"weights": weights, "model_sha256": _sha256(paths[weights].read_bytes()),
+                         "file": file.name, "n_bytes": file.stat().st_size, "sha256": _sha256(file.read_bytes()),
+                         "restored_max_abs_diff": _max_diff(restored, continued)})
+    record = {"llama_cpp": llama_version(), "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "model_file": _repo_relative(MAMBA_GGUF), "context": {"n_ctx": EXCHANGE.n_ctx, "n_batch": 64,
+                                                                    "n_ubatch": 64, "n_threads": 1},
+              "prompt": prompt, "continuation": list(continuation), "variants": variants}
+    (out / EXCHANGE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    np.savez_compressed(out / EXCHANGE_LOGITS, **logits)
+    return record
+
+
 # -- checking files written by someone else ------------------------------------------------
 
 def check_directory_scenario(model: Model, scenario: Scenario, directory: Path,
@@ -940,6 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--record", type=Path, metavar="DIR", help=f"record into DIR (default {DEFAULT_DIR})")
     mode.add_argument("--check", type=Path, metavar="DIR", help="load DIR/<scenario>/ files into llama.cpp")
     mode.add_argument("--describe", type=Path, metavar="FILE", help="print the layout of a recorded blob or file")
+    mode.add_argument("--record-exchange", type=Path, metavar="DIR", nargs="?", const=EXCHANGE_DIR,
+                      help=f"record one sequence continued for many steps (default {EXCHANGE_DIR})")
     parser.add_argument("--reference", type=Path, default=DEFAULT_DIR,
                         help="the recording --check continues as and compares with (default %(default)s)")
     parser.add_argument("--tolerance", type=float, default=1e-3,
@@ -954,6 +1029,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.verbose:
         quiet_logs()
+    if args.record_exchange:
+        with tempfile.TemporaryDirectory() as scratch:
+            exchange = record_exchange(args.record_exchange, Path(scratch))
+        print(json.dumps(exchange["variants"]), file=sys.stderr)
+        return 0
     if args.check:
         report, ok = check(args.check, args.reference, args.tolerance)
         json.dump(report, sys.stdout, indent=1)
