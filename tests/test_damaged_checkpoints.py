@@ -531,3 +531,15 @@ def test_load_model_refuses_a_gguf_path_that_is_no_regular_file(tmp_path, kind, 
     make(path)
     with pytest.raises(ModelError, match=rf"model\.gguf: not a valid GGUF file: it is {kind}, not a regular file"):
         load_model(path)
+
+
+def test_generate_on_a_checkpoint_without_tokenizer_json_says_what_is_missing(pristine, tmp_path):
+    """The message speaks of the directory and its missing tokenizer.json, not of a GGUF key."""
+    directory = tmp_path / "no-tokenizer"
+    shutil.copytree(pristine["mamba1"], directory)
+    (directory / "tokenizer.json").unlink()
+    run = subprocess.run([sys.executable, "-m", "recurrent_cache", "generate", "hello", "--model", str(directory)],
+                         capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode != 0 and len(lines) == 1, run.stderr
+    assert "tokenizer.json" in lines[0] and "--tokens" in lines[0] and "tokenizer.ggml" not in lines[0], lines[0]

@@ -91,8 +91,6 @@ def test_every_command_a_page_names_exists():
     assert not unknown_commands(PAGES)
 
 
-@pytest.mark.xfail(strict=True, reason="docs/cli.md's convert section comes with the CLI helper's branch "
-                   "(h-cli): remove this mark when it merges")
 def test_every_command_has_a_section_in_the_command_line_page():
     assert not commands_without_a_section(PAGES["docs/cli.md"])
 

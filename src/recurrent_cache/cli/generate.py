@@ -20,6 +20,7 @@ and its stdout is then the prompt's and the generated token ids.
 from __future__ import annotations
 
 import argparse
+import os
 import codecs
 import sys
 import time
@@ -215,8 +216,11 @@ def encoded_prompt(model: RecurrentModel, options: argparse.Namespace) -> tuple[
                         f"0 to {n_vocab - 1}")
         return options.tokens, ""
     if model.vocab is None:
-        return [], (f"{options.model}: the model has no vocabulary (tokenizer.ggml.tokens) and {n_vocab} "
-                    f"tokens, so text cannot be encoded: give the prompt as ids with --tokens")
+        where = ("has no tokenizer.json: copy the checkpoint's tokenizer.json into it, or"
+                 if options.model is not None and os.path.isdir(options.model)
+                 else "has no vocabulary (no tokenizer.ggml.tokens):")
+        return [], (f"{options.model} {where} give the prompt as token ids (0 to {n_vocab - 1}) with --tokens; "
+                    f"text cannot be encoded")
     try:
         prompt = model.vocab.encode(options.prompt)
     except ValueError as exc:
