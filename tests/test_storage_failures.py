@@ -349,7 +349,7 @@ def test_state_write_into_refuses_a_target_sharing_one_byte_with_any_tensor_of_t
     n = cache.state_size(framing=framing, arch=arch)
     assert n < GAP and len(extents) >= 2   # r and s at least (the compiled engine: history, steps too)
     before = cache.state_write()
-    for begin, end in extents:
+    for begin, end in (extent for extent in extents if extent[0] < extent[1]):   # an empty tensor owns no byte
         for target in (storage.arena[begin - n + 1:begin + 1], storage.arena[end - 1:end - 1 + n]):
             arena = storage.arena.copy()
             with pytest.raises(rc.ArgumentError, match="the target shares memory with the cache's state tensors"):

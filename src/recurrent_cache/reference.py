@@ -502,9 +502,11 @@ class MemoryCore:
         return self._shares_rows(buffer)
 
     def _shares_rows(self, view: memoryview) -> bool:
-        """Whether the buffer overlaps a state tensor (a blob or target made of the cache's own rows)."""
+        """Whether the buffer overlaps memory the cache owns: a state tensor, the step scratch or the
+        rollback history (a blob or target made of the cache's own rows)."""
         begin, end = _address(view), _address(view) + len(view)
-        bases = [(tensor.__array_interface__["data"][0], tensor.nbytes) for tensor in self.tensors]
+        owned = [*self.tensors, *self.step_host, *self.rollback_history]
+        bases = [(array.__array_interface__["data"][0], array.nbytes) for array in owned]
         return len(view) > 0 and any(begin < base + n and base < end for base, n in bases)
 
     def shape(self) -> Geometry:
