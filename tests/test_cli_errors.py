@@ -260,6 +260,7 @@ def test_a_device_torch_cannot_serve_is_named_in_one_line(capsys, monkeypatch, n
     assert (result.returncode, result.stderr) == (2, f"{prog}: device 'cuda': Torch not compiled with CUDA enabled\n")
 
 
+@pytest.mark.needs_torch
 @pytest.mark.parametrize("command", ["demo", "generate"])
 def test_cuda_without_cuda_is_one_line_in_a_real_process(command):
     """The issue's run: ``--device cuda`` on a torch without CUDA."""

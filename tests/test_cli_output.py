@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoints import write_checkpoint
 from recurrent_cache import Batch, RecurrentCache
 
 READER_LEFT = 141   # what a shell reports for a process ended by SIGPIPE
@@ -47,14 +48,8 @@ COMMANDS = {
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    """A tiny Mamba checkpoint written by transformers' save_pretrained, for ``convert``."""
-    torch = pytest.importorskip("torch", reason="the checkpoint for convert is written with torch")
-    transformers = pytest.importorskip("transformers", reason="the checkpoint for convert is written by transformers")
-    directory = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    config = transformers.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=1)
-    transformers.MambaForCausalLM(config).save_pretrained(directory)
-    return directory
+    """A tiny valid Mamba checkpoint (written with numpy, as transformers lays it out), for ``convert``."""
+    return write_checkpoint(tmp_path_factory.mktemp("hf") / "checkpoint", "mamba1")
 
 
 def blob(directory: Path, n_seq: int) -> Path:
