@@ -8,8 +8,8 @@ under test, ``rc.ENGINE`` names the engine and ``rc.STORAGE`` the storage (``"nu
 Every test that runs torch or transformers carries the ``needs_torch`` marker, applied here
 (``needs_torch()`` says how it is found).  Without torch (the newcomer's ``python -m pytest``, the
 ``test`` extra) they skip, naming the extra to install; CI's second stage installs the ``test-torch``
-extra and runs ``pytest -m needs_torch``.  The slowest tests carry ``slow`` (``SLOW``), which a quick
-run while editing leaves out (``-m "not slow"``).  A test that skips for lack of
+extra and runs ``pytest -m needs_torch``.  The slowest tests carry ``slow`` (``SLOW``), which the plain
+``python -m pytest`` leaves out (pyproject's addopts) and CI's second stage runs.  A test that skips for lack of
 torch without the marker fails instead, so that the second stage cannot forget it."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.needs_torch)
             if TORCH_MISSING:
                 item.add_marker(pytest.mark.skip(reason="runs torch: pip install '.[test-torch]' "
-                                                 "(CI's second stage, pytest -m needs_torch)"))
+                                                 "(CI's second stage, pytest -m 'needs_torch or slow')"))
         callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("rc") != "torch":
             continue
