@@ -66,7 +66,7 @@ def _statements(path: Path) -> Iterable[tuple[int, str | None, list[str]]]:
 def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
     """The package's modules that the source file of module ``name`` imports."""
     package = name if path.stem == "__init__" else name.rpartition(".")[0]
-    found = set()
+    found: set[str | None] = set()
     for level, base, names in _statements(path):
         if level:
             anchor = package.split(".")
@@ -80,9 +80,7 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
         for imported in names:
             submodule = f"{target}.{imported}"
             found.add(submodule if submodule in modules else _deepest(target, modules))
-    found.discard(None)   # type: ignore[arg-type]
-    found.discard(name)
-    return found
+    return {module for module in found if module is not None and module != name}
 
 
 def _deepest(dotted: str, modules: set[str]) -> str | None:

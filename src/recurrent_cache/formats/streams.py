@@ -241,7 +241,7 @@ class FileReader:
                 got += len(piece)
                 if self.rows is not None:
                     self.rows(piece)
-                else:
+                elif self.kept is not None:
                     self.kept += piece
             if got < n:
                 raise truncated(field, at, n, at + got)
