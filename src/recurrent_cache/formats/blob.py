@@ -8,7 +8,9 @@ in memory and for a file.  The compiled ``_state_io`` keeps its own loops, held 
 bytes by the tests.
 
 The builders (``sequence_blob_header``, ``framing_prefix``, ``arch_string``, ``seq_file_header``)
-are the one place Python composes a header.
+compose the headers the cache's framed writes, ``seqfile`` and the snapshot codec put around
+rows; the reference engine writes its whole blobs from the layouts itself, as the oracle the
+compiled writer is checked against.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ __all__ = [
 ]
 
 
-# -- composing: the one place Python builds a header ----------------------------------
+# -- composing headers --------------------------------------------------------
 
 def seq_file_header(n_tokens: int, framing: SeqFileFormat = GGSQ) -> bytes:
     """The header of a sequence file of ``n_tokens`` tokens (the tokens follow it)."""
@@ -90,7 +92,6 @@ def sequence_blob_header(pos: int, n_layer: int) -> bytes:
     return CELL_COUNT.pack(1) + CELL.pack(pos, 0) + DATA_HEADER.pack(0, n_layer)
 
 
-
 def charge_skip(skipped: int, n: int, field: str, offset: int) -> int:
     """The bytes of framing stepped over once ``n`` more (``field`` at ``offset``) are; a
     ``StateError`` naming the field and its claim, before any of them is read, past
@@ -101,7 +102,6 @@ def charge_skip(skipped: int, n: int, field: str, offset: int) -> int:
         raise StateError(f"{field} at byte {offset} claims {n} bytes to step over{before}, more than "
                          f"MAX_SKIPPED_BYTES ({MAX_SKIPPED_BYTES}) of framing the cache does not read")
     return total
-
 
 
 # -- the parsed form -----------------------------------------------------------
@@ -384,7 +384,6 @@ def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Bl
     blob = parse_section(reader, cache, seq_id)
     reader.finish()
     return blob
-
 
 
 # -- buffers -------------------------------------------------------------------

@@ -37,13 +37,11 @@ def read_rest(file: Any, cache: Geometry | None = None, seq_id: int = -1) -> byt
     return data
 
 
-
 def parse_seq_file_header(data: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.ndarray, int]:
     """The tokens of a 'ggsq' sequence file in memory and the offset where its state blob starts."""
     reader = MemoryReader(blob_view(data))
     tokens, _ = read_seq_file_header(reader, max_tokens)
     return tokens, reader.offset
-
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,6 @@ def file_magic(head: bytes) -> bool:
     return len(head) == 4 and any(head == framing.magic.to_bytes(4, "little") for framing in FILE_FORMATS)
 
 
-
 def _arch_name(reader: Any) -> str | None:
     """The architecture name when the cursor is at an architecture string, else None.
 

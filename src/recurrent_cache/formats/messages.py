@@ -122,7 +122,6 @@ def target_aliases_cache() -> ArgumentError:
                          "(writing the blob there would overwrite the rows it is made of)")
 
 
-
 def _tensor(d: dict[str, Any]) -> str:
     return tensor_name(d["index"], d["n_layer"])
 

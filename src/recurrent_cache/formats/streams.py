@@ -61,7 +61,6 @@ def target_view(target: Any) -> memoryview | None:
     return view
 
 
-
 def write_all(file: Any, chunk: Any) -> None:
     """Write every byte of ``chunk`` to a binary file; never loops without progress.
 
@@ -96,7 +95,6 @@ def write_all(file: Any, chunk: Any) -> None:
                                 f"{int(written)} (after {done} of {total} bytes of this part; "
                                 f"expected 1 to {len(view)})")
         view = view[int(written):]
-
 
 
 # -- reading a blob or a sequence file from a file, bounded by its headers -----
