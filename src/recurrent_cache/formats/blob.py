@@ -28,9 +28,10 @@ from .geometry import Geometry
 from .layouts import (ARCH_CHARS, ARCH_LENGTH, BARE, CELL, CELL_COUNT, DATA_HEADER, GGSQ, GGSQ_V2, MAX_ARCH,
                       MAX_INFERRED_LAYERS, MAX_SKIPPED_BYTES, MIN_ARCH, SEQ_BLOB_HEADER, SEQ_BLOB_MAGIC, TENSOR_HEADER,
                       SeqFileFormat)
-from .messages import (cell_count_too_large, field_name, n_layer_mismatch, n_seq_id_too_large, negative_pos, no_seq_id,
-                       row_bytes_mismatch, seq_id_out_of_range, seq_id_repeated, sequence_cell_count,
-                       sequence_n_seq_id, tensor_name, trailing, truncated, type_mismatch, type_name, v_trans_set)
+from .messages import (cell_count_too_large, field_name, filter_past_n_layer, n_layer_mismatch, n_seq_id_too_large,
+                       negative_pos, no_seq_id, not_a_state_type, odd_tensor_sections, row_bytes_mismatch,
+                       seq_id_out_of_range, seq_id_repeated, sequence_cell_count, sequence_n_seq_id, skip_cap,
+                       tensor_name, trailing, truncated, type_mismatch, type_name, v_trans_set)
 
 __all__ = [
     "seq_file_header", "seq_file_format", "arch_string", "framing_prefix", "sequence_blob_header", "charge_skip",
@@ -98,9 +99,7 @@ def charge_skip(skipped: int, n: int, field: str, offset: int) -> int:
     ``MAX_SKIPPED_BYTES``."""
     total = skipped + n
     if total > MAX_SKIPPED_BYTES:
-        before = f" after {skipped} bytes already stepped over" if skipped else ""
-        raise StateError(f"{field} at byte {offset} claims {n} bytes to step over{before}, more than "
-                         f"MAX_SKIPPED_BYTES ({MAX_SKIPPED_BYTES}) of framing the cache does not read")
+        raise skip_cap(field, offset, n, skipped)
     return total
 
 
@@ -311,8 +310,7 @@ def parse_section(reader: Any, cache: Geometry | None, seq_id: int, watch: Any =
     elif layers is None:
         layers = range(n_layer)
     elif layers and layers[-1] >= n_layer:
-        raise StateError(f"state blob has n_layer {n_layer} at byte {data_at + 4}, but the layer filter names "
-                         f"layer {layers[-1]}")
+        raise filter_past_n_layer(n_layer, data_at + 4, layers[-1])
     n_state = len(layers)
     for k in range(2 * n_state):
         model_tensor = layers[k] if k < n_state else n_layer + layers[k - n_state]
@@ -360,13 +358,11 @@ def parse_any_filter(reader: Any, watch: Any = None) -> None:
             raise trailing(reader.offset, reader.offset + len(reader.peek(1 << 16)))
         (type_id, row_bytes), header_at = reader.unpack(TENSOR_HEADER, f"tensor section {k} type and row size")
         if type_id not in GGML_TYPES:
-            raise StateError(f"state blob tensor section {k} has type {type_id} at byte {header_at}, "
-                             f"not a state type")
+            raise not_a_state_type(k, type_id, header_at)
         reader.skip(cell_count * row_bytes, f"tensor section {k} rows")
         k += 1
     if k % 2:
-        raise StateError(f"state blob ends after {k} tensor sections: a layer filter keeps r and s of the "
-                         f"same layers (an even number)")
+        raise odd_tensor_sections(k)
 
 
 def parse_blob(data: Any, cache: Geometry | None = None, seq_id: int = -1) -> Blob:

@@ -25,7 +25,10 @@ from .layouts import (ARCH_CHARS, ARCH_LENGTH, BARE, CELL, CELL_COUNT, CONTEXT_B
                       FILE_HEADER, GGSN, GGSN_V9, GGSQ, GGSQ_V2, KV_CELL_EXT, KV_DATA_HEADER, KV_STREAMS,
                       KV_V_TRANS_HEADER, MAX_ARCH, MAX_TOKENS, MIN_ARCH, OUTPUT_BUFFER, OUTPUT_COUNT, READ_FRAMINGS,
                       SEQ_BLOB, SEQ_BLOB_HEADER, SEQ_BLOB_MAGIC, TENSOR_HEADER, SeqFileFormat)
-from .messages import trailing
+from .messages import (arch_mismatch, arch_not_a_name, file_header_truncated, file_version, kv_count_too_large,
+                       kv_sequence_n_seq_id, kv_v_trans, negative_output_position, negative_outputs, not_a_state_file,
+                       output_buffer_size, seq_blob_magic, stream_goes_on, tokens_truncated, too_many_outputs,
+                       too_many_tokens, trailing, wrong_seq_id_for_framing)
 from .streams import FileReader, truncation
 
 __all__ = ["read_seq_file_header", "file_magic", "Outputs", "Framing", "read_framing", "Unframed", "unframe",
@@ -36,26 +39,19 @@ def read_seq_file_header(reader: Any, max_tokens: int = MAX_TOKENS) -> tuple[np.
     """The tokens and framing of a state file's header (one of ``FILE_FORMATS``); leaves the
     reader after the tokens."""
     header = FILE_HEADER
-    head = reader.take(header.size, lambda at, n, length: StateError(
-        f"sequence file truncated: {length} bytes, the header needs {header.size}"))
+    head = reader.take(header.size, lambda at, n, length: file_header_truncated(length, header.size))
     fields = dict(zip(header.names, header.unpack(head), strict=True))
     magic, version, n_tokens = fields["magic"], fields["version"], fields["n_token_count"]
     same_magic = [framing for framing in FILE_FORMATS if framing.magic == magic]
     if not same_magic:
-        raise StateError(f"not a sequence file: magic 0x{magic:08x} at byte {header.offset('magic')}, "
-                         f"expected 0x{GGSQ.magic:08x} ('ggsq') or 0x{GGSN.magic:08x} ('ggsn')")
+        raise not_a_state_file(magic, header.offset("magic"))
     framing = next((framing for framing in same_magic if framing.version == version), None)
     if framing is None:
-        kind = "sequence file" if magic == GGSQ.magic else "session file"
-        raise StateError(f"{kind} version {version} at byte {header.offset('version')}, "
-                         f"expected {' or '.join(str(framing.version) for framing in same_magic)}")
+        raise file_version(magic, version, header.offset("version"), [known.version for known in same_magic])
     count_at = header.offset("n_token_count")
     if n_tokens > max_tokens:
-        raise StateError(f"sequence file has {n_tokens} tokens (count at byte {count_at}), more than "
-                         f"max_tokens {max_tokens}")
-    tokens = reader.take(4 * n_tokens, lambda at, n, length: StateError(
-        f"sequence file truncated: {n_tokens} tokens (count at byte {count_at}) need {n} bytes, "
-        f"{length - at} left"))
+        raise too_many_tokens(n_tokens, count_at, max_tokens)
+    tokens = reader.take(4 * n_tokens, lambda at, n, length: tokens_truncated(n_tokens, count_at, n, length - at))
     return np.frombuffer(tokens, dtype="<i4").astype(np.int32), framing
 
 
@@ -87,11 +83,9 @@ def _read_arch(reader: Any, arch: str | None) -> str:
     name = _arch_name(reader)
     if name is None:
         (length,), _ = reader.unpack(ARCH_LENGTH, "architecture string length")
-        raise StateError(f"the architecture string at byte {at} is not a name (length {length}, "
-                         f"expected {MIN_ARCH} to {MAX_ARCH} lower-case letters, digits, '-', '_', '.')")
+        raise arch_not_a_name(at, length)
     if arch is not None and name != arch:
-        raise StateError(f"state is for architecture {name!r} (string at byte {at}), "
-                         f"the caller's model is {arch!r}")
+        raise arch_mismatch(name, at, arch)
     reader.take(ARCH_LENGTH.size + len(name), truncation("architecture string"))
     return name
 
@@ -115,8 +109,7 @@ def _read_output_buffer(reader: Any, name: str, n_outputs: int, count_at: int) -
     its count must be a multiple of n_outputs (n_outputs x the width), 0 without outputs."""
     (size,), at = reader.unpack(OUTPUT_BUFFER, f"{name} size")
     if (size % n_outputs) if n_outputs else size:
-        raise StateError(f"the output block's {name} size {size} at byte {at} is not a multiple of n_outputs "
-                         f"{n_outputs} (at byte {count_at}): June-2025 llama.cpp writes n_outputs x the width, or 0")
+        raise output_buffer_size(name, size, at, n_outputs, count_at)
     reader.step_over(4 * size, f"{size} {name} (f32)")
     return int(size)
 
@@ -126,15 +119,13 @@ def _read_outputs(reader: Any, max_tokens: int) -> Outputs:
     is a token of the batch, so there are at most ``max_tokens`` of them."""
     (n_outputs,), count_at = reader.unpack(OUTPUT_COUNT, "output block n_outputs")
     if n_outputs < 0:
-        raise StateError(f"the output block's n_outputs is {n_outputs} at byte {count_at}, expected >= 0")
+        raise negative_outputs(n_outputs, count_at)
     if n_outputs > max_tokens:
-        raise StateError(f"the output block's n_outputs {n_outputs} at byte {count_at} is more than max_tokens "
-                         f"{max_tokens} (each output is a token of the batch)")
+        raise too_many_outputs(n_outputs, count_at, max_tokens)
     positions, at = reader.ids(n_outputs, f"{n_outputs} output positions")
     for i, position in enumerate(positions):
         if position < 0:
-            raise StateError(f"the output block's output {i} has batch position {position} at byte {at + 4 * i}, "
-                             f"expected >= 0")
+            raise negative_output_position(i, position, at + 4 * i)
     n_logits = _read_output_buffer(reader, "logits", n_outputs, count_at)
     n_embd = _read_output_buffer(reader, "embeddings", n_outputs, count_at)
     return Outputs(positions, n_logits, n_embd)
@@ -168,17 +159,11 @@ class Framing:
 
 
 def _check_whole(name: str, seq_id: int | None) -> None:
-    """A framing of the whole cache is read with seq_id -1, one of a sequence with a seq_id >= 0;
-    a file's message names the function that loads it."""
+    """A framing of the whole cache is read with seq_id -1, one of a sequence with a seq_id >= 0."""
     whole = Framing(name).whole
     if seq_id is None or whole is None or whole == (seq_id < 0):
         return
-    file = " file" if name in (format.name for format in FILE_FORMATS) else ""
-    if whole:
-        raise StateError(f"a {name}{file} holds the whole cache: read it with seq_id -1"
-                         + (" (load_session_file loads it, not load_seq_file)" if file else ""))
-    raise StateError(f"a {name}{file} holds one sequence: read it with a seq_id >= 0, not -1"
-                     + (" (load_seq_file loads it, not load_session_file)" if file else ""))
+    raise wrong_seq_id_for_framing(name, name in (format.name for format in FILE_FORMATS), whole)
 
 
 def _read_prefix(reader: Any, prefix: str, arch: str | None,
@@ -187,7 +172,7 @@ def _read_prefix(reader: Any, prefix: str, arch: str | None,
     if prefix == SEQ_BLOB:
         (magic, source), at = reader.unpack(SEQ_BLOB_HEADER, "sequence blob header (magic and seq id)")
         if magic != SEQ_BLOB_MAGIC:
-            raise StateError(f"sequence blob magic 0x{magic:08x} at byte {at}, expected 0x{SEQ_BLOB_MAGIC:08x}")
+            raise seq_blob_magic(magic, at)
         return source, None, None
     if prefix == CONTEXT_BLOB:
         return None, _read_arch(reader, arch), None
@@ -199,7 +184,7 @@ def _read_prefix(reader: Any, prefix: str, arch: str | None,
 
 def _kv_count_bound(where: str, field: str, value: int, at: int, bound: int, bound_name: str) -> None:
     if value > bound:
-        raise StateError(f"{where} {field} {value} at byte {at} is more than {bound_name} {bound}")
+        raise kv_count_too_large(where, field, value, at, bound, bound_name)
 
 
 def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry | None, max_tokens: int) -> None:
@@ -223,8 +208,7 @@ def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry
         for i in range(cell_count):
             (_, n_seq_id), at = reader.unpack(CELL, f"{where} cell {i} pos and n_seq_id")
             if seq_id is not None and seq_id >= 0 and n_seq_id != 1:
-                raise StateError(f"{where} cell {i} has n_seq_id {n_seq_id} at byte {at + 4} "
-                                 f"(a sequence's KV cell lists one seq id)")
+                raise kv_sequence_n_seq_id(where, i, n_seq_id, at + 4)
             if cache is not None:
                 _kv_count_bound(where, f"cell {i} n_seq_id", n_seq_id, at + 4, cache.size, "the cache's sequences")
             if ext:
@@ -234,7 +218,7 @@ def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry
             reader.ids(n_seq_id, field)
         (v_trans, n_layer), at = reader.unpack(KV_DATA_HEADER, f"{where} v_trans and n_layer")
         if v_trans not in (0, 1):
-            raise StateError(f"{where} v_trans is {v_trans} at byte {at}, expected 0 or 1")
+            raise kv_v_trans(where, v_trans, at)
         if cache is not None:
             _kv_count_bound(where, "n_layer", n_layer, at + 4, cache.n_layer, "the model's layers")
         for il in range(n_layer):
@@ -327,8 +311,7 @@ def _attempt(reader: Any, prefix: str, ext: bool | None, arch: str | None, seq_i
         else:
             parse_section(trial, cache, -1 if seq_id is None else seq_id, trial_watch, layers)
         if not _at_end(trial):
-            raise trailing(trial.offset, trial.length) if trial.length is not None else StateError(
-                f"state blob has trailing bytes after byte {trial.offset} (the stream goes on)")
+            raise trailing(trial.offset, trial.length) if trial.length is not None else stream_goes_on(trial.offset)
         return _Attempt(True, section_at, None)
     except StateError as exc:
         return _Attempt(framing_parsed, section_at, exc)

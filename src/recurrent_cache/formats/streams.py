@@ -19,7 +19,7 @@ from typing import Any
 from .. import _args
 from ..errors import ArgumentError, StateError
 from .blob import byte_view, charge_skip
-from .messages import trailing, truncated
+from .messages import file_shrank, stream_trailing, trailing, truncated
 
 __all__ = ["check_file", "target_view", "write_all", "FileReader", "truncation"]
 
@@ -262,9 +262,7 @@ class FileReader:
         if self.length is not None and end != self.length:
             raise trailing(end, self.length)
         if self.read_up_to(1):
-            raise StateError(f"state blob has trailing bytes after byte {end} "
-                             + ("(the file grew while it was read)" if self.length is not None else
-                                f"(the stream goes on past the {end} bytes its headers claim)"))
+            raise stream_trailing(end, grew=self.length is not None)
         if self.kept is not None or self.rows is not None:
             return self.kept   # a stream is never read past what a header claims: exactly the blob
         self.file.seek(self.start)
@@ -276,7 +274,7 @@ class FileReader:
             got += len(piece)
         view.release()
         if got < end:
-            raise StateError(f"state blob truncated: the file shrank to {got} of {end} bytes while it was read")
+            raise file_shrank(got, end)
         return data
 
 
