@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from recurrent_cache.state_format import STATE_TYPES, StateType
+from recurrent_cache.formats.dtypes import STATE_TYPES, StateType
 
 
 def is_host(rows: Any) -> bool:

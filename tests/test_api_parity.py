@@ -9,7 +9,7 @@ import inspect
 
 import numpy as np
 
-from recurrent_cache.state_format import STATE_TYPES
+from recurrent_cache.formats.dtypes import STATE_TYPES
 from recurrent_cache.storage import NumpyStorage
 import pytest
 

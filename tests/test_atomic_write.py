@@ -83,7 +83,7 @@ def test_a_store_put_that_fails_part_way_keeps_the_previous_entry(tmp_path):
     script = f"""
 import resource, signal, sys
 import numpy as np
-from recurrent_cache.state_format import Geometry
+from recurrent_cache.formats.geometry import Geometry
 from recurrent_cache.stores import DirectoryStore, encode_snapshot, snapshot_key
 geometry = Geometry(1, 4096, 1)
 key = snapshot_key("atomic", geometry, [1])

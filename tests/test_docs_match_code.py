@@ -6,7 +6,7 @@
 - every extra a page names (``'.[X]'``, ``recurrent_cache[X]``, ``[X]`` extra) is one of
   pyproject.toml's, getting-started's table of extras lists every extra, and each package its row
   names is one that extra installs;
-- a version stated next to 'ggsq' / 'ggsn' is one of ``state_format.FILE_FORMATS``' and an older one
+- a version stated next to 'ggsq' / 'ggsn' is one of ``formats.layouts.FILE_FORMATS``' and an older one
   than the current (what ``save_seq_file`` / ``save_session_file`` write) is said to be June 2025's;
 - the README's two opening commands are getting-started's, and the test command is .ci/run's first stage.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from recurrent_cache import state_format
+from recurrent_cache.formats import layouts as state_format
 from recurrent_cache.cli import COMMANDS
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")

@@ -45,6 +45,7 @@ AREAS = [
     ("src/recurrent_cache/cli/**/*.py", "demo"),
     ("tools/train_byte_mamba.py", "train"),
     ("tools/write_transcripts.py", "demo"),          # runs the documented commands
+    ("tools/import_graph.py", "test"),               # tests/test_import_graph.py runs it (standard library only)
     ("tests/test_training.py", "train"),
     # CI's second stage: what they import beyond the test extra (torch, transformers) is test-torch's
     ("tests/test_hf_models.py", "test-torch"),

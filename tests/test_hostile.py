@@ -16,6 +16,7 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache import errors
+from recurrent_cache.formats import messages
 from golden import snapshot
 from rows import assign
 
@@ -252,7 +253,7 @@ CODES = {name: value for name, value in vars(errors).items()
 def test_every_engine_code_formats_into_a_package_error(name):
     detail = dict(what="op", seq=3, size=4, token=1, pos=5, prev=2, n=1, index=1, field="rows", offset=12,
                   need=8, length=10, cell=0, other=0, value=7, n_layer=1, expected=0)
-    exc = errors.engine_error(CODES[name], **detail)
+    exc = messages.engine_error(CODES[name], **detail)
     assert isinstance(exc, (rc.RecurrentCacheError, MemoryError)), name
     assert str(exc) and "{" not in str(exc), name
 

@@ -303,7 +303,8 @@ def read_from_a_stream_is_bounded_by_the_cache(name):
     terabytes is rejected at the header: no row is read."""
     rc = engine(name)
     import recurrent_cache as package
-    from recurrent_cache.state_format import Geometry, read_rest
+    from recurrent_cache.formats.files import read_rest
+    from recurrent_cache.formats.geometry import Geometry
     cache = populated(rc)
     head = blob([(0, [])], 2, [], rows=False) + struct.pack("<iQ", 0, 2**40)
     fifo = Fifo(head, b"\0" * 65536)

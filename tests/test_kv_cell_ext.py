@@ -19,7 +19,8 @@ import pytest
 
 from recurrent_cache import load_seq_file
 from recurrent_cache.errors import ArgumentError, StateError
-from recurrent_cache.state_format import Geometry, unframe
+from recurrent_cache.formats.framings import unframe
+from recurrent_cache.formats.geometry import Geometry
 
 N_LAYER, LAYERS, N_EMBD_R, N_EMBD_S = 4, (1, 3), 3, 2
 

@@ -21,7 +21,7 @@ import pytest
 
 from recurrent_cache import errors
 from recurrent_cache.models import recurrent_layers
-from recurrent_cache.state_format import Geometry
+from recurrent_cache.formats.geometry import Geometry
 from recurrent_cache.stores import DirectoryStore, decode_snapshot, encode_snapshot, snapshot_key
 from rows import assign, host
 from rows import dtype as dtype_of

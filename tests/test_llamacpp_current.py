@@ -24,7 +24,7 @@ from recurrent_cache import load_seq_file, load_session_file, save_seq_file, sav
 from recurrent_cache.blob_report import describe
 from recurrent_cache.errors import ArgumentError, StateError
 from recurrent_cache.models import trained_model
-from recurrent_cache.state_format import unframe
+from recurrent_cache.formats.framings import unframe
 
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp_current"
 RECORDS = {record["scenario"]: record for record in

@@ -24,7 +24,8 @@ import pytest
 
 from recurrent_cache import load_seq_file, load_session_file
 from recurrent_cache.errors import ArgumentError, StateError
-from recurrent_cache.state_format import CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN_V9, unframe
+from recurrent_cache.formats.framings import unframe
+from recurrent_cache.formats.layouts import CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN_V9
 from rows import host
 
 TYPE_IDS = {"f32": (0, "<f4"), "f16": (1, "<f2")}

@@ -1,9 +1,9 @@
-"""state_format is the one description of the bytes: the type table, the layouts, the geometry.
+"""The formats package is the one description of the bytes: the type table, the layouts, the geometry.
 
 The sequence files ``save_seq_file`` writes, the snapshots the codec writes and
 the blobs either engine writes are read back field by field through the
-module's layouts; the package's sources hold no second copy of a magic, a
-header format or a type table; a geometry mismatch is refused in the module's
+package's layouts; the package's sources hold no second copy of a magic, a
+header format or a type table; a geometry mismatch is refused in the package's
 words; and a store key is what it was before the geometry moved here (an
 independent computation of the old formula), so stores written earlier stay
 readable.
@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 
 import recurrent_cache
-from recurrent_cache import state_format as fmt
+from recurrent_cache.formats.blob import parse_blob
+from recurrent_cache.formats.dtypes import GGML_TYPES, STATE_TYPES
+from recurrent_cache.formats.layouts import CELL, CELL_COUNT, DATA_HEADER, GGSQ, TENSOR_HEADER, Layout
+from recurrent_cache.formats.messages import type_mismatch
 from recurrent_cache.errors import ArgumentError, StateError
 from recurrent_cache.stores import Geometry, encode_snapshot, sequence_rows, snapshot_key
 from recurrent_cache.stores.snapshot import TRAILER_SIZE
@@ -40,27 +43,27 @@ def filled_cache(rc, n_layer=2, dtype_r="f32", dtype_s="f16", tokens=(5, 6, 7)):
     return cache
 
 
-def read_fields(layout: fmt.Layout, data: bytes, offset: int) -> dict[str, int]:
+def read_fields(layout: Layout, data: bytes, offset: int) -> dict[str, int]:
     return dict(zip(layout.names, layout.unpack_from(data, offset), strict=True))
 
 
 def walk_sequence_file(data: bytes) -> dict[str, object]:
     """Every field of a one-sequence 'ggsq' file, read through the module's layouts only."""
-    header = read_fields(fmt.GGSQ.header, data, 0)
-    at = fmt.GGSQ.header.size
+    header = read_fields(GGSQ.header, data, 0)
+    at = GGSQ.header.size
     tokens = list(struct.unpack_from(f"<{header['n_token_count']}i", data, at))
     at += 4 * len(tokens)
-    cell_count = read_fields(fmt.CELL_COUNT, data, at)["cell_count"]
-    at += fmt.CELL_COUNT.size
-    cell = read_fields(fmt.CELL, data, at)
-    at += fmt.CELL.size
-    layers = read_fields(fmt.DATA_HEADER, data, at)
-    at += fmt.DATA_HEADER.size
+    cell_count = read_fields(CELL_COUNT, data, at)["cell_count"]
+    at += CELL_COUNT.size
+    cell = read_fields(CELL, data, at)
+    at += CELL.size
+    layers = read_fields(DATA_HEADER, data, at)
+    at += DATA_HEADER.size
     tensors = []
     for _ in range(2 * layers["n_layer"]):
-        tensor = read_fields(fmt.TENSOR_HEADER, data, at)
+        tensor = read_fields(TENSOR_HEADER, data, at)
         tensors.append((tensor["type"], tensor["row_bytes"]))
-        at += fmt.TENSOR_HEADER.size + cell_count * tensor["row_bytes"]
+        at += TENSOR_HEADER.size + cell_count * tensor["row_bytes"]
     return {"header": header, "tokens": tokens, "cell_count": cell_count, "cell": cell, "layers": layers,
             "tensors": tensors, "end": at}
 
@@ -77,13 +80,13 @@ def test_sequence_files_and_snapshots_are_the_module_layouts_field_by_field(rc, 
     entry = bytes(encode_snapshot(key, tokens, *sequence_rows(cache, 0), geometry))
     for data in (written, entry[:-TRAILER_SIZE]):
         fields = walk_sequence_file(data)
-        assert fields["header"] == {"magic": fmt.GGSQ.magic, "version": fmt.GGSQ.version, "n_token_count": 3}
+        assert fields["header"] == {"magic": GGSQ.magic, "version": GGSQ.version, "n_token_count": 3}
         assert fields["tokens"] == tokens
         assert fields["cell_count"] == 1 and fields["cell"] == {"pos": 2, "n_seq_id": 0}
         assert fields["layers"] == {"v_trans": 0, "n_layer": cache.n_layer}
         assert fields["tensors"] == list(zip(geometry.type_ids, geometry.row_bytes, strict=True))
         assert fields["end"] == len(data) == size
-        assert len(data) == fmt.GGSQ.header.size + 4 * len(tokens) + geometry.sequence_blob_size()
+        assert len(data) == GGSQ.header.size + 4 * len(tokens) + geometry.sequence_blob_size()
     assert written == entry[:-TRAILER_SIZE]
 
 
@@ -91,19 +94,19 @@ def test_an_engines_blob_uses_the_geometrys_type_ids_and_row_sizes(rc):
     for dtype_r, dtype_s in (("f32", "bf16"), ("f16", "f32")):
         cache = filled_cache(rc, n_layer=3, dtype_r=dtype_r, dtype_s=dtype_s)
         geometry = Geometry.of(cache)
-        blob = fmt.parse_blob(cache.state_write(-1), geometry, -1)
+        blob = parse_blob(cache.state_write(-1), geometry, -1)
         assert tuple(t.type_id for t in blob.tensors) == geometry.type_ids
         assert tuple(t.row_bytes for t in blob.tensors) == geometry.row_bytes
         for k, tensor in enumerate(blob.tensors):
             stored = host((cache.r if k < 3 else cache.s)[k % 3])
-            assert fmt.GGML_TYPES[tensor.type_id].numpy == stored.dtype
+            assert GGML_TYPES[tensor.type_id].numpy == stored.dtype
             assert tensor.row_bytes == stored.shape[1] * stored.dtype.itemsize
 
 
 def test_the_type_table_agrees_with_itself_and_with_numpy():
-    assert set(fmt.GGML_TYPES) == {t.type_id for t in fmt.STATE_TYPES.values()}
-    for name, state_type in fmt.STATE_TYPES.items():
-        assert state_type.name == name and fmt.GGML_TYPES[state_type.type_id] is state_type
+    assert set(GGML_TYPES) == {t.type_id for t in STATE_TYPES.values()}
+    for name, state_type in STATE_TYPES.items():
+        assert state_type.name == name and GGML_TYPES[state_type.type_id] is state_type
         assert state_type.itemsize == state_type.numpy.itemsize == state_type.bits.itemsize
         assert state_type.bits == state_type.bits.newbyteorder("<")   # a blob is little-endian
         cache = recurrent_cache.RecurrentCache(1, 2, 2, dtype_r=name, dtype_s=name)
@@ -111,7 +114,7 @@ def test_the_type_table_agrees_with_itself_and_with_numpy():
 
 
 def test_layout_offsets_are_where_the_fields_are():
-    for layout in (fmt.GGSQ.header, fmt.CELL_COUNT, fmt.CELL, fmt.DATA_HEADER, fmt.TENSOR_HEADER):
+    for layout in (GGSQ.header, CELL_COUNT, CELL, DATA_HEADER, TENSOR_HEADER):
         values = list(range(1, len(layout.names) + 1))
         packed = layout.pack(*values)
         for name, value in zip(layout.names, values, strict=True):
@@ -124,7 +127,7 @@ def test_sequence_file_defects_name_the_offsets_of_the_layout(tmp_path):
     path = tmp_path / "seq.ggsq"
     recurrent_cache.save_seq_file(path, cache, 0, [5, 6, 7])
     good = path.read_bytes()
-    header = fmt.GGSQ.header
+    header = GGSQ.header
     for field, value, words in (("magic", 0x12345678, "not a sequence file: magic 0x12345678"),
                                 ("version", 7, "sequence file version 7"),
                                 ("n_token_count", 2**27, "sequence file has 134217728 tokens")):
@@ -143,13 +146,13 @@ def test_a_geometry_mismatch_is_refused_in_the_modules_words(rc, tmp_path):
     other = rc.RecurrentCache(2, 3, 4, n_seq_max=2, dtype_r="f32", dtype_s="f32")
     before = other.state_write(-1)
     r_tensors = 2   # the first s tensor is the one whose type differs
-    at = fmt.GGSQ.header.size + 12 + fmt.CELL_COUNT.size + fmt.CELL.size + fmt.DATA_HEADER.size \
-        + r_tensors * (fmt.TENSOR_HEADER.size + Geometry.of(cache).row_bytes_r)
-    expected = fmt.type_mismatch("layer 0 s", at - fmt.GGSQ.header.size - 12, fmt.STATE_TYPES["f16"].type_id,
-                                 fmt.STATE_TYPES["f32"].type_id)
+    at = GGSQ.header.size + 12 + CELL_COUNT.size + CELL.size + DATA_HEADER.size \
+        + r_tensors * (TENSOR_HEADER.size + Geometry.of(cache).row_bytes_r)
+    expected = type_mismatch("layer 0 s", at - GGSQ.header.size - 12, STATE_TYPES["f16"].type_id,
+                                 STATE_TYPES["f32"].type_id)
     with pytest.raises(StateError) as caught:
         recurrent_cache.load_seq_file(path, other, 0)
-    assert str(caught.value) == f"{path}: the state blob at byte {fmt.GGSQ.header.size + 12}: {expected}"
+    assert str(caught.value) == f"{path}: the state blob at byte {GGSQ.header.size + 12}: {expected}"
     assert other.state_write(-1) == before
     # the codec: rows of another geometry are refused by Geometry.check_rows
     geometry = Geometry.of(other)
@@ -192,11 +195,11 @@ def test_one_geometry_check_for_snapshots_and_caches(bad, words):
         recurrent_cache.RecurrentCache(**fields)
 
 
-def test_no_module_but_state_format_spells_out_a_layout_or_the_type_table():
-    magic = f"0x{fmt.GGSQ.magic:08x}"
-    layouts = {f'"{layout.format}"' for layout in (fmt.GGSQ.header, fmt.CELL, fmt.DATA_HEADER, fmt.TENSOR_HEADER)}
+def test_no_module_but_the_formats_tables_spells_out_a_layout_or_the_type_table():
+    magic = f"0x{GGSQ.magic:08x}"
+    layouts = {f'"{layout.format}"' for layout in (GGSQ.header, CELL, DATA_HEADER, TENSOR_HEADER)}
     for path in SRC.rglob("*.py"):
-        if path.name == "state_format.py":
+        if path.parent.name == "formats" and path.name in ("layouts.py", "dtypes.py"):
             continue
         code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines()
                          if not line.lstrip().startswith(("``", "A file is")))

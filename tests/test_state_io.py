@@ -21,7 +21,7 @@ import recurrent_cache
 import recurrent_cache.cache
 from conftest import ENGINES, VARIANTS, package_on
 from recurrent_cache.errors import ArgumentError, SeqIdError, StateError
-from recurrent_cache.state_format import parse_blob
+from recurrent_cache.formats.blob import parse_blob
 
 IMPLEMENTATIONS = [package_on(variant) for variant in VARIANTS]
 TYPE_ID = {"f32": 0, "f16": 1, "bf16": 30}
@@ -556,7 +556,7 @@ def test_state_write_returns_bytes_and_size_matches(rc):
 
 @pytest.mark.parametrize("dtype_r,dtype_s", [("f32", "bf16"), ("f16", "f32"), ("bf16", "f16")])
 def test_the_geometry_of_a_cache_is_the_one_its_reads_check(dtype_r, dtype_s):
-    from recurrent_cache.state_format import Geometry
+    from recurrent_cache.formats.geometry import Geometry
     for n_layer in (0, 1, 3):
         core, reference = (recurrent_cache.RecurrentCache(n_layer, 5, 7, n_seq_max=4, dtype_r=dtype_r,
                                                           dtype_s=dtype_s, engine=engine)

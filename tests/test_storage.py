@@ -24,6 +24,7 @@ import pytest
 import recurrent_cache as rc
 from recurrent_cache import PrefixCache
 from recurrent_cache.errors import ConfigError
+from recurrent_cache.formats.dtypes import STATE_TYPES
 from recurrent_cache.storage import NumpyStorage, Storage, TorchStorage
 
 torch = pytest.importorskip("torch")
@@ -328,7 +329,7 @@ def test_rows_are_tensors_of_the_storage_and_views_of_the_cache(storage):
     made = STORAGES[storage]()
     cache = rc.RecurrentCache(3, 4, 6, n_seq_max=2, dtype_r="bf16", storage=made, layers=(1, 2))
     assert cache.r[0] is None and cache.storage is made
-    kind = type(made.allocate((1,), rc.state_format.STATE_TYPES["f32"]))
+    kind = type(made.allocate((1,), STATE_TYPES["f32"]))
     assert isinstance(cache.r[1], kind) and tuple(cache.tensors[0].shape) == (2, 2, 4)
     st = cache.init_batch(rc.Batch(token=[1, 2], seq_id=[0, 1]))
     st.apply()
@@ -391,7 +392,7 @@ def test_without_torch_asking_for_it_says_how_to_get_it():
 def test_to_host_is_a_copy_and_from_host_round_trips_the_bits(storage):
     made = NumpyStorage() if storage == "numpy" else STORAGES[storage]()
     for name in ("f32", "f16", "bf16"):
-        dtype = rc.state_format.STATE_TYPES[name]
+        dtype = STATE_TYPES[name]
         values = np.arange(24, dtype=np.float32).reshape(2, 3, 4).astype(dtype.numpy)
         tensor = made.from_host(values, dtype)
         host_copy = made.to_host(tensor)

@@ -53,7 +53,9 @@ except ImportError:   # the random engine needs nothing else
 import recurrent_cache
 from caches import ENGINES, populate, snapshot  # bench/fuzz/caches.py, beside this script
 from recurrent_cache import RecurrentCacheError, blob_report, load_seq_file
-from recurrent_cache.state_format import Geometry, parse_blob, parse_seq_file_header, read_rest
+from recurrent_cache.formats.blob import parse_blob
+from recurrent_cache.formats.files import parse_seq_file_header, read_rest
+from recurrent_cache.formats.geometry import Geometry
 
 ROOT = Path(__file__).resolve().parents[2]
 CURRENT = ROOT / "build" / "fuzz-files-current"

@@ -4,7 +4,7 @@ from typing_extensions import Self, disjoint_base
 
 import numpy as np
 
-from .state_format import StateType
+from .formats.dtypes import StateType
 from .storage import Storage
 
 def host_extent(tensor: Any) -> tuple[int, int] | None: ...

@@ -38,7 +38,8 @@ from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW
                          put_u64, restore_blob, selected_ranges, write_meta, write_rows)
 
 from . import errors
-from . import state_format as fmt
+from .formats import messages
+from .formats.streams import write_all
 from .errors import CoreError
 
 cdef extern from "rc_debug.h":
@@ -784,7 +785,7 @@ cdef class MemoryCore:
             n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
             n = blob_size(&c.cells, seq_id, c.n_tensors, c.row_bytes)
             if n > capacity:
-                raise fmt.target_too_small(capacity, n)
+                raise messages.target_too_small(capacity, n)
             off = write_meta(&c.cells, seq_id, out)
             if off < 0:
                 raise MemoryError("cannot allocate the seq-id slots")
@@ -817,7 +818,7 @@ cdef class MemoryCore:
         the cache (``aliases``) is refused before a byte is written, whichever path moves the rows."""
         self.usable("state_write_into")
         if self.aliases(out):
-            raise fmt.target_aliases_cache()
+            raise messages.target_aliases_cache()
         return self.write(&out[0] if out.shape[0] else NULL, out.shape[0], seq_id)
 
     def state_write_bytes(self, int32_t seq_id):
@@ -856,17 +857,17 @@ cdef class MemoryCore:
                 raise MemoryError("cannot allocate the seq-id slots")
             put_u32(p + n_meta, 0)
             put_u32(p + n_meta + 4, <uint32_t>c.n_layer)
-            fmt.write_all(file, meta)
+            write_all(file, meta)
             total = len(meta)
             # the ranges are fixed now: file.write may run other threads, not move these rows
             for k in range(c.n_tensors):
                 put_u32(header, <uint32_t>c.type_ids[k])
                 put_u64(header + 4, <uint64_t>c.row_bytes[k])
-                fmt.write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
+                write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
                 total += TENSOR_HEADER_BYTES
                 for i in range(n_ranges):
                     n = (end[i] - begin[i]) * c.row_bytes[k]
-                    fmt.write_all(file, <unsigned char[:n]>(<unsigned char*>c.tensor_data[k]
+                    write_all(file, <unsigned char[:n]>(<unsigned char*>c.tensor_data[k]
                                                             + begin[i] * c.row_bytes[k]))
                     total += n
         finally:
@@ -895,7 +896,7 @@ cdef class MemoryCore:
         return length
 
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
-        """The StateError for a check_blob code, from the one table (``errors.engine_error``)."""
+        """The StateError for a check_blob code, worded once (``formats.messages.engine_error``)."""
         cdef Py_ssize_t k = d.index
         signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
         expected = None
@@ -914,6 +915,6 @@ cdef class MemoryCore:
         layer_index = k
         if 0 <= k < 2 * n_state:
             layer_index = self.layers[k] if k < n_state else self.core.n_layer + self.layers[k - n_state]
-        return errors.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
-                                   index=layer_index, other=d.other, value=value, size=self.core.cells.size,
-                                   n_layer=self.core.n_layer, expected=expected)
+        return messages.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
+                                     index=layer_index, other=d.other, value=value, size=self.core.cells.size,
+                                     n_layer=self.core.n_layer, expected=expected)

@@ -18,7 +18,7 @@ from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .state_format import StateType
+from .formats.dtypes import StateType
 from .storage import Storage
 
 __all__ = ["Core", "Engine", "NAMES", "Placement", "Split", "load"]

@@ -4,7 +4,7 @@
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
 ``recurrent_cache._core.MemoryCore.blob_error`` is the one place that turns them into
-``StateError`` messages (worded in ``recurrent_cache.state_format``).
+``StateError`` messages (worded in ``recurrent_cache.formats.messages``).
 """
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t

@@ -193,7 +193,7 @@ cdef inline bint fits(BlobDefect* d, BlobField field, Py_ssize_t off, Py_ssize_t
 cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                     int32_t n_layer, Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
                     BlobLayout* layout, BlobDefect* d) noexcept nogil:
-    # The same checks in the same order as recurrent_cache.state_format.parse_blob.
+    # The same checks in the same order as recurrent_cache.formats.blob.parse_blob.
     cdef Py_ssize_t off = 4, k, rows
     cdef uint32_t cell_count, n_seq_id, j, i
     cdef int32_t pos, seq

@@ -32,8 +32,10 @@ import numpy as np
 
 from .errors import StateError
 from ._args import INT32_END
-from .state_format import (BARE, CONTEXT_BLOB, CONTEXT_BLOB_V9, GGML_TYPES, GGSN, GGSN_V9, MAX_TOKENS, SEQ_BLOB,
-                           STATE_TYPES, BlobCell, check_cells, read_file)
+from .formats.blob import BlobCell, check_cells
+from .formats.dtypes import GGML_TYPES, STATE_TYPES
+from .formats.files import read_file
+from .formats.layouts import BARE, CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN, GGSN_V9, MAX_TOKENS, SEQ_BLOB
 
 __all__ = ["describe", "describe_file"]
 
@@ -90,7 +92,7 @@ class _TensorSummary:
 
 
 class _Inspection:
-    """Watches a blob as ``state_format.read_file`` reads it: finds the smallest cache that
+    """Watches a blob as ``formats.files.read_file`` reads it: finds the smallest cache that
     reads it, or raises before a row is read; then summarises the rows as they stream by.
 
     A blob with no seq ids is a sequence blob (read with any seq_id, size 1
@@ -157,7 +159,7 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = Fa
                   layers: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Everything ``inspect`` reports about the blob or sequence file at a binary file's position.
 
-    Reads only what the headers claim (``state_format.read_file``) and keeps
+    Reads only what the headers claim (``formats.files.read_file``) and keeps
     only the cells in memory; raises a ``RecurrentCacheError`` for anything no
     cache's ``state_read`` accepts, before reading the rows of a header that
     no cache could hold.  ``kv_section``: a hybrid model's state, whose

@@ -19,14 +19,17 @@ import numpy as np
 from . import _engines
 from . import _args
 from ._args import as_flag, as_int, state_seq_id
-from ._config import Config
 from .batch import Batch
-from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
-                     engine_error)
+from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, OutOfRangeError, PositionError,
+                     StateError, engine_error)
 from .memory_state import MemoryState, MemoryStatus, RowViews, ThreadGuard
 from .storage import Storage, Tensor, allocating, storage_for
-from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_aliases_cache,
-                           target_too_small, target_view, unframe, write_all)
+from .formats.blob import blob_view, framing_prefix
+from .formats.files import read_file
+from .formats.framings import Framing, in_section, unframe
+from .formats.geometry import Geometry
+from .formats.messages import target_aliases_cache, target_too_small
+from .formats.streams import target_view, write_all
 
 __all__ = ["CellInfo", "RecurrentCache"]
 
@@ -86,24 +89,26 @@ class RecurrentCache:
                  n_rollback: int = 0, *, engine: Literal["compiled", "reference"] | None = None,
                  layers: Iterable[int] | None = None, storage: str | Storage = "numpy",
                  device: Any = None) -> None:
-        self._config = Config.check(n_layer, n_embd_r, n_embd_s, n_seq_max, size, dtype_r, dtype_s, layers)
+        self._n_seq_max = _args.count(n_seq_max, "n_seq_max", 0, ConfigError)
+        self._geometry = Geometry.checked(ConfigError, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s,
+                                          max(1, self._n_seq_max) if size is None else size, layers)
         self._n_rollback = _args.count(n_rollback, "n_rollback")
         self._engine = _engines.load(engine)
         self._storage = storage_for(storage, device)
         # the states, the engine's cell table and rollback history: a cache too big to allocate is a
         # ConfigError
-        with allocating(f"the cache (size={self._config.size}: {self._config.state_bytes(self._n_rollback)} bytes "
+        with allocating(f"the cache (size={self._geometry.size}: {self._geometry.cache_bytes(self._n_rollback)} bytes "
                         f"of states with n_rollback={self._n_rollback}) on {self._storage!r}"):
-            kinds = self._tensors = self._config.allocate(self._storage)
-            self._core, self._split = self._engine.build(self._config.size, self._storage, kinds,
-                                                         (self._config.dtype_r, self._config.dtype_s),
-                                                         self._n_rollback, self._config.type_ids(),
-                                                         self._config.n_layer, self._config.layers)
+            kinds = self._tensors = self._geometry.allocate(self._storage)
+            self._core, self._split = self._engine.build(self._geometry.size, self._storage, kinds,
+                                                         (self._geometry.type_r, self._geometry.type_s),
+                                                         self._n_rollback, list(self._geometry.type_ids),
+                                                         self._geometry.n_layer, self._geometry.state_layers)
         # whether the engine moves the rows in host memory (then rows it is given are made numpy first)
         self._host_rows = self._storage.host_view(kinds[0]) is not None
-        placed_r: list[Any] = [None] * self._config.n_layer
-        placed_s: list[Any] = [None] * self._config.n_layer
-        for k, il in enumerate(self._config.layers):
+        placed_r: list[Any] = [None] * self._geometry.n_layer
+        placed_s: list[Any] = [None] * self._geometry.n_layer
+        for k, il in enumerate(self._geometry.state_layers):
             placed_r[il], placed_s[il] = kinds[0][k], kinds[1][k]
         # r[il] / s[il] of a layer without state is None (tuples of n_layer entries either way)
         self.r: tuple[Any, ...] = tuple(placed_r)
@@ -152,42 +157,42 @@ class RecurrentCache:
     @property
     def size(self) -> int:
         """Number of cells."""
-        return self._config.size
+        return self._geometry.size
 
     @property
     def n_seq_max(self) -> int:
         """Sequences the cache was sized for."""
-        return self._config.n_seq_max
+        return self._n_seq_max
 
     @property
     def n_layer(self) -> int:
         """Layers (pairs of state tensors)."""
-        return self._config.n_layer
+        return self._geometry.n_layer
 
     @property
     def layers(self) -> tuple[int, ...]:
         """The layers that hold recurrent state, sorted (every layer unless filtered)."""
-        return self._config.layers
+        return self._geometry.state_layers
 
     @property
     def n_embd_r(self) -> int:
         """Width of an r row."""
-        return self._config.n_embd_r
+        return self._geometry.n_embd_r
 
     @property
     def n_embd_s(self) -> int:
         """Width of an s row."""
-        return self._config.n_embd_s
+        return self._geometry.n_embd_s
 
     @property
     def dtype_r(self) -> str:
         """Element type of r: ``"f32"``, ``"f16"`` or ``"bf16"``."""
-        return self._config.dtype_r.name
+        return self._geometry.dtype_r
 
     @property
     def dtype_s(self) -> str:
         """Element type of s."""
-        return self._config.dtype_s.name
+        return self._geometry.dtype_s
 
     @property
     def engine(self) -> str:
@@ -391,7 +396,7 @@ class RecurrentCache:
             src = self._core.cell(cell)[1]   # the row its data lives in; -1: none yet
             kinds = [self._storage.take(tensor, np.array([src])) if src >= 0
                      else self._storage.allocate((tensor.shape[0], 1, tensor.shape[2]), dtype)
-                     for tensor, dtype in zip(self.tensors, (self._config.dtype_r, self._config.dtype_s))]
+                     for tensor, dtype in zip(self.tensors, (self._geometry.type_r, self._geometry.type_s))]
             return ([kinds[0][k, 0] for k in range(len(self.layers))],
                     [kinds[1][k, 0] for k in range(len(self.layers))])
         finally:
@@ -429,7 +434,7 @@ class RecurrentCache:
         that both paths check the same and a bad row changes nothing; a host storage's core then
         copies host bytes."""
         tensors = [t for t in (self.r if kind == "r" else self.s) if t is not None]
-        dtype = self._config.dtype_r if kind == "r" else self._config.dtype_s
+        dtype = self._geometry.type_r if kind == "r" else self._geometry.type_s
         width = self.n_embd_r if kind == "r" else self.n_embd_s
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or len(given) != len(tensors):
             raise ArgumentError(f"seq_restore: {which}_rows must be a sequence of {len(tensors)} rows "
@@ -595,7 +600,7 @@ class RecurrentCache:
         """
         seq_id = state_seq_id(seq_id, self.size, "state_read")
         kv_section = as_flag(kv_section, "state_read: kv_section")
-        unframed = unframe(data, seq_id, arch, kv_section, framing=framing, cache=Geometry.of(self),
+        unframed = unframe(data, seq_id, arch, kv_section, framing=framing, cache=self._geometry,
                            kv_cell_ext=kv_cell_ext)
         self._read_section(unframed.section, seq_id, unframed.framing)
         return unframed.framing.section_offset + len(unframed.section)
@@ -617,7 +622,7 @@ class RecurrentCache:
         seq_id = state_seq_id(seq_id, self.size, "state_read_from")
         kv_section = as_flag(kv_section, "state_read_from: kv_section")
         # bounded by this cache's state size, and checked as state_read checks the bytes
-        contents = read_file(file, "state_read_from", Geometry.of(self), seq_id, sequence_file=None, arch=arch,
+        contents = read_file(file, "state_read_from", self._geometry, seq_id, sequence_file=None, arch=arch,
                              kv_section=kv_section, framing=framing, kv_cell_ext=kv_cell_ext)
         self._read_section(blob_view(contents.data), seq_id, contents.framing)
         return contents.blob_offset + len(contents.data)

@@ -8,7 +8,6 @@ failed half-way through its row moves: it raises ``BrokenCacheError`` and so
 does every later call until ``clear()`` succeeds.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -130,7 +129,7 @@ SPLIT_FIND_SLOT = -14   # find_slot would see `pos` after `prev` with `n` new to
 SPLIT_NO_MEMORY = -15
 SPLIT_POS_MAX = -16     # token `token` at position 2**31 - 1, which means "to infinity"
 
-# state blob defects (docs/concepts.md §5); their messages are worded once, in state_format
+# state blob defects (docs/concepts.md §5); their messages are worded once, in formats.messages
 BLOB_TRUNCATED = -30      # `field` at `offset` needs `need` bytes of a blob of `length`
 BLOB_TRAILING = -31       # bytes after the blob's end at `offset`
 BLOB_SEQ_CELL_COUNT = -32 # a sequence blob with `value` > 1 cells
@@ -201,38 +200,9 @@ _TABLE: dict[int, tuple[type[Exception], str]] = {
 }
 
 
-def _blob_defects() -> dict[int, Callable[..., StateError]]:
-    """Blob codes -> the StateError, worded by state_format (imported late: it imports this module)."""
-    from . import state_format as f
-
-    def name(d: Any) -> str:
-        return f.tensor_name(d["index"], d["n_layer"])
-    return {
-        BLOB_TRUNCATED: lambda d: f.truncated(f.field_name(d["field"], d["cell"], d["index"], d["n_layer"]),
-                                              d["offset"], d["need"], d["length"]),
-        BLOB_TRAILING: lambda d: f.trailing(d["offset"], d["length"]),
-        BLOB_SEQ_CELL_COUNT: lambda d: f.sequence_cell_count(d["value"]),
-        BLOB_CELL_COUNT: lambda d: f.cell_count_too_large(d["value"], d["size"]),
-        BLOB_POSITION: lambda d: f.negative_pos(d["cell"], d["offset"], d["value"]),
-        BLOB_SEQ_N_SEQ_ID: lambda d: f.sequence_n_seq_id(d["cell"], d["offset"], d["value"]),
-        BLOB_NO_SEQ_ID: lambda d: f.no_seq_id(d["cell"], d["offset"]),
-        BLOB_N_SEQ_ID: lambda d: f.n_seq_id_too_large(d["cell"], d["offset"], d["value"], d["size"]),
-        BLOB_SEQ_ID_RANGE: lambda d: f.seq_id_out_of_range(d["cell"], d["offset"], d["value"], d["size"]),
-        BLOB_SEQ_ID_REPEATED: lambda d: f.seq_id_repeated(d["cell"], d["offset"], d["value"], d["other"]),
-        BLOB_V_TRANS: lambda d: f.v_trans_set(d["offset"], d["value"]),
-        BLOB_N_LAYER: lambda d: f.n_layer_mismatch(d["offset"], d["value"], d["n_layer"]),
-        BLOB_TYPE: lambda d: f.type_mismatch(name(d), d["offset"], d["value"], d["expected"]),
-        BLOB_ROW_BYTES: lambda d: f.row_bytes_mismatch(name(d), d["offset"], d["value"], d["expected"]),
-    }
-
-
-_BLOB_CODES = range(BLOB_ROW_BYTES, BLOB_TRUNCATED + 1)
-
-
 def engine_error(code: int, **detail: Any) -> Exception:
-    """The exception for an engine's failure ``code``; ``detail`` fills its message."""
-    if code in _BLOB_CODES:
-        return _blob_defects()[code](detail)
+    """The exception for an engine's failure ``code``; ``detail`` fills its message.  The blob
+    defect codes (``BLOB_*``) are worded with the formats, by ``formats.messages.engine_error``."""
     try:
         cls, template = _TABLE[code]
     except KeyError:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
 
@@ -25,9 +25,26 @@ from .storage import Tensor
 if TYPE_CHECKING:
     from ._engines import Core, Placement
     from .batch import Batch
-    from .cache import RecurrentCache
 
-__all__ = ["MemoryState", "MemoryStatus", "RowViews", "Ubatch", "SeqIdLists", "ThreadGuard"]
+__all__ = ["MemoryState", "MemoryStatus", "RowViews", "Ubatch", "SeqIdLists", "ThreadGuard", "StateOwner"]
+
+
+class StateOwner(Protocol):
+    """What a ``MemoryState`` reads of the cache that made it (a ``RecurrentCache``): its cell count,
+    layers and per-layer state tensors.  A protocol, so this module does not import the cache,
+    which imports it."""
+
+    r: tuple[Any, ...]
+    s: tuple[Any, ...]
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def n_layer(self) -> int: ...
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
 
 
 class ThreadGuard:
@@ -246,7 +263,7 @@ class MemoryState:
     __slots__ = ("_cache", "_core", "_guard", "_views", "_placement", "_batch", "_pos", "status", "_u", "_applied",
                  "_generation", "_ubatch", "_out_ids", "_rows_slice", "_m")
 
-    def __init__(self, cache: RecurrentCache, core: Core, guard: ThreadGuard, views: RowViews,
+    def __init__(self, cache: StateOwner, core: Core, guard: ThreadGuard, views: RowViews,
                  placement: Placement | None, batch: Batch | None, pos: np.ndarray | None,
                  status: MemoryStatus) -> None:
         self._cache = cache

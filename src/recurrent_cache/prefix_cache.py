@@ -96,7 +96,7 @@ import numpy as np
 
 from ._args import count, in_range, index, text
 from .errors import ArgumentError, NoFreeCellError, PositionError, SeqIdError
-from .state_format import STATE_TYPES
+from .formats.dtypes import STATE_TYPES
 from .storage import Tensor, allocating
 from .stores import Geometry, StoreTier
 

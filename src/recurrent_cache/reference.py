@@ -19,8 +19,12 @@ import numpy as np
 
 from . import errors as E
 from .errors import engine_error
-from .state_format import (CELL, CELL_COUNT, DATA_HEADER, GGML_TYPES, TENSOR_HEADER, Geometry, parse_blob,
-                           target_aliases_cache, target_too_small, write_all)
+from .formats.blob import parse_blob
+from .formats.dtypes import GGML_TYPES
+from .formats.geometry import Geometry
+from .formats.layouts import CELL, CELL_COUNT, DATA_HEADER, TENSOR_HEADER
+from .formats.messages import target_aliases_cache, target_too_small
+from .formats.streams import write_all
 from .storage import Storage, Tensor
 
 __all__ = ["MemoryCore", "Placement", "split_batch"]

@@ -1,6 +1,6 @@
 """State files, as llama.cpp's ``llama_state_seq_save_file`` / ``llama_state_save_file`` write them.
 
-A sequence file is ``state_format.GGSQ``'s header (``u32 magic 'ggsq'``,
+A sequence file is ``formats.layouts.GGSQ``'s header (``u32 magic 'ggsq'``,
 ``u32 version 3`` — 2 in June-2025 llama.cpp, the same bytes after it —,
 ``u32 n_token_count``), ``n_token_count x i32 token``, then the memory section
 of one sequence (docs/concepts.md §5), all little-endian.  A session file (``GGSN``,
@@ -23,8 +23,11 @@ import numpy as np
 from . import _args
 from .atomic_write import atomic_write
 from .errors import ArgumentError, StateError
-from .state_format import (GGSN, MAX_TOKENS, FileContents, Geometry, arch_string, read_file, seq_file_format,
-                           seq_file_header, write_all)
+from .formats.blob import arch_string, seq_file_format, seq_file_header
+from .formats.files import FileContents, read_file
+from .formats.geometry import Geometry
+from .formats.layouts import GGSN, MAX_TOKENS
+from .formats.streams import write_all
 
 _Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ._args import as_flag
 from .errors import ArgumentError, ConfigError, RecurrentCacheError
-from .state_format import STATE_TYPES, StateType
+from .formats.dtypes import STATE_TYPES, StateType
 
 __all__ = ["NumpyStorage", "Storage", "Tensor", "TorchStorage", "allocating", "storage_for"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..blob_report import describe_file
 from ..errors import RecurrentCacheError
-from ..state_format import MAX_INFERRED_LAYERS, MAX_TOKENS
+from ..formats.layouts import MAX_INFERRED_LAYERS, MAX_TOKENS
 from .options import OneLineParser, int_in
 
 __all__ = ["EXAMPLES", "main", "parse_args"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..state_format import STATE_TYPES
+from ..formats.dtypes import STATE_TYPES
 
 __all__ = ["StateStorage"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GGUFError
-from ..state_format import GGML_TYPES
+from ..formats.dtypes import GGML_TYPES
 from ._untrusted import open_regular
 
 __all__ = ["GGUFFile", "TensorInfo"]

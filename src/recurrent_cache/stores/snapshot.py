@@ -35,8 +35,9 @@ import numpy as np
 
 from .. import _args
 from ..errors import ArgumentError
-from ..state_format import (CELL, CELL_COUNT, DATA_HEADER, GGSQ, GGSQ_V2, TENSOR_HEADER, Geometry, SeqFileFormat,
-                            seq_file_header, sequence_blob_header)
+from ..formats.blob import seq_file_header, sequence_blob_header
+from ..formats.geometry import Geometry
+from ..formats.layouts import CELL, CELL_COUNT, DATA_HEADER, GGSQ, GGSQ_V2, TENSOR_HEADER, SeqFileFormat
 
 __all__ = ["Geometry", "snapshot_key", "encode_snapshot", "decode_snapshot", "check_entry",
            "sequence_rows", "restore_rows", "prefix_keys", "ggsq_declared_length",
