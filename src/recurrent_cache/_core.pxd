@@ -13,8 +13,9 @@ filing happens at the same point whichever API comes next, and bumps ``generatio
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, uint8_t, uint64_t
 
-from ._cells cimport Cells, History
-from ._moves cimport RowLog
+from ._cells cimport Cells
+from ._history cimport History
+from ._moves cimport RowMover
 from ._split cimport Split
 from ._state_io cimport BlobDefect
 
@@ -25,7 +26,8 @@ cdef struct Core:
     Py_ssize_t n_tensors         # r of each layer with state (layer order), then their s
     int32_t n_layer              # the model's layers (the blob's n_layer), with state or not
     Py_ssize_t* layer_tensor     # [2 * n_layer] r of layer il: [il], s: [n_layer + il] -> k, or -1 (no state)
-    char** tensor_data           # [n_tensors] base pointers (the arrays never move)
+    char** tensor_data           # [n_tensors] base pointers (the arrays never move; a logged core's: the staging copies)
+    char** hist_data             # [n_tensors] the history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
     Py_ssize_t* row_bytes        # [n_tensors]
     int32_t* type_ids            # [n_tensors] ggml types, for state blobs
     int32_t* plan_copy_src       # [size] the copy plan of the ubatch being applied
@@ -40,10 +42,10 @@ cdef struct Core:
     int32_t pending_n_seqs       # 0: none pending
     int32_t pending_m            # step states per group
     int32_t* pending_last_pos    # [size] each group's last position
-    # a storage the core cannot address (device memory): moves are recorded in log (history.log
-    # points at it) and the MemoryCore hands them to the storage at the end of each call
-    bint logged
-    RowLog log
+    # every move of rows (cells, history, step scratch) goes through the mover, which copies at once (host
+    # memory) or records the move (a storage the core cannot address: the MemoryCore hands the log over
+    # to the storage at the end of each call); history.mover points at it
+    RowMover mover
     # a storage failed while carrying out a call's moves: the cells and the rows may disagree, so
     # every call refuses (RC_ERR_BROKEN; Python: BrokenCacheError) until a clear() succeeds
     bint broken

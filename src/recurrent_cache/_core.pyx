@@ -21,15 +21,15 @@ from libc.string cimport memcpy, memset
 import numpy as np
 
 from ._cells cimport (CHECK_COUNT, CHECK_DANGLING, CHECK_EMPTY, CHECK_FREE_BIT, CHECK_LIST, CHECK_SEQ_RANGE,
-                      CHECK_TAIL, CHECK_USED, RC_ERR_BROKEN, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY,
-                      RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL, RC_ERR_SEQ_RANGE, RC_OK, cells_check, cells_clear,
-                      cells_copy_plan, cells_find_slot, cells_init, cells_next_free, cells_release,
-                      cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_pos_max,
-                      cells_seq_pos_min, cells_seq_rm, cells_tail_in_range, history_apply_plan, history_file,
-                      history_forget, history_forget_all, history_keep_start_states, history_rollback,
-                      history_rollback_min, history_steps, rows_apply_plan)
-from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_NONE, SPACE_STAGE, SPACE_STEPS, SPACE_ZERO, log_copy,
-                      log_copy_plan, log_init, log_pending, log_release, log_reset)
+                      CHECK_TAIL, CHECK_USED, cells_check, cells_clear, cells_copy_plan, cells_find_slot,
+                      cells_init, cells_release, cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep,
+                      cells_seq_pos_max, cells_seq_pos_min, cells_seq_rm, cells_tail_in_range)
+from ._codes cimport (RC_ERR_BROKEN, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
+                      RC_ERR_SEQ_RANGE, RC_OK)
+from ._history cimport (history_apply_plan, history_file, history_forget, history_forget_all,
+                        history_keep_start_states, history_rollback, history_rollback_min, history_steps)
+from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_STAGE, SPACE_STEPS, SPACE_ZERO, log_pending, log_reset,
+                      mover_cells_written, mover_copy, mover_copy_plan, mover_init, mover_release, mover_set_cell)
 from ._split cimport Split
 from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW_BYTES, BLOB_ERR_SEQ_ID_RANGE,
                          BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE, BLOB_OK, FIELD_CELL, FIELD_CELL_COUNT,
@@ -40,6 +40,7 @@ from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW
 from . import errors
 from . import state_format as fmt
 from .errors import CoreError
+from .storage import has_host_access
 
 cdef extern from "rc_debug.h":
     const bint RC_SELF_CHECK
@@ -74,7 +75,7 @@ cdef void core_file_steps(Core* core) noexcept nogil:
     for g in range(core.pending_n_seqs):
         for j in range(m):   # step row g * m + j: the state after position last_pos - m + j
             history_file(&core.history, core.pending_head + g, core.pending_last_pos[g] - m + j,
-                         core.step_data, <Py_ssize_t>g * m + j)
+                         <Py_ssize_t>g * m + j)
     core.pending_n_seqs = 0
 
 
@@ -124,15 +125,9 @@ cdef int core_apply_ubatch(Core* core, const Split* split, int32_t u, const int3
 
 cdef int apply_plan(Core* core, int32_t head, int32_t n) noexcept nogil:
     """Move the rows and their histories as the copy plan in the core's scratch says."""
-    cdef Py_ssize_t k
-    cdef int code
-    if core.logged:
-        log_copy_plan(&core.log, SPACE_CELLS, 1, head, n, core.plan_copy_src, core.plan_zero)
-    for k in range(core.n_tensors if not core.logged else 0):
-        code = rows_apply_plan(core.tensor_data[k], core.row_bytes[k], core.row_bytes[k], head, n,
-                               core.plan_copy_src, core.plan_zero)
-        if code != RC_OK:
-            return code
+    cdef int code = mover_copy_plan(&core.mover, SPACE_CELLS, 1, head, n, core.plan_copy_src, core.plan_zero)
+    if code != RC_OK:
+        return code
     return history_apply_plan(&core.history, head, n, core.plan_copy_src, core.plan_zero)
 
 
@@ -205,13 +200,9 @@ cdef int core_seq_div(Core* core, int32_t seq, int32_t p0, int32_t p1, int32_t d
 
 cdef void core_clear(Core* core) noexcept nogil:
     """Empty every cell, zero every row, forget every history."""
-    cdef Py_ssize_t k
     core.pending_n_seqs = 0   # the rows it would file into are gone
     cells_clear(&core.cells)
-    for k in range(core.cells.size if core.logged else 0):
-        log_copy(&core.log, SPACE_CELLS, k, SPACE_ZERO, 0)
-    for k in range(core.n_tensors if not core.logged else 0):
-        memset(core.tensor_data[k], 0, <size_t>core.cells.size * <size_t>core.row_bytes[k])
+    mover_copy(&core.mover, SPACE_CELLS, 0, SPACE_ZERO, 0, core.cells.size)
     history_forget_all(&core.history, core.cells.size)
     core.generation += 1
 
@@ -226,7 +217,6 @@ cdef int32_t core_rollback_min(Core* core, int32_t seq) noexcept nogil:
 
 cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* const* rows) noexcept nogil:
     cdef int32_t seq_offset = 0, n_seq_id = 1, cell
-    cdef Py_ssize_t k
     cdef int code
     if core.broken:
         return RC_ERR_BROKEN
@@ -245,8 +235,7 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
         return code
     cell = core.cells.head
     core.cells.src[cell] = cell
-    for k in range(core.n_tensors if rows != NULL else 0):   # NULL: the caller writes the rows (logged)
-        memcpy(core.tensor_data[k] + <Py_ssize_t>cell * core.row_bytes[k], rows[k], core.row_bytes[k])
+    mover_set_cell(&core.mover, cell, rows)
     history_forget(&core.history, cell)   # another sequence's past is not this one's
     return cell
 
@@ -254,7 +243,6 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
 cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                          BlobDefect* defect) noexcept nogil:
     cdef BlobLayout layout
-    cdef Py_ssize_t k
     cdef int code
     if core.broken:
         return RC_ERR_BROKEN
@@ -267,12 +255,10 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
     code = restore_blob(&core.cells, data, &layout, seq_id, core.n_tensors, core.tensor_data, core.row_bytes)
     if code != RC_OK:
         return code
-    if core.logged:   # the rows went to the staging copies (tensor_data): hand them to the storage
-        if seq_id < 0:   # the blob's rows, then zeros (the rest of the cache is cleared)
-            for k in range(core.cells.size):
-                log_copy(&core.log, SPACE_CELLS, k, SPACE_STAGE, k)
-        elif layout.cell_count:
-            log_copy(&core.log, SPACE_CELLS, core.cells.head, SPACE_STAGE, core.cells.head)
+    if seq_id < 0:   # the blob's rows, then zeros (the rest of the cache is cleared)
+        mover_cells_written(&core.mover, 0, core.cells.size)
+    elif layout.cell_count:
+        mover_cells_written(&core.mover, core.cells.head, 1)
     # the blob carries no history (llama.cpp's bytes)
     if seq_id < 0:
         history_forget_all(&core.history, core.cells.size)
@@ -347,13 +333,13 @@ cdef class MemoryCore:
         self.core.row_bytes = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
         self.core.type_ids = <int32_t*>malloc(n * sizeof(int32_t))
         self.core.step_data = <char**>calloc(n, sizeof(char*))
-        self.core.history.hist_data = <char**>calloc(n, sizeof(char*))
+        self.core.hist_data = <char**>calloc(n, sizeof(char*))
         # allocated once: a plan covers at most every cell, a ubatch at most size groups
         self.core.plan_copy_src = <int32_t*>malloc(size * sizeof(int32_t))
         self.core.plan_zero = <uint8_t*>malloc(size)
         self.core.pending_last_pos = <int32_t*>malloc(size * sizeof(int32_t))
         if (self.core.tensor_data == NULL or self.core.row_bytes == NULL or self.core.type_ids == NULL
-                or self.core.step_data == NULL or self.core.history.hist_data == NULL
+                or self.core.step_data == NULL or self.core.hist_data == NULL
                 or self.core.plan_copy_src == NULL or self.core.plan_zero == NULL
                 or self.core.pending_last_pos == NULL):
             raise MemoryError("cannot allocate the tensor table")
@@ -361,11 +347,7 @@ cdef class MemoryCore:
             self.core.row_bytes[k] = dtypes[k // n_state].itemsize * kinds[k // n_state].shape[2]
             self.core.type_ids[k] = type_ids[k]
         self.host_views = {}
-        self.core.logged = storage.host_view(kinds[0]) is None
         self.core.self_check = RC_SELF_CHECK
-        self.core.history.n_tensors = n_tensors
-        self.core.history.tensor_data = self.core.tensor_data
-        self.core.history.row_bytes = self.core.row_bytes
         self.core.history.n_rollback = n_rollback
         # history[kind][k, c * n_rollback + q % n_rollback]: the state after position q of cell c
         self.history_kinds = tuple(storage.allocate((n_state, size * n_rollback, t.shape[2]), dtype)
@@ -374,21 +356,24 @@ cdef class MemoryCore:
         tag_view = self.tags
         self.core.history.tags = &tag_view[0, 0]
         self.tags = self.tags[:, :n_rollback]
-        if self.core.logged:
-            if not log_init(&self.core.log, size, <Py_ssize_t>size * n_rollback):
-                raise MemoryError("cannot allocate the move log")
-            self.core.history.log = &self.core.log
-        else:
+        if not mover_init(&self.core.mover, not has_host_access(storage), n_tensors, self.core.row_bytes, size,
+                          <Py_ssize_t>size * n_rollback):
+            raise MemoryError("cannot allocate the move log")
+        self.core.mover.rows[SPACE_CELLS] = self.core.tensor_data
+        self.core.mover.rows[SPACE_HIST] = self.core.hist_data
+        self.core.mover.rows[SPACE_STEPS] = self.core.step_data
+        self.core.history.mover = &self.core.mover
+        if not self.core.mover.logged:
             self.address("cells", self.host_of(kinds), self.core.tensor_data)
-            self.address("history", self.host_of(self.history_kinds), self.core.history.hist_data)
+            self.address("history", self.host_of(self.history_kinds), self.core.hist_data)
         self.stage = []
         self.step_kinds = ()
         self.reserve_steps(0)
 
     def __dealloc__(self):
         cells_release(&self.core.cells)
-        log_release(&self.core.log)
-        free(self.core.history.hist_data)
+        mover_release(&self.core.mover)
+        free(self.core.hist_data)
         free(self.core.tensor_data)
         free(self.core.layer_tensor)
         free(self.core.row_bytes)
@@ -424,11 +409,11 @@ cdef class MemoryCore:
         if rows <= self.core.step_capacity and self.step_kinds:
             return 0
         rows = max(rows, 2 * self.core.step_capacity, 1)
-        if self.core.logged:
+        if self.core.mover.logged:
             self.flush()   # pending moves may read the old scratch
         kinds = tuple(self.storage.allocate((len(self.layers), rows, t.shape[2]), dtype)
                       for t, dtype in zip(self.kinds, self.dtypes))
-        if not self.core.logged:
+        if not self.core.mover.logged:
             self.address("steps", self.host_of(kinds), self.core.step_data)
         self.step_kinds = kinds
         self.core.step_capacity = rows
@@ -469,24 +454,24 @@ cdef class MemoryCore:
         cdef list groups = []
         cdef int8_t[::1] sources_view
         cdef int64_t[::1] dst_view, src_view
-        if not log_pending(&self.core.log):
+        if not log_pending(&self.core.mover.log):
             return 0
         if not self.core.n_tensors:   # no layer keeps state (an empty layer filter): no rows to move
-            log_reset(&self.core.log)
+            log_reset(&self.core.mover.log)
             return 0
         spaces = (self.kinds, self.history_kinds, self.step_kinds, self.stage)
         try:
             for d in range(2):
-                n = self.core.log.n_touched[d]
+                n = self.core.mover.log.n_touched[d]
                 sources = np.empty(n, dtype=np.int8)
                 dst = np.empty(n, dtype=np.int64)
                 src = np.empty(n, dtype=np.int64)
                 sources_view, dst_view, src_view = sources, dst, src
                 for i in range(n):
-                    row = self.core.log.touched[d][i]
+                    row = self.core.mover.log.touched[d][i]
                     dst_view[i] = row
-                    sources_view[i] = self.core.log.from_space[d][row]
-                    src_view[i] = self.core.log.from_row[d][row]
+                    sources_view[i] = self.core.mover.log.from_space[d][row]
+                    src_view[i] = self.core.mover.log.from_row[d][row]
                 for source in (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_STAGE, SPACE_ZERO):
                     chosen = sources == source
                     if source == d:
@@ -509,18 +494,18 @@ cdef class MemoryCore:
                     else:
                         self.storage.put(spaces[d][kind], rows, values[kind])
         finally:
-            log_reset(&self.core.log)
+            log_reset(&self.core.mover.log)
         return 0
 
     def flush_moves(self):
         """Execute the moves the last core call recorded (a logged storage's; nothing otherwise)."""
-        if self.core.logged:
+        if self.core.mover.logged:
             self.flush()
 
     @property
     def host_rows(self):
         """Whether the C code moves the rows itself (a storage with host views: the C API works)."""
-        return not self.core.logged
+        return not self.core.mover.logged
 
     cdef stage_cells(self, int32_t seq_id):
         """A logged core's staging copies of the rows ``state_write(seq_id)`` reads, made equal to
@@ -528,7 +513,7 @@ cdef class MemoryCore:
         cdef Py_ssize_t kind
         cdef int32_t cell
         cdef list rows = []
-        if not (self.core.logged and self.core.n_tensors):
+        if not (self.core.mover.logged and self.core.n_tensors):
             return
         if seq_id >= 0:
             if self.core.cells.tail[seq_id] >= 0:
@@ -547,7 +532,7 @@ cdef class MemoryCore:
     cdef list staged(self):
         """The host copies of the cells' tensors a logged core reads blobs into and writes them from."""
         cdef Py_ssize_t kind
-        if self.core.logged and not self.stage and self.core.n_tensors:
+        if self.core.mover.logged and not self.stage and self.core.n_tensors:
             self.stage = [np.zeros(tuple(t.shape), dtype=dtype.numpy) for t, dtype in zip(self.kinds, self.dtypes)]
             self.address("stage", self.stage, self.core.tensor_data)
         return self.stage
@@ -713,7 +698,7 @@ cdef class MemoryCore:
         self.usable("restore")
         if len(rows) != self.core.n_tensors:
             raise ValueError(f"{len(rows)} rows for {self.core.n_tensors} tensors")
-        if self.core.logged:
+        if self.core.mover.logged:
             # rows of the storage's own type are written by it (on its device: no host transfer)
             kinds = [self.as_storage_rows(rows[kind * n_state:(kind + 1) * n_state], kind) if n_state else None
                      for kind in range(2)]

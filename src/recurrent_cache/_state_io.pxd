@@ -11,23 +11,10 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from ._cells cimport Cells
 
-# the numbers of errors.BLOB_* (the one table; a test checks they agree)
-cdef enum:
-    BLOB_OK = 0
-    BLOB_ERR_TRUNCATED = -30         # field at offset needs `need` bytes
-    BLOB_ERR_TRAILING = -31          # bytes after the blob's end at offset
-    BLOB_ERR_SEQ_CELL_COUNT = -32    # a sequence blob with more than one cell
-    BLOB_ERR_CELL_COUNT = -33        # more cells than the cache
-    BLOB_ERR_NEGATIVE_POS = -34      # a pos outside [0, 2**31 - 1)
-    BLOB_ERR_SEQ_N_SEQ_ID = -35      # a sequence blob's cell lists seq ids
-    BLOB_ERR_NO_SEQ_ID = -36         # a whole-cache blob's cell lists none
-    BLOB_ERR_N_SEQ_ID = -37          # a cell lists more seq ids than the cache has
-    BLOB_ERR_SEQ_ID_RANGE = -38
-    BLOB_ERR_SEQ_ID_REPEATED = -39   # `other` = the cell that listed it first
-    BLOB_ERR_V_TRANS = -40
-    BLOB_ERR_N_LAYER = -41
-    BLOB_ERR_TYPE = -42              # tensor `index`
-    BLOB_ERR_ROW_BYTES = -43         # tensor `index`
+from ._codes cimport (BLOB_OK, BLOB_ERR_TRUNCATED, BLOB_ERR_TRAILING, BLOB_ERR_SEQ_CELL_COUNT, BLOB_ERR_CELL_COUNT,
+                      BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_N_SEQ_ID, BLOB_ERR_NO_SEQ_ID, BLOB_ERR_N_SEQ_ID,
+                      BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_V_TRANS, BLOB_ERR_N_LAYER,
+                      BLOB_ERR_TYPE, BLOB_ERR_ROW_BYTES)
 
 cdef enum BlobField:                 # what a truncated read was after
     FIELD_CELL_COUNT

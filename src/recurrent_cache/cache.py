@@ -24,7 +24,7 @@ from .batch import Batch
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, CoreError, OutOfRangeError, PositionError, StateError,
                      engine_error)
 from .memory_state import MemoryState, MemoryStatus, RowViews, ThreadGuard
-from .storage import Storage, Tensor, allocating, storage_for
+from .storage import Storage, Tensor, allocating, has_host_access, storage_for
 from .state_format import (Framing, Geometry, blob_view, framing_prefix, in_section, read_file, target_aliases_cache,
                            target_too_small, target_view, unframe, write_all)
 
@@ -100,7 +100,7 @@ class RecurrentCache:
                                                          self._n_rollback, self._config.type_ids(),
                                                          self._config.n_layer, self._config.layers)
         # whether the engine moves the rows in host memory (then rows it is given are made numpy first)
-        self._host_rows = self._storage.host_view(kinds[0]) is not None
+        self._host_rows = has_host_access(self._storage)
         placed_r: list[Any] = [None] * self._config.n_layer
         placed_s: list[Any] = [None] * self._config.n_layer
         for k, il in enumerate(self._config.layers):
