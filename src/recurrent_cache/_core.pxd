@@ -17,7 +17,7 @@ from ._cells cimport Cells
 from ._history cimport History
 from ._moves cimport RowMover
 from ._split cimport Split
-from ._state_io cimport BlobDefect
+from ._state_io cimport BlobDefect, BlobSource
 
 cdef struct Core:
     PyObject* owner              # the MemoryCore this struct lives in (for growing the step scratch)
@@ -75,6 +75,11 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
 cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                          BlobDefect* defect) noexcept nogil
 
+# whether bytes [p, p + n) overlap a state tensor (a restore or write would read its own output)
+cdef bint shares_rows(const Core* core, const void* p, size_t n) noexcept nogil
+# what a blob is composed from (``_state_io.blob_compose``): the core's cells and rows
+cdef BlobSource blob_source(const Core* core) noexcept nogil
+
 
 cdef class MemoryCore:
     cdef Core core
@@ -92,6 +97,8 @@ cdef class MemoryCore:
     cdef int break_on(self, object failure) except -1
     cdef int reserve_steps(self, Py_ssize_t rows) except -1
     cdef int flush(self) except -1
+    cdef int finish(self) except -1
+    cdef int apply_ubatch(self, const Split* split, int32_t u, const int32_t* seq_ids) except 1
     cdef int flush_log(self) except -1
     cdef list staged(self)
     cdef stage_cells(self, int32_t seq_id)

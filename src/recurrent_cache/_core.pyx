@@ -34,8 +34,8 @@ from ._split cimport Split
 from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW_BYTES, BLOB_ERR_SEQ_ID_RANGE,
                          BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE, BLOB_OK, FIELD_CELL, FIELD_CELL_COUNT,
                          FIELD_DATA_HEADER, FIELD_ROWS, FIELD_SEQ_IDS, FIELD_TENSOR_HEADER, BlobDefect,
-                         BlobLayout, alloc_ranges, blob_size, check_blob, max_ranges, meta_size, put_u32,
-                         put_u64, restore_blob, selected_ranges, write_meta, write_rows)
+                         BlobLayout, BlobPieces, BlobSource, blob_compose, blob_copy, blob_piece, blob_release,
+                         blob_size, check_blob, restore_blob)
 
 from . import errors
 from . import state_format as fmt
@@ -49,8 +49,6 @@ cdef extern from "rc_hugepages.h":
     void rc_advise_hugepages(void* buffer, size_t n) noexcept nogil
 
 cdef enum:
-    DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
-    TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
     DLPACK_CPU = 1            # DLPack's device types whose memory the host addresses: kDLCPU,
     DLPACK_CUDA_HOST = 3      # kDLCUDAHost (pinned)
 
@@ -283,15 +281,28 @@ def host_extent(tensor):
     return None
 
 
-cdef bint shares_rows(const Core* core, const void* p, Py_ssize_t n) noexcept:
-    """Whether bytes [p, p + n) overlap a state tensor (a blob or target made of the cache's rows)."""
+cdef bint shares_rows(const Core* core, const void* p, size_t n) noexcept nogil:
+    """Whether bytes [p, p + n) overlap a state tensor (a blob or target made of the cache's rows,
+    which a restore or a write would read while writing)."""
     cdef Py_ssize_t k
     cdef uintptr_t begin = <uintptr_t>p, base
     for k in range(core.n_tensors):
         base = <uintptr_t>core.tensor_data[k]
-        if n > 0 and begin < base + <uintptr_t>(core.cells.size * core.row_bytes[k]) and base < begin + <uintptr_t>n:
+        if n > 0 and begin < base + <uintptr_t>(core.cells.size * core.row_bytes[k]) and base < begin + n:
             return True
     return False
+
+
+cdef BlobSource blob_source(const Core* core) noexcept nogil:
+    """What ``state_write`` composes a blob from: the core's cells and rows (a logged core's: the staging copies)."""
+    cdef BlobSource src
+    src.cells = &core.cells
+    src.n_layer = core.n_layer
+    src.n_tensors = core.n_tensors
+    src.tensor_data = core.tensor_data
+    src.row_bytes = core.row_bytes
+    src.type_ids = core.type_ids
+    return src
 
 
 cdef class MemoryCore:
@@ -497,10 +508,25 @@ cdef class MemoryCore:
             log_reset(&self.core.mover.log)
         return 0
 
-    def flush_moves(self):
-        """Execute the moves the last core call recorded (a logged storage's; nothing otherwise)."""
+    cdef int finish(self) except -1:
+        """The end of every entry point that changes cells, rows or history (apply included): the
+        moves it recorded are carried out now, on a logged storage (nothing is pending otherwise).
+        A storage failing here breaks the core (``flush``)."""
         if self.core.mover.logged:
             self.flush()
+        return 0
+
+    cdef int apply_ubatch(self, const Split* split, int32_t u, const int32_t* seq_ids) except 1:
+        """Ubatch ``u`` of ``split`` placed (``core_apply_ubatch``), its moves carried out: an engine
+        code.  A storage that failed while the step scratch grew or while the moves were carried out
+        broke the core: ``BrokenCacheError``."""
+        cdef int code
+        self.usable("apply")
+        with nogil:
+            code = core_apply_ubatch(&self.core, split, u, seq_ids)
+        self.finish()   # a failed apply may have moved some rows too
+        self.usable("apply")
+        return code
 
     @property
     def host_rows(self):
@@ -621,7 +647,7 @@ cdef class MemoryCore:
         cdef int32_t size = self.core.cells.size, n = self.core.history.n_rollback
         self.usable("history")
         core_file_steps(&self.core)
-        self.flush_moves()
+        self.finish()
         history = [self.storage.to_host(t) for t in self.history_kinds]
         return self.tags.copy(), [array[k].reshape(size, n, array.shape[2]) for array in history
                                   for k in range(array.shape[0])]
@@ -641,49 +667,49 @@ cdef class MemoryCore:
 
     # -- changes -------------------------------------------------------------------------
 
-    # each call below hands its recorded moves to a logged storage before it returns
+    # each call below ends in finish(): a logged storage carries out its recorded moves before it returns
 
     def clear(self):
         """Empty every cell and zero every row; also the one call a broken core takes: once the storage
         has zeroed every row, nothing of the broken state is left, so the core is usable again."""
         core_clear(&self.core)
-        self.flush_moves()
+        self.finish()
         self.core.broken = False
         self.broken_by = None
 
     def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
         self.usable("seq_rm")
         removed = core_seq_rm(&self.core, seq, p0, p1)
-        self.flush_moves()
+        self.finish()
         return removed
 
     def seq_cp(self, int32_t seq_src, int32_t seq_dst):
         self.usable("seq_cp")
         core_seq_cp(&self.core, seq_src, seq_dst)
-        self.flush_moves()
+        self.finish()
 
     def seq_keep(self, int32_t seq):
         self.usable("seq_keep")
         code = core_seq_keep(&self.core, seq)
-        self.flush_moves()
+        self.finish()
         return code
 
     def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
         self.usable("seq_add")
         code = core_seq_add(&self.core, seq, p0, p1, shift)
-        self.flush_moves()
+        self.finish()
         return code
 
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
         self.usable("seq_div")
         code = core_seq_div(&self.core, seq, p0, p1, d)
-        self.flush_moves()
+        self.finish()
         return code
 
     def rollback_min(self, int32_t seq):
         self.usable("rollback_min")
         q = core_rollback_min(&self.core, seq)
-        self.flush_moves()
+        self.finish()
         return q
 
     def restore(self, int32_t seq, int32_t pos, list rows):
@@ -703,7 +729,7 @@ cdef class MemoryCore:
             kinds = [self.as_storage_rows(rows[kind * n_state:(kind + 1) * n_state], kind) if n_state else None
                      for kind in range(2)]
             cell = core_restore(&self.core, seq, pos, NULL)
-            self.flush_moves()
+            self.finish()
             if cell >= 0 and n_state:
                 try:
                     for kind in range(2):
@@ -725,7 +751,9 @@ cdef class MemoryCore:
                     row = bytes(row)
                     views[k] = row
                 pointers[k] = <const char*>&row[0]
-            return core_restore(&self.core, seq, pos, pointers)
+            cell = core_restore(&self.core, seq, pos, pointers)
+            self.finish()
+            return cell
         finally:
             free(pointers)
 
@@ -754,31 +782,23 @@ cdef class MemoryCore:
 
     cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1:
         """Write the blob to out, which has room for capacity bytes; returns the blob's length."""
-        cdef Core* c = &self.core
-        cdef Py_ssize_t off, n
-        cdef int32_t n_ranges
-        cdef int32_t* begin
-        cdef int32_t* end
+        cdef BlobSource src
+        cdef BlobPieces pieces
+        cdef Py_ssize_t n
         self.stage_cells(seq_id)
-        begin = alloc_ranges(c.cells.size)
-        end = begin + max_ranges(c.cells.size)
+        # Composed with the GIL held and no Python code in between; the copies then need only the
+        # pieces, so another thread cannot make the rows disagree with the meta or overflow out.
+        src = blob_source(&self.core)
+        if blob_compose(&pieces, &src, seq_id) != RC_OK:
+            raise MemoryError("cannot allocate the blob's headers")
         try:
-            # Ranges, size and meta are taken with the GIL held and no Python code
-            # in between; the copies then need only the ranges, so another
-            # thread cannot make the rows disagree with the meta or overflow out.
-            n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
-            n = blob_size(&c.cells, seq_id, c.n_tensors, c.row_bytes)
-            if n > capacity:
-                raise fmt.target_too_small(capacity, n)
-            off = write_meta(&c.cells, seq_id, out)
-            if off < 0:
-                raise MemoryError("cannot allocate the seq-id slots")
+            if pieces.size > capacity:
+                raise fmt.target_too_small(capacity, pieces.size)
             with nogil:
-                off += write_rows(out + off, c.n_layer, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids, n_ranges,
-                                  begin, end)
+                n = blob_copy(&pieces, out)
         finally:
-            free(begin)
-        return off
+            blob_release(&pieces)
+        return n
 
     def aliases(self, const unsigned char[::1] buffer):
         """Whether ``buffer`` shares a byte with any tensor of this core: the cells' rows (host views
@@ -819,43 +839,24 @@ cdef class MemoryCore:
         return blob
 
     def state_write_file(self, object file, int32_t seq_id):
-        """Write the blob to a binary file: the meta, then each range of rows straight from the tensors."""
-        cdef Core* c = &self.core
-        cdef Py_ssize_t k, n, total, n_meta = meta_size(&c.cells, seq_id)
-        cdef int32_t i, n_ranges
-        cdef unsigned char header[TENSOR_HEADER_BYTES]
-        cdef bytes meta = PyBytes_FromStringAndSize(NULL, n_meta + DATA_HEADER_BYTES)
-        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
-        cdef int32_t* begin
-        cdef int32_t* end
+        """Write the blob to a binary file, piece by piece: the rows straight from the tensors."""
+        cdef BlobSource src
+        cdef BlobPieces pieces
+        cdef const unsigned char* p
+        cdef Py_ssize_t i, n, total = 0
         self.usable("state_write_file")
         self.stage_cells(seq_id)
-        begin = alloc_ranges(c.cells.size)
-        end = begin + max_ranges(c.cells.size)
+        src = blob_source(&self.core)
+        if blob_compose(&pieces, &src, seq_id) != RC_OK:
+            raise MemoryError("cannot allocate the blob's headers")
         try:
-            n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
-            # the allocations above may have run Python code (a finalizer) that changed the cache
-            if meta_size(&c.cells, seq_id) != n_meta:
-                raise CoreError("state_write_into: the cache changed while it was written")
-            if write_meta(&c.cells, seq_id, p) < 0:
-                raise MemoryError("cannot allocate the seq-id slots")
-            put_u32(p + n_meta, 0)
-            put_u32(p + n_meta + 4, <uint32_t>c.n_layer)
-            fmt.write_all(file, meta)
-            total = len(meta)
-            # the ranges are fixed now: file.write may run other threads, not move these rows
-            for k in range(c.n_tensors):
-                put_u32(header, <uint32_t>c.type_ids[k])
-                put_u64(header + 4, <uint64_t>c.row_bytes[k])
-                fmt.write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
-                total += TENSOR_HEADER_BYTES
-                for i in range(n_ranges):
-                    n = (end[i] - begin[i]) * c.row_bytes[k]
-                    fmt.write_all(file, <unsigned char[:n]>(<unsigned char*>c.tensor_data[k]
-                                                            + begin[i] * c.row_bytes[k]))
-                    total += n
+            # the pieces are fixed now: file.write may run other threads, not move these rows
+            for i in range(pieces.n_pieces):
+                n = blob_piece(&pieces, i, &p)
+                fmt.write_all(file, <unsigned char[:n]><unsigned char*>p if n else b"")
+                total += n
         finally:
-            free(begin)
+            blob_release(&pieces)
         return total
 
     def state_read(self, const unsigned char[::1] data, int32_t seq_id):
@@ -872,7 +873,7 @@ cdef class MemoryCore:
         self.staged()
         with nogil:
             code = core_state_read(&self.core, seq_id, p, length, &defect)
-        self.flush_moves()
+        self.finish()
         if code != RC_OK:
             if code <= BLOB_ERR_TRUNCATED:   # the blob codes are -30 and below
                 raise self.blob_error(code, &defect, length)
