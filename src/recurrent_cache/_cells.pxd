@@ -92,6 +92,7 @@ cdef enum:
     CHECK_DANGLING = 7
     CHECK_USED = 8
 cdef int cells_check(const Cells* c, int32_t* where=*) noexcept nogil
+cdef str cells_check_message(const Cells* c, int broken, int32_t at)   # the sentence for a CHECK_* at `at`
 
 # prepare support: journal every write, then undo them all
 cdef void cells_journal_begin(Cells* c) noexcept nogil

@@ -520,3 +520,16 @@ cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
         where[0] = at
     return broken
 
+
+
+cdef str cells_check_message(const Cells* c, int broken, int32_t at):
+    return {
+        CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {c.size})",
+        CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
+        CHECK_LIST: f"broken member list of cell {at}",
+        CHECK_COUNT: f"cell {at} counts {c.n_seq[at] if at >= 0 else 0} sequences but lists another number",
+        CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
+        CHECK_EMPTY: f"empty cell {at} has pos {c.pos[at] if at >= 0 else 0} / src {c.src[at] if at >= 0 else 0}",
+        CHECK_DANGLING: "a sequence has a tail but no cell holds it",
+        CHECK_USED: f"used is {c.used}, but another number of cells is not empty",
+    }[broken]

@@ -20,22 +20,18 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-from ._cells cimport (CHECK_COUNT, CHECK_DANGLING, CHECK_EMPTY, CHECK_FREE_BIT, CHECK_LIST, CHECK_SEQ_RANGE,
-                      CHECK_TAIL, CHECK_USED, cells_check, cells_clear, cells_copy_plan, cells_find_slot,
+from ._cells cimport (cells_check, cells_check_message, cells_clear, cells_copy_plan, cells_find_slot,
                       cells_init, cells_release, cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep,
                       cells_seq_pos_max, cells_seq_pos_min, cells_seq_rm, cells_tail_in_range)
 from ._codes cimport (RC_ERR_BROKEN, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
                       RC_ERR_SEQ_RANGE, RC_OK)
 from ._history cimport (history_apply_plan, history_file, history_forget, history_forget_all,
                         history_keep_start_states, history_rollback, history_rollback_min, history_steps)
-from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_STAGE, SPACE_STEPS, SPACE_ZERO, log_pending, log_reset,
+from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_ZERO, log_carry_out, log_reset,
                       mover_cells_written, mover_copy, mover_copy_plan, mover_init, mover_release, mover_set_cell)
 from ._split cimport Split
-from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW_BYTES, BLOB_ERR_SEQ_ID_RANGE,
-                         BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE, BLOB_OK, FIELD_CELL, FIELD_CELL_COUNT,
-                         FIELD_DATA_HEADER, FIELD_ROWS, FIELD_SEQ_IDS, FIELD_TENSOR_HEADER, BlobDefect,
-                         BlobLayout, BlobPieces, BlobSource, blob_compose, blob_copy, blob_piece, blob_release,
-                         blob_size, check_blob, restore_blob)
+from ._state_io cimport (BLOB_ERR_TRUNCATED, BLOB_OK, BlobDefect, BlobLayout, BlobPieces, BlobSource, blob_compose, blob_copy, blob_error, blob_piece,
+                         blob_release, blob_size, check_blob, restore_blob)
 
 from . import errors
 from . import state_format as fmt
@@ -456,54 +452,12 @@ cdef class MemoryCore:
             raise
         return 0
 
-    @cython.boundscheck(True)   # Python objects only here: a wrong index must raise, never read astray
-    @cython.wraparound(True)
     cdef int flush_log(self) except -1:
-        """The recorded moves carried out: all rows taken first, then written."""
-        cdef Py_ssize_t d, i, n, row
-        cdef int source
-        cdef list groups = []
-        cdef int8_t[::1] sources_view
-        cdef int64_t[::1] dst_view, src_view
-        if not log_pending(&self.core.mover.log):
-            return 0
-        if not self.core.n_tensors:   # no layer keeps state (an empty layer filter): no rows to move
-            log_reset(&self.core.mover.log)
-            return 0
-        spaces = (self.kinds, self.history_kinds, self.step_kinds, self.stage)
+        """The recorded moves carried out by the storage: all rows taken first, then written."""
         try:
-            for d in range(2):
-                n = self.core.mover.log.n_touched[d]
-                sources = np.empty(n, dtype=np.int8)
-                dst = np.empty(n, dtype=np.int64)
-                src = np.empty(n, dtype=np.int64)
-                sources_view, dst_view, src_view = sources, dst, src
-                for i in range(n):
-                    row = self.core.mover.log.touched[d][i]
-                    dst_view[i] = row
-                    sources_view[i] = self.core.mover.log.from_space[d][row]
-                    src_view[i] = self.core.mover.log.from_row[d][row]
-                for source in (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_STAGE, SPACE_ZERO):
-                    chosen = sources == source
-                    if source == d:
-                        chosen &= src != dst   # a row that ends as it began
-                    if chosen.any():
-                        groups.append((d, source, dst[chosen], src[chosen]))
-            taken = []
-            for d, source, rows, from_rows in groups:
-                if source == SPACE_STAGE:
-                    taken.append([self.storage.from_host(stage[:, from_rows], dtype)
-                                  for stage, dtype in zip(self.stage, self.dtypes)])
-                elif source != SPACE_ZERO:
-                    taken.append([self.storage.take(t, from_rows) for t in spaces[source]])
-                else:
-                    taken.append(None)
-            for (d, source, rows, _), values in zip(groups, taken):
-                for kind in range(len(spaces[d])):
-                    if values is None:
-                        self.storage.zero(spaces[d][kind], rows)
-                    else:
-                        self.storage.put(spaces[d][kind], rows, values[kind])
+            if self.core.n_tensors:   # else no layer keeps state (an empty layer filter): no rows to move
+                log_carry_out(&self.core.mover.log, self.storage,
+                              (self.kinds, self.history_kinds, self.step_kinds, tuple(self.stage)), self.dtypes)
         finally:
             log_reset(&self.core.mover.log)
         return 0
@@ -630,16 +584,7 @@ cdef class MemoryCore:
         broken = cells_check(c, &at)
         if not broken:
             return None
-        return {
-            CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {c.size})",
-            CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
-            CHECK_LIST: f"broken member list of cell {at}",
-            CHECK_COUNT: f"cell {at} counts {c.n_seq[at] if at >= 0 else 0} sequences but lists another number",
-            CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
-            CHECK_EMPTY: f"empty cell {at} has pos {c.pos[at] if at >= 0 else 0} / src {c.src[at] if at >= 0 else 0}",
-            CHECK_DANGLING: "a sequence has a tail but no cell holds it",
-            CHECK_USED: f"used is {c.used}, but another number of cells is not empty",
-        }[broken]
+        return cells_check_message(c, broken, at)
 
     def history(self):
         """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (docs/rollback.md);
@@ -881,25 +826,6 @@ cdef class MemoryCore:
         return length
 
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
-        """The StateError for a check_blob code, from the one table (``errors.engine_error``)."""
-        cdef Py_ssize_t k = d.index
-        signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
-        expected = None
-        if code == BLOB_ERR_TYPE:
-            expected = self.core.type_ids[k]
-        elif code == BLOB_ERR_ROW_BYTES:
-            expected = self.core.row_bytes[k]
-        field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
-                 FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
-                 FIELD_ROWS: "rows"}.get(d.field, "")
-        value = d.value
-        if signed:
-            value = int(<int32_t><uint32_t>d.value)
-        # section k of the blob is r or s of the k-th layer with state: messages name the model's layer
-        n_state = len(self.layers)
-        layer_index = k
-        if 0 <= k < 2 * n_state:
-            layer_index = self.layers[k] if k < n_state else self.core.n_layer + self.layers[k - n_state]
-        return errors.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
-                                   index=layer_index, other=d.other, value=value, size=self.core.cells.size,
-                                   n_layer=self.core.n_layer, expected=expected)
+        """The StateError for a check_blob code of this cache (``_state_io.blob_error``)."""
+        return blob_error(code, d, length, self.layers, self.core.n_layer, self.core.type_ids, self.core.row_bytes,
+                          self.core.cells.size)

@@ -43,6 +43,10 @@ cdef bint log_pending(const RowLog* log) noexcept nogil
 # row dst of dst_space takes the value row src of src_space has now (SPACE_ZERO: zeros)
 cdef void log_copy(RowLog* log, int dst_space, Py_ssize_t dst, int src_space, Py_ssize_t src) noexcept nogil
 # a copy plan over cells head .. head+n-1 of `space`, `unit` rows per cell: every read before any write
+# the recorded moves carried out by `storage` (``recurrent_cache.storage``): spaces holds the
+# tensors (one per kind) of cells, history, step scratch and the host staging arrays; every row
+# taken first, then written; one take / put / zero per kind and (destination, source) pair
+cdef int log_carry_out(const RowLog* log, object storage, tuple spaces, tuple dtypes) except -1
 cdef void log_copy_plan(RowLog* log, int space, Py_ssize_t unit, int32_t head, int32_t n,
                         const int32_t* copy_src, const uint8_t* zero) noexcept nogil
 

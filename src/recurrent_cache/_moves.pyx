@@ -1,9 +1,13 @@
 # cython: language_level=3
-"""The row-move log (see ``_moves.pxd``): moves recorded with their chains resolved."""
+"""The row mover (see ``_moves.pxd``): host rows moved in C, or moves recorded with their chains
+resolved and carried out by the storage."""
 
-from libc.stdint cimport int8_t, int32_t, uint8_t
+cimport cython
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
+
+import numpy as np
 
 
 cdef bint log_init(RowLog* log, Py_ssize_t n_cells, Py_ssize_t n_slots) noexcept nogil:
@@ -95,6 +99,51 @@ cdef void log_copy_plan(RowLog* log, int space, Py_ssize_t unit, int32_t head, i
             for j in range(unit):
                 commit(log, space, (<Py_ssize_t>head + i) * unit + j, log.batch_space[b], log.batch_row[b])
                 b += 1
+
+
+@cython.boundscheck(True)   # Python objects only here: a wrong index must raise, never read astray
+@cython.wraparound(True)
+cdef int log_carry_out(const RowLog* log, object storage, tuple spaces, tuple dtypes) except -1:
+    cdef Py_ssize_t d, i, n, row
+    cdef int source
+    cdef list groups = []
+    cdef int8_t[::1] sources_view
+    cdef int64_t[::1] dst_view, src_view
+    if not log_pending(log):
+        return 0
+    for d in range(N_DEST_SPACES):
+        n = log.n_touched[d]
+        sources = np.empty(n, dtype=np.int8)
+        dst = np.empty(n, dtype=np.int64)
+        src = np.empty(n, dtype=np.int64)
+        sources_view, dst_view, src_view = sources, dst, src
+        for i in range(n):
+            row = log.touched[d][i]
+            dst_view[i] = row
+            sources_view[i] = log.from_space[d][row]
+            src_view[i] = log.from_row[d][row]
+        for source in (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_STAGE, SPACE_ZERO):
+            chosen = sources == source
+            if source == d:
+                chosen &= src != dst   # a row that ends as it began
+            if chosen.any():
+                groups.append((d, source, dst[chosen], src[chosen]))
+    taken = []
+    for d, source, rows, from_rows in groups:
+        if source == SPACE_STAGE:
+            taken.append([storage.from_host(stage[:, from_rows], dtype)
+                          for stage, dtype in zip(spaces[SPACE_STAGE], dtypes)])
+        elif source != SPACE_ZERO:
+            taken.append([storage.take(t, from_rows) for t in spaces[source]])
+        else:
+            taken.append(None)
+    for (d, source, rows, _), values in zip(groups, taken):
+        for kind in range(len(spaces[d])):
+            if values is None:
+                storage.zero(spaces[d][kind], rows)
+            else:
+                storage.put(spaces[d][kind], rows, values[kind])
+    return 0
 
 
 # -- moving host rows ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
-``recurrent_cache._core.MemoryCore.blob_error`` is the one place that turns them into
+``blob_error`` below is the one place that turns them into
 ``StateError`` messages (worded in ``recurrent_cache.state_format``).
 """
 
@@ -97,6 +97,11 @@ cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssiz
                     int32_t n_layer, Py_ssize_t n_tensors, const int32_t* type_ids, const Py_ssize_t* row_bytes,
                     BlobLayout* layout, BlobDefect* defect) noexcept nogil
 
+
+# the StateError for a check_blob code and its defect, from the one table (``errors.engine_error``);
+# layers: the model's layers with state (section k of the blob is r or s of the k-th of them)
+cdef object blob_error(int code, const BlobDefect* d, Py_ssize_t length, tuple layers, int32_t n_layer,
+                       const int32_t* type_ids, const Py_ssize_t* row_bytes, int32_t size)
 
 # little-endian fields of the format
 cdef void put_u32(unsigned char* p, uint32_t v) noexcept nogil

@@ -6,8 +6,8 @@ Writing goes straight from the state tensors to the target, range by range
 copies.  Reading validates the whole blob first (``check_blob``) and only
 then changes the cells and rows, so a rejected blob leaves the cache exactly
 as it was.  Integers are little-endian on every host; rows are copied as
-stored.  The loops only: ``_core.MemoryCore`` calls them (state reads change the
-cache, so they are the core's) and turns a defect into its ``StateError``.
+stored.  The loops only: ``_core`` calls them (state reads change the cache, so
+they are the core's); ``blob_error`` turns a defect into its ``StateError``.
 """
 
 from libc.stdint cimport INT32_MAX, uint8_t
@@ -16,6 +16,8 @@ from libc.string cimport memcpy, memset
 
 from ._codes cimport RC_ERR_NO_MEMORY, RC_OK
 from ._cells cimport cells_clear, cells_find_slot, cells_join, cells_new_epoch, cells_seq_rm
+
+from .errors import engine_error
 
 
 # The compiled blob codes by the names of ``errors``' table (a test checks they agree).
@@ -362,3 +364,28 @@ cdef int restore_blob(Cells* c, const unsigned char* data, const BlobLayout* lay
     return RC_OK
 
 
+
+
+cdef object blob_error(int code, const BlobDefect* d, Py_ssize_t length, tuple layers, int32_t n_layer,
+                       const int32_t* type_ids, const Py_ssize_t* row_bytes, int32_t size):
+    cdef Py_ssize_t k = d.index
+    signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
+    expected = None
+    if code == BLOB_ERR_TYPE:
+        expected = type_ids[k]
+    elif code == BLOB_ERR_ROW_BYTES:
+        expected = row_bytes[k]
+    field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
+             FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
+             FIELD_ROWS: "rows"}.get(d.field, "")
+    value = d.value
+    if signed:
+        value = int(<int32_t><uint32_t>d.value)
+    # section k of the blob is r or s of the k-th layer with state: messages name the model's layer
+    n_state = len(layers)
+    layer_index = k
+    if 0 <= k < 2 * n_state:
+        layer_index = layers[k] if k < n_state else n_layer + layers[k - n_state]
+    return engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
+                        index=layer_index, other=d.other, value=value, size=size, n_layer=n_layer,
+                        expected=expected)
