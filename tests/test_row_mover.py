@@ -104,6 +104,20 @@ def test_the_flag_decides_the_index_path_not_host_view(storage):
     assert blobs == script(new_cache("numpy"))
 
 
+class Forwarding(ViewingStorage):
+    """A storage wrapping what it lacks in a call counter (as bench/storage.py's did): its
+    host_access is a function, which is true."""
+
+    def __getattr__(self, name: str) -> Any:
+        forwarded = getattr(self.inner, name)
+        return lambda *args: forwarded(*args)
+
+
+def test_a_host_access_that_is_not_a_bool_is_refused():
+    with pytest.raises(rc.ConfigError, match="host_access must be True or False, not function"):
+        new_cache(Forwarding())
+
+
 def test_numpy_storage_has_host_access():
     assert NumpyStorage().host_access is True
     assert has_host_access(NumpyStorage())

@@ -87,8 +87,12 @@ class Storage(_RowMethods, Protocol):
 def has_host_access(storage: _RowMethods) -> bool:
     """``storage.host_access``, the one test of which path moves a storage's rows.  A storage
     without the attribute (written before it existed) runs the index path, which every storage
-    serves: its ``host_view`` is never asked for."""
-    return bool(getattr(storage, "host_access", False))
+    serves: its ``host_view`` is never asked for.  Anything but a bool (a forwarding storage's
+    ``__getattr__`` handing out a method) is a ``ConfigError``."""
+    flag = getattr(storage, "host_access", False)
+    if not isinstance(flag, bool):
+        raise ConfigError(f"{storage!r}: host_access must be True or False, not {type(flag).__name__}")
+    return flag
 
 
 class NumpyStorage:
