@@ -45,6 +45,7 @@ AREAS = [
     ("src/recurrent_cache/cli/**/*.py", "demo"),
     ("tools/train_byte_mamba.py", "train"),
     ("tools/write_transcripts.py", "demo"),          # runs the documented commands
+    ("tools/error_codes.py", "test"),                # stdlib only; tests/test_row_mover.py runs it --check
     ("tests/test_training.py", "train"),
     # CI's second stage: what they import beyond the test extra (torch, transformers) is test-torch's
     ("tests/test_hf_models.py", "test-torch"),
