@@ -46,6 +46,7 @@ AREAS = [
     ("tools/train_byte_mamba.py", "train"),
     ("tools/write_transcripts.py", "demo"),          # runs the documented commands
     ("tools/import_graph.py", "test"),               # tests/test_import_graph.py runs it (standard library only)
+    ("tools/error_codes.py", "test"),                # stdlib only; tests/test_row_mover.py runs it --check
     ("tests/test_training.py", "train"),
     # CI's second stage: what they import beyond the test extra (torch, transformers) is test-torch's
     ("tests/test_hf_models.py", "test-torch"),

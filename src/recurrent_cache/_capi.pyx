@@ -19,16 +19,17 @@ Published twice: as cdef functions for ``cimport recurrent_cache.capi`` and as t
 cimport cython
 from cpython.pycapsule cimport PyCapsule_New
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
-from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
 from ._core cimport (Core, MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add,
                      core_seq_cp, core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row,
-                     core_steps)
+                     core_steps, shares_rows, blob_source)
 from ._split cimport Split, SplitDetail, split_batch, split_prepare, split_release
-from ._state_io cimport BLOB_ERR_TRUNCATED, BlobDefect, blob_size, selected_ranges, write_meta, write_rows
+from ._state_io cimport (BLOB_ERR_TRUNCATED, BlobDefect, BlobPieces, BlobSource, blob_compose, blob_copy,
+                         blob_release, blob_size)
 
 from . import errors
 
@@ -456,17 +457,6 @@ cdef inline int check_state_seq(CtxData* c, int32_t seq_id, const char* what) no
     return RC_ERR_STATE_SEQ
 
 
-cdef bint overlaps_rows(const CtxData* c, const void* p, size_t n) noexcept nogil:
-    """Whether bytes [p, p + n) overlap a state tensor (the restore or write would read its own output)."""
-    cdef Py_ssize_t k
-    cdef uintptr_t begin = <uintptr_t>p, base
-    for k in range(c.core.n_tensors):
-        base = <uintptr_t>c.core.tensor_data[k]
-        if n > 0 and begin < base + <uintptr_t>(c.core.cells.size * c.core.row_bytes[k]) and base < begin + n:
-            return True
-    return False
-
-
 cdef int rc_state_size(const rc_ctx* ctx, int32_t seq_id, size_t* size) noexcept nogil:
     """Bytes of ``rc_state_write(ctx, seq_id, ...)``."""
     if ctx == NULL:
@@ -485,9 +475,9 @@ cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capaci
     if ctx == NULL:
         return RC_ERR_NULL
     cdef CtxData* c = <CtxData*>ctx
-    cdef Py_ssize_t need, off
-    cdef int32_t n_ranges
-    cdef int32_t* begin
+    cdef Py_ssize_t need
+    cdef BlobSource src
+    cdef BlobPieces pieces
     if target == NULL or written == NULL:
         return record(c, RC_ERR_NULL, "rc_state_write")
     written[0] = 0
@@ -500,20 +490,13 @@ cdef int rc_state_write(rc_ctx* ctx, int32_t seq_id, void* target, size_t capaci
         c.detail.n = <int64_t>capacity
         c.detail.need = need
         return RC_ERR_TARGET_SIZE
-    if overlaps_rows(c, target, <size_t>need):
+    if shares_rows(c.core, target, <size_t>need):
         return record(c, RC_ERR_OVERLAP, "rc_state_write")
-    begin = <int32_t*>malloc(<size_t>(c.core.cells.size + 1) * sizeof(int32_t))   # runs: begin, then end
-    if begin == NULL:
+    src = blob_source(c.core)
+    if blob_compose(&pieces, &src, seq_id) != RC_OK:
         return record(c, RC_ERR_NO_MEMORY, "rc_state_write")
-    n_ranges = selected_ranges(&c.core.cells, seq_id, begin, begin + (c.core.cells.size + 1) // 2)
-    off = write_meta(&c.core.cells, seq_id, <unsigned char*>target)
-    if off >= 0:
-        off += write_rows(<unsigned char*>target + off, c.core.n_layer, c.core.n_tensors, c.core.tensor_data, c.core.row_bytes,
-                          c.core.type_ids, n_ranges, begin, begin + (c.core.cells.size + 1) // 2)
-    free(begin)
-    if off < 0:
-        return record(c, RC_ERR_NO_MEMORY, "rc_state_write")
-    written[0] = <size_t>off
+    written[0] = <size_t>blob_copy(&pieces, <unsigned char*>target)
+    blob_release(&pieces)
     return RC_OK
 
 
@@ -528,7 +511,7 @@ cdef int rc_state_read(rc_ctx* ctx, int32_t seq_id, const void* data, size_t len
     cdef int code = check_state_seq(c, seq_id, "rc_state_read")
     if code != RC_OK:
         return code
-    if overlaps_rows(c, data, length):
+    if shares_rows(c.core, data, length):
         return record(c, RC_ERR_OVERLAP, "rc_state_read")
     if length > <size_t>PY_SSIZE_T_MAX:   # no buffer is that long: reported as trailing bytes
         length = <size_t>PY_SSIZE_T_MAX

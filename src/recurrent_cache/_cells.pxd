@@ -2,7 +2,7 @@
 """C-level API of the cell table: cells, find_slot, sequence operations, copy plan.
 
 Every function here is ``noexcept nogil``: failures are reported as the
-negative codes below and turned into exceptions in one place
+negative codes of ``_codes`` and turned into exceptions in one place
 (``recurrent_cache.errors.engine_error``).
 
 Cell membership is an intrusive doubly linked list per cell (``first`` /
@@ -13,20 +13,10 @@ bitset scanned a 64-bit word at a time.  Writes go through ``set32`` /
 O(changes) instead of copying every cell.
 """
 
-from ._moves cimport RowLog
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
-cdef enum:
-    RC_OK = 0
-    RC_ERR_SEQ_RANGE = -1     # a seq id outside [0, size)
-    RC_ERR_DUPLICATE_SEQ = -2 # a seq id listed twice in one ubatch
-    RC_ERR_NO_FREE_CELL = -3  # a group needed a cell and none was free
-    RC_ERR_NO_MEMORY = -4
-    RC_ERR_PLACEMENT = -5     # groups did not end up in n_seqs distinct cells
-    RC_ERR_POSITION = -6      # seq_add would move a position below 0 or past INT32_MAX
-    RC_ERR_ARGUMENT = -7      # seq_div by d <= 0
-    RC_ERR_SEQ_HAS_CELL = -8  # a sequence to be placed already holds a cell
-    RC_ERR_BROKEN = -9        # an invariant of the cell table is broken (a bug)
+from ._codes cimport (RC_OK, RC_ERR_SEQ_RANGE, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY,
+                      RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_ARGUMENT, RC_ERR_SEQ_HAS_CELL, RC_ERR_BROKEN)
 
 cdef struct JournalEntry:
     int32_t* addr32           # exactly one of addr32 / addr64 is set
@@ -75,6 +65,8 @@ cdef int32_t cells_seq_pos_max(const Cells* c, int32_t seq) noexcept nogil
 cdef int32_t cells_next_free(const Cells* c, int32_t start) noexcept nogil
 # seq (in [0, size) and in no cell) joins cell, which stops being free: for state_read
 cdef void cells_join(Cells* c, int32_t cell, int32_t seq) noexcept nogil
+# seq leaves its cell: the cell if that emptied it (now free), else -1
+cdef int32_t cells_leave(Cells* c, int32_t seq) noexcept nogil
 cdef void cells_new_epoch(Cells* c) noexcept nogil  # forget every stamp in O(1)
 
 # placement of one ubatch: n_seqs groups; group s lists seq ids
@@ -100,42 +92,8 @@ cdef enum:
     CHECK_DANGLING = 7
     CHECK_USED = 8
 cdef int cells_check(const Cells* c, int32_t* where=*) noexcept nogil
+cdef str cells_check_message(const Cells* c, int broken, int32_t at)   # the sentence for a CHECK_* at `at`
 
 # prepare support: journal every write, then undo them all
 cdef void cells_journal_begin(Cells* c) noexcept nogil
 cdef int cells_journal_rollback(Cells* c, int32_t head, int32_t used, int32_t n) noexcept nogil
-
-# rows: apply a copy plan to one state tensor whose row c starts at data + c * row_stride
-# (row_bytes of state each): row head+i <- row copy_src[i], all reads first; then zero rows
-cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes, int32_t head,
-                         int32_t n, const int32_t* copy_src, const uint8_t* zero) noexcept nogil
-
-
-# Rollback history (docs/rollback.md): n_rollback slots per cell; the state after position q of a
-# cell lives in slot q % n_rollback of its history row, tagged q + 1 (0 = empty).  The
-# history row travels with the state through every copy plan.
-cdef struct History:
-    int32_t n_rollback          # 0: no history (every function below does nothing)
-    Py_ssize_t n_tensors
-    char** tensor_data          # [n_tensors] the state tensors (shared with the memory core's)
-    Py_ssize_t* row_bytes       # [n_tensors]
-    char** hist_data            # [n_tensors] history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
-    int32_t* tags               # [size * n_rollback]
-    RowLog* log                 # NULL: move the bytes above; else record the moves (a device storage's)
-
-# the history rows follow a copy plan (a zeroed row has none)
-cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int32_t* copy_src,
-                            const uint8_t* zero) noexcept nogil
-# before the model overwrites them, the states groups start from join their cells' histories
-cdef void history_keep_start_states(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
-                                    const int32_t* last_pos, const uint8_t* zero) noexcept nogil
-# the model's promise for one applied ubatch: m states per group (after tokens n_seq_tokens - 1 - m
-# .. n_seq_tokens - 2); history_file keeps row `row` of each tensor k's rows[k] as the state after
-# position q of cell
-cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogil
-cdef void history_file(const History* h, int32_t cell, int32_t q, char** rows, Py_ssize_t row) noexcept nogil
-cdef void history_forget(const History* h, int32_t cell) noexcept nogil       # one cell's
-cdef void history_forget_all(const History* h, int32_t size) noexcept nogil
-cdef int32_t history_rollback_min(const History* h, const Cells* c, int32_t seq) noexcept nogil
-cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) noexcept nogil
-

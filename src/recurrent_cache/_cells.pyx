@@ -11,10 +11,8 @@ into the cache's operations (with the history rules) and owns the only instance.
 
 from libc.stdint cimport INT32_MAX
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 
-
-from ._moves cimport SPACE_CELLS, SPACE_HIST, SPACE_STEPS, log_copy, log_copy_plan
 
 cdef extern from "rc_bits.h":
     int rc_ctz64(uint64_t x) noexcept nogil
@@ -153,6 +151,10 @@ cdef inline void join(Cells* c, int32_t cell, int32_t seq) noexcept nogil:
 
 cdef void cells_join(Cells* c, int32_t cell, int32_t seq) noexcept nogil:
     join(c, cell, seq)
+
+
+cdef int32_t cells_leave(Cells* c, int32_t seq) noexcept nogil:
+    return leave(c, seq)
 
 
 cdef inline void free_cell(Cells* c, int32_t cell) noexcept nogil:
@@ -475,156 +477,6 @@ cdef void cells_copy_plan(Cells* c, int32_t* copy_src, uint8_t* zero) noexcept n
             c.src[cell] = cell
 
 
-cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes, int32_t head,
-                         int32_t n, const int32_t* copy_src, const uint8_t* zero) noexcept nogil:
-    cdef int32_t i, n_moves = 0, k
-    cdef char* staging
-    for i in range(n):
-        if copy_src[i] != head + i:
-            n_moves += 1
-    if n_moves == 1:
-        for i in range(n):
-            if copy_src[i] != head + i:
-                memcpy(data + (head + i) * row_stride, data + copy_src[i] * row_stride, row_bytes)
-    elif n_moves > 1:
-        # every read happens before any write: a source may also be a destination
-        staging = <char*>malloc(n_moves * row_bytes)
-        if staging == NULL:
-            return RC_ERR_NO_MEMORY
-        k = 0
-        for i in range(n):
-            if copy_src[i] != head + i:
-                memcpy(staging + k * row_bytes, data + copy_src[i] * row_stride, row_bytes)
-                k += 1
-        k = 0
-        for i in range(n):
-            if copy_src[i] != head + i:
-                memcpy(data + (head + i) * row_stride, staging + k * row_bytes, row_bytes)
-                k += 1
-        free(staging)
-    for i in range(n):
-        if zero[i]:
-            memset(data + (head + i) * row_stride, 0, row_bytes)
-    return RC_OK
-
-
-# -- rollback history (docs/rollback.md) -----------------------------------------------------
-
-cdef inline Py_ssize_t slot_of(const History* h, int32_t cell, int32_t q) noexcept nogil:
-    return <Py_ssize_t>cell * h.n_rollback + q % h.n_rollback
-
-
-cdef int history_apply_plan(const History* h, int32_t head, int32_t n, const int32_t* copy_src,
-                            const uint8_t* zero) noexcept nogil:
-    cdef Py_ssize_t k, row
-    cdef int code
-    if not h.n_rollback:
-        return RC_OK
-    if h.log != NULL:
-        log_copy_plan(h.log, SPACE_HIST, h.n_rollback, head, n, copy_src, zero)
-    for k in range(h.n_tensors if h.log == NULL else 0):
-        row = h.n_rollback * h.row_bytes[k]
-        code = rows_apply_plan(h.hist_data[k], row, row, head, n, copy_src, zero)
-        if code != RC_OK:
-            return code
-    row = h.n_rollback * sizeof(int32_t)
-    return rows_apply_plan(<char*>h.tags, row, row, head, n, copy_src, zero)
-
-
-cdef void history_keep_start_states(const History* h, int32_t head, int32_t n_seqs, int32_t n_seq_tokens,
-                                    const int32_t* last_pos, const uint8_t* zero) noexcept nogil:
-    cdef int32_t g, cell, q
-    cdef Py_ssize_t k, slot
-    if not h.n_rollback:
-        return
-    for g in range(n_seqs):
-        cell = head + g
-        q = last_pos[g] - n_seq_tokens            # the group continues the state after q
-        if zero[g] or q < 0 or q < last_pos[g] - h.n_rollback:
-            continue                              # no state yet, or outside the window
-        slot = slot_of(h, cell, q)
-        if h.log != NULL:
-            log_copy(h.log, SPACE_HIST, slot, SPACE_CELLS, cell)
-        for k in range(h.n_tensors if h.log == NULL else 0):
-            memcpy(h.hist_data[k] + slot * h.row_bytes[k],
-                   h.tensor_data[k] + <Py_ssize_t>cell * h.row_bytes[k], h.row_bytes[k])
-        h.tags[slot] = q + 1
-
-
-cdef int32_t history_steps(const History* h, int32_t n_seq_tokens) noexcept nogil:
-    """m: the states the model writes per group, after tokens n_seq_tokens - 1 - m .. n_seq_tokens - 2."""
-    return min(h.n_rollback, n_seq_tokens - 1) if h.n_rollback else 0
-
-
-cdef void history_file(const History* h, int32_t cell, int32_t q, char** rows, Py_ssize_t row) noexcept nogil:
-    """Keep row `row` of every rows[k] as the state after position q of cell (a step state the model wrote)."""
-    cdef Py_ssize_t k, slot = slot_of(h, cell, q)
-    if h.log != NULL:   # rows: the step scratch
-        log_copy(h.log, SPACE_HIST, slot, SPACE_STEPS, row)
-    for k in range(h.n_tensors if h.log == NULL else 0):
-        memcpy(h.hist_data[k] + slot * h.row_bytes[k], rows[k] + row * h.row_bytes[k], h.row_bytes[k])
-    h.tags[slot] = q + 1
-
-
-cdef void history_forget(const History* h, int32_t cell) noexcept nogil:
-    if h.n_rollback and cell >= 0:
-        memset(h.tags + <Py_ssize_t>cell * h.n_rollback, 0, h.n_rollback * sizeof(int32_t))
-
-
-cdef void history_forget_all(const History* h, int32_t size) noexcept nogil:
-    if h.n_rollback:
-        memset(h.tags, 0, <size_t>size * h.n_rollback * sizeof(int32_t))
-
-
-cdef int32_t history_rollback_min(const History* h, const Cells* c, int32_t seq) noexcept nogil:
-    cdef int32_t cell, pos, j, q, best = -1
-    if not h.n_rollback or not 0 <= seq < c.size or c.tail[seq] < 0:
-        return -1
-    cell = c.tail[seq]
-    pos = c.pos[cell]
-    for j in range(h.n_rollback):
-        q = h.tags[<Py_ssize_t>cell * h.n_rollback + j] - 1
-        if q >= 0 and pos - h.n_rollback <= q < pos and (best < 0 or q < best):
-            best = q
-    return best
-
-
-cdef bint history_rollback(const History* h, Cells* c, int32_t seq, int32_t q) noexcept nogil:
-    cdef int32_t cell, target, j
-    cdef Py_ssize_t k, n = h.n_rollback, slot
-    if not n or not 0 <= seq < c.size or c.tail[seq] < 0:
-        return False
-    cell = c.tail[seq]
-    if not (c.pos[cell] - n <= q < c.pos[cell]) or q < 0:
-        return False
-    slot = slot_of(h, cell, q)
-    if h.tags[slot] != q + 1:
-        return False
-    target = cell
-    if c.n_seq[cell] > 1:   # copy on write: the others keep the shared cell
-        target = cells_next_free(c, c.head)
-        if target < 0:
-            return False
-        leave(c, seq)
-        join(c, target, seq)
-        c.src[target] = target
-        for j in range(n if h.log != NULL else 0):   # the branch keeps the history it had
-            log_copy(h.log, SPACE_HIST, target * n + j, SPACE_HIST, cell * n + j)
-        for k in range(h.n_tensors if h.log == NULL else 0):
-            memcpy(h.hist_data[k] + target * n * h.row_bytes[k], h.hist_data[k] + cell * n * h.row_bytes[k],
-                   n * h.row_bytes[k])
-        memcpy(h.tags + target * n, h.tags + cell * n, n * sizeof(int32_t))
-    if h.log != NULL:
-        log_copy(h.log, SPACE_CELLS, target, SPACE_HIST, slot)
-    for k in range(h.n_tensors if h.log == NULL else 0):
-        memcpy(h.tensor_data[k] + target * h.row_bytes[k], h.hist_data[k] + slot * h.row_bytes[k], h.row_bytes[k])
-    c.pos[target] = q
-    for j in range(n):   # states after q and later are gone
-        if h.tags[target * n + j] > q:
-            h.tags[target * n + j] = 0
-    return True
-
-
 # -- invariants ----------------------------------------------------------------
 
 cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
@@ -668,3 +520,16 @@ cdef int cells_check(const Cells* c, int32_t* where=NULL) noexcept nogil:
         where[0] = at
     return broken
 
+
+
+cdef str cells_check_message(const Cells* c, int broken, int32_t at):
+    return {
+        CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {c.size})",
+        CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
+        CHECK_LIST: f"broken member list of cell {at}",
+        CHECK_COUNT: f"cell {at} counts {c.n_seq[at] if at >= 0 else 0} sequences but lists another number",
+        CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
+        CHECK_EMPTY: f"empty cell {at} has pos {c.pos[at] if at >= 0 else 0} / src {c.src[at] if at >= 0 else 0}",
+        CHECK_DANGLING: "a sequence has a tail but no cell holds it",
+        CHECK_USED: f"used is {c.used}, but another number of cells is not empty",
+    }[broken]

@@ -13,10 +13,11 @@ filing happens at the same point whichever API comes next, and bumps ``generatio
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, uint8_t, uint64_t
 
-from ._cells cimport Cells, History
-from ._moves cimport RowLog
+from ._cells cimport Cells
+from ._history cimport History
+from ._moves cimport RowMover
 from ._split cimport Split
-from ._state_io cimport BlobDefect
+from ._state_io cimport BlobDefect, BlobSource
 
 cdef struct Core:
     PyObject* owner              # the MemoryCore this struct lives in (for growing the step scratch)
@@ -25,7 +26,8 @@ cdef struct Core:
     Py_ssize_t n_tensors         # r of each layer with state (layer order), then their s
     int32_t n_layer              # the model's layers (the blob's n_layer), with state or not
     Py_ssize_t* layer_tensor     # [2 * n_layer] r of layer il: [il], s: [n_layer + il] -> k, or -1 (no state)
-    char** tensor_data           # [n_tensors] base pointers (the arrays never move)
+    char** tensor_data           # [n_tensors] base pointers (the arrays never move; a logged core's: the staging copies)
+    char** hist_data             # [n_tensors] the history of tensor k: cell c's slots at c * n_rollback * row_bytes[k]
     Py_ssize_t* row_bytes        # [n_tensors]
     int32_t* type_ids            # [n_tensors] ggml types, for state blobs
     int32_t* plan_copy_src       # [size] the copy plan of the ubatch being applied
@@ -40,10 +42,10 @@ cdef struct Core:
     int32_t pending_n_seqs       # 0: none pending
     int32_t pending_m            # step states per group
     int32_t* pending_last_pos    # [size] each group's last position
-    # a storage the core cannot address (device memory): moves are recorded in log (history.log
-    # points at it) and the MemoryCore hands them to the storage at the end of each call
-    bint logged
-    RowLog log
+    # every move of rows (cells, history, step scratch) goes through the mover, which copies at once (host
+    # memory) or records the move (a storage the core cannot address: the MemoryCore hands the log over
+    # to the storage at the end of each call); history.mover points at it
+    RowMover mover
     # a storage failed while carrying out a call's moves: the cells and the rows may disagree, so
     # every call refuses (RC_ERR_BROKEN; Python: BrokenCacheError) until a clear() succeeds
     bint broken
@@ -73,6 +75,11 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
 cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                          BlobDefect* defect) noexcept nogil
 
+# whether bytes [p, p + n) overlap a state tensor (a restore or write would read its own output)
+cdef bint shares_rows(const Core* core, const void* p, size_t n) noexcept nogil
+# what a blob is composed from (``_state_io.blob_compose``): the core's cells and rows
+cdef BlobSource blob_source(const Core* core) noexcept nogil
+
 
 cdef class MemoryCore:
     cdef Core core
@@ -90,6 +97,8 @@ cdef class MemoryCore:
     cdef int break_on(self, object failure) except -1
     cdef int reserve_steps(self, Py_ssize_t rows) except -1
     cdef int flush(self) except -1
+    cdef int finish(self) except -1
+    cdef int apply_ubatch(self, const Split* split, int32_t u, const int32_t* seq_ids) except 1
     cdef int flush_log(self) except -1
     cdef list staged(self)
     cdef stage_cells(self, int32_t seq_id)

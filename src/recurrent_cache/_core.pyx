@@ -20,27 +20,24 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-from ._cells cimport (CHECK_COUNT, CHECK_DANGLING, CHECK_EMPTY, CHECK_FREE_BIT, CHECK_LIST, CHECK_SEQ_RANGE,
-                      CHECK_TAIL, CHECK_USED, RC_ERR_BROKEN, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY,
-                      RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL, RC_ERR_SEQ_RANGE, RC_OK, cells_check, cells_clear,
-                      cells_copy_plan, cells_find_slot, cells_init, cells_next_free, cells_release,
-                      cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep, cells_seq_pos_max,
-                      cells_seq_pos_min, cells_seq_rm, cells_tail_in_range, history_apply_plan, history_file,
-                      history_forget, history_forget_all, history_keep_start_states, history_rollback,
-                      history_rollback_min, history_steps, rows_apply_plan)
-from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_NONE, SPACE_STAGE, SPACE_STEPS, SPACE_ZERO, log_copy,
-                      log_copy_plan, log_init, log_pending, log_release, log_reset)
+from ._cells cimport (cells_check, cells_check_message, cells_clear, cells_copy_plan, cells_find_slot,
+                      cells_init, cells_release, cells_seq_add, cells_seq_cp, cells_seq_div, cells_seq_keep,
+                      cells_seq_pos_max, cells_seq_pos_min, cells_seq_rm, cells_tail_in_range)
+from ._codes cimport (RC_ERR_BROKEN, RC_ERR_NO_FREE_CELL, RC_ERR_NO_MEMORY, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
+                      RC_ERR_SEQ_RANGE, RC_OK)
+from ._history cimport (history_apply_plan, history_file, history_forget, history_forget_all,
+                        history_keep_start_states, history_rollback, history_rollback_min, history_steps)
+from ._moves cimport (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_ZERO, log_carry_out, log_reset,
+                      mover_cells_written, mover_copy, mover_copy_plan, mover_init, mover_release, mover_set_cell)
 from ._split cimport Split
-from ._state_io cimport (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_TRUNCATED, BLOB_ERR_ROW_BYTES, BLOB_ERR_SEQ_ID_RANGE,
-                         BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE, BLOB_OK, FIELD_CELL, FIELD_CELL_COUNT,
-                         FIELD_DATA_HEADER, FIELD_ROWS, FIELD_SEQ_IDS, FIELD_TENSOR_HEADER, BlobDefect,
-                         BlobLayout, alloc_ranges, blob_size, check_blob, max_ranges, meta_size, put_u32,
-                         put_u64, restore_blob, selected_ranges, write_meta, write_rows)
+from ._state_io cimport (BLOB_ERR_TRUNCATED, BLOB_OK, BlobDefect, BlobLayout, BlobPieces, BlobSource, blob_compose, blob_copy, blob_error, blob_piece,
+                         blob_release, blob_size, check_blob, restore_blob)
 
 from . import errors
 from .formats import messages
 from .formats.streams import write_all
 from .errors import CoreError
+from .storage import has_host_access
 
 cdef extern from "rc_debug.h":
     const bint RC_SELF_CHECK
@@ -49,8 +46,6 @@ cdef extern from "rc_hugepages.h":
     void rc_advise_hugepages(void* buffer, size_t n) noexcept nogil
 
 cdef enum:
-    DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
-    TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
     DLPACK_CPU = 1            # DLPack's device types whose memory the host addresses: kDLCPU,
     DLPACK_CUDA_HOST = 3      # kDLCUDAHost (pinned)
 
@@ -75,7 +70,7 @@ cdef void core_file_steps(Core* core) noexcept nogil:
     for g in range(core.pending_n_seqs):
         for j in range(m):   # step row g * m + j: the state after position last_pos - m + j
             history_file(&core.history, core.pending_head + g, core.pending_last_pos[g] - m + j,
-                         core.step_data, <Py_ssize_t>g * m + j)
+                         <Py_ssize_t>g * m + j)
     core.pending_n_seqs = 0
 
 
@@ -125,15 +120,9 @@ cdef int core_apply_ubatch(Core* core, const Split* split, int32_t u, const int3
 
 cdef int apply_plan(Core* core, int32_t head, int32_t n) noexcept nogil:
     """Move the rows and their histories as the copy plan in the core's scratch says."""
-    cdef Py_ssize_t k
-    cdef int code
-    if core.logged:
-        log_copy_plan(&core.log, SPACE_CELLS, 1, head, n, core.plan_copy_src, core.plan_zero)
-    for k in range(core.n_tensors if not core.logged else 0):
-        code = rows_apply_plan(core.tensor_data[k], core.row_bytes[k], core.row_bytes[k], head, n,
-                               core.plan_copy_src, core.plan_zero)
-        if code != RC_OK:
-            return code
+    cdef int code = mover_copy_plan(&core.mover, SPACE_CELLS, 1, head, n, core.plan_copy_src, core.plan_zero)
+    if code != RC_OK:
+        return code
     return history_apply_plan(&core.history, head, n, core.plan_copy_src, core.plan_zero)
 
 
@@ -206,13 +195,9 @@ cdef int core_seq_div(Core* core, int32_t seq, int32_t p0, int32_t p1, int32_t d
 
 cdef void core_clear(Core* core) noexcept nogil:
     """Empty every cell, zero every row, forget every history."""
-    cdef Py_ssize_t k
     core.pending_n_seqs = 0   # the rows it would file into are gone
     cells_clear(&core.cells)
-    for k in range(core.cells.size if core.logged else 0):
-        log_copy(&core.log, SPACE_CELLS, k, SPACE_ZERO, 0)
-    for k in range(core.n_tensors if not core.logged else 0):
-        memset(core.tensor_data[k], 0, <size_t>core.cells.size * <size_t>core.row_bytes[k])
+    mover_copy(&core.mover, SPACE_CELLS, 0, SPACE_ZERO, 0, core.cells.size)
     history_forget_all(&core.history, core.cells.size)
     core.generation += 1
 
@@ -227,7 +212,6 @@ cdef int32_t core_rollback_min(Core* core, int32_t seq) noexcept nogil:
 
 cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* const* rows) noexcept nogil:
     cdef int32_t seq_offset = 0, n_seq_id = 1, cell
-    cdef Py_ssize_t k
     cdef int code
     if core.broken:
         return RC_ERR_BROKEN
@@ -246,8 +230,7 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
         return code
     cell = core.cells.head
     core.cells.src[cell] = cell
-    for k in range(core.n_tensors if rows != NULL else 0):   # NULL: the caller writes the rows (logged)
-        memcpy(core.tensor_data[k] + <Py_ssize_t>cell * core.row_bytes[k], rows[k], core.row_bytes[k])
+    mover_set_cell(&core.mover, cell, rows)
     history_forget(&core.history, cell)   # another sequence's past is not this one's
     return cell
 
@@ -255,7 +238,6 @@ cdef int32_t core_restore(Core* core, int32_t seq, int32_t pos, const char* cons
 cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, Py_ssize_t length,
                          BlobDefect* defect) noexcept nogil:
     cdef BlobLayout layout
-    cdef Py_ssize_t k
     cdef int code
     if core.broken:
         return RC_ERR_BROKEN
@@ -268,12 +250,10 @@ cdef int core_state_read(Core* core, int32_t seq_id, const unsigned char* data, 
     code = restore_blob(&core.cells, data, &layout, seq_id, core.n_tensors, core.tensor_data, core.row_bytes)
     if code != RC_OK:
         return code
-    if core.logged:   # the rows went to the staging copies (tensor_data): hand them to the storage
-        if seq_id < 0:   # the blob's rows, then zeros (the rest of the cache is cleared)
-            for k in range(core.cells.size):
-                log_copy(&core.log, SPACE_CELLS, k, SPACE_STAGE, k)
-        elif layout.cell_count:
-            log_copy(&core.log, SPACE_CELLS, core.cells.head, SPACE_STAGE, core.cells.head)
+    if seq_id < 0:   # the blob's rows, then zeros (the rest of the cache is cleared)
+        mover_cells_written(&core.mover, 0, core.cells.size)
+    elif layout.cell_count:
+        mover_cells_written(&core.mover, core.cells.head, 1)
     # the blob carries no history (llama.cpp's bytes)
     if seq_id < 0:
         history_forget_all(&core.history, core.cells.size)
@@ -298,15 +278,28 @@ def host_extent(tensor):
     return None
 
 
-cdef bint shares_rows(const Core* core, const void* p, Py_ssize_t n) noexcept:
-    """Whether bytes [p, p + n) overlap a state tensor (a blob or target made of the cache's rows)."""
+cdef bint shares_rows(const Core* core, const void* p, size_t n) noexcept nogil:
+    """Whether bytes [p, p + n) overlap a state tensor (a blob or target made of the cache's rows,
+    which a restore or a write would read while writing)."""
     cdef Py_ssize_t k
     cdef uintptr_t begin = <uintptr_t>p, base
     for k in range(core.n_tensors):
         base = <uintptr_t>core.tensor_data[k]
-        if n > 0 and begin < base + <uintptr_t>(core.cells.size * core.row_bytes[k]) and base < begin + <uintptr_t>n:
+        if n > 0 and begin < base + <uintptr_t>(core.cells.size * core.row_bytes[k]) and base < begin + n:
             return True
     return False
+
+
+cdef BlobSource blob_source(const Core* core) noexcept nogil:
+    """What ``state_write`` composes a blob from: the core's cells and rows (a logged core's: the staging copies)."""
+    cdef BlobSource src
+    src.cells = &core.cells
+    src.n_layer = core.n_layer
+    src.n_tensors = core.n_tensors
+    src.tensor_data = core.tensor_data
+    src.row_bytes = core.row_bytes
+    src.type_ids = core.type_ids
+    return src
 
 
 cdef class MemoryCore:
@@ -348,13 +341,13 @@ cdef class MemoryCore:
         self.core.row_bytes = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
         self.core.type_ids = <int32_t*>malloc(n * sizeof(int32_t))
         self.core.step_data = <char**>calloc(n, sizeof(char*))
-        self.core.history.hist_data = <char**>calloc(n, sizeof(char*))
+        self.core.hist_data = <char**>calloc(n, sizeof(char*))
         # allocated once: a plan covers at most every cell, a ubatch at most size groups
         self.core.plan_copy_src = <int32_t*>malloc(size * sizeof(int32_t))
         self.core.plan_zero = <uint8_t*>malloc(size)
         self.core.pending_last_pos = <int32_t*>malloc(size * sizeof(int32_t))
         if (self.core.tensor_data == NULL or self.core.row_bytes == NULL or self.core.type_ids == NULL
-                or self.core.step_data == NULL or self.core.history.hist_data == NULL
+                or self.core.step_data == NULL or self.core.hist_data == NULL
                 or self.core.plan_copy_src == NULL or self.core.plan_zero == NULL
                 or self.core.pending_last_pos == NULL):
             raise MemoryError("cannot allocate the tensor table")
@@ -362,11 +355,7 @@ cdef class MemoryCore:
             self.core.row_bytes[k] = dtypes[k // n_state].itemsize * kinds[k // n_state].shape[2]
             self.core.type_ids[k] = type_ids[k]
         self.host_views = {}
-        self.core.logged = storage.host_view(kinds[0]) is None
         self.core.self_check = RC_SELF_CHECK
-        self.core.history.n_tensors = n_tensors
-        self.core.history.tensor_data = self.core.tensor_data
-        self.core.history.row_bytes = self.core.row_bytes
         self.core.history.n_rollback = n_rollback
         # history[kind][k, c * n_rollback + q % n_rollback]: the state after position q of cell c
         self.history_kinds = tuple(storage.allocate((n_state, size * n_rollback, t.shape[2]), dtype)
@@ -375,21 +364,24 @@ cdef class MemoryCore:
         tag_view = self.tags
         self.core.history.tags = &tag_view[0, 0]
         self.tags = self.tags[:, :n_rollback]
-        if self.core.logged:
-            if not log_init(&self.core.log, size, <Py_ssize_t>size * n_rollback):
-                raise MemoryError("cannot allocate the move log")
-            self.core.history.log = &self.core.log
-        else:
+        if not mover_init(&self.core.mover, not has_host_access(storage), n_tensors, self.core.row_bytes, size,
+                          <Py_ssize_t>size * n_rollback):
+            raise MemoryError("cannot allocate the move log")
+        self.core.mover.rows[SPACE_CELLS] = self.core.tensor_data
+        self.core.mover.rows[SPACE_HIST] = self.core.hist_data
+        self.core.mover.rows[SPACE_STEPS] = self.core.step_data
+        self.core.history.mover = &self.core.mover
+        if not self.core.mover.logged:
             self.address("cells", self.host_of(kinds), self.core.tensor_data)
-            self.address("history", self.host_of(self.history_kinds), self.core.history.hist_data)
+            self.address("history", self.host_of(self.history_kinds), self.core.hist_data)
         self.stage = []
         self.step_kinds = ()
         self.reserve_steps(0)
 
     def __dealloc__(self):
         cells_release(&self.core.cells)
-        log_release(&self.core.log)
-        free(self.core.history.hist_data)
+        mover_release(&self.core.mover)
+        free(self.core.hist_data)
         free(self.core.tensor_data)
         free(self.core.layer_tensor)
         free(self.core.row_bytes)
@@ -425,11 +417,11 @@ cdef class MemoryCore:
         if rows <= self.core.step_capacity and self.step_kinds:
             return 0
         rows = max(rows, 2 * self.core.step_capacity, 1)
-        if self.core.logged:
+        if self.core.mover.logged:
             self.flush()   # pending moves may read the old scratch
         kinds = tuple(self.storage.allocate((len(self.layers), rows, t.shape[2]), dtype)
                       for t, dtype in zip(self.kinds, self.dtypes))
-        if not self.core.logged:
+        if not self.core.mover.logged:
             self.address("steps", self.host_of(kinds), self.core.step_data)
         self.step_kinds = kinds
         self.core.step_capacity = rows
@@ -461,67 +453,40 @@ cdef class MemoryCore:
             raise
         return 0
 
-    @cython.boundscheck(True)   # Python objects only here: a wrong index must raise, never read astray
-    @cython.wraparound(True)
     cdef int flush_log(self) except -1:
-        """The recorded moves carried out: all rows taken first, then written."""
-        cdef Py_ssize_t d, i, n, row
-        cdef int source
-        cdef list groups = []
-        cdef int8_t[::1] sources_view
-        cdef int64_t[::1] dst_view, src_view
-        if not log_pending(&self.core.log):
-            return 0
-        if not self.core.n_tensors:   # no layer keeps state (an empty layer filter): no rows to move
-            log_reset(&self.core.log)
-            return 0
-        spaces = (self.kinds, self.history_kinds, self.step_kinds, self.stage)
+        """The recorded moves carried out by the storage: all rows taken first, then written."""
         try:
-            for d in range(2):
-                n = self.core.log.n_touched[d]
-                sources = np.empty(n, dtype=np.int8)
-                dst = np.empty(n, dtype=np.int64)
-                src = np.empty(n, dtype=np.int64)
-                sources_view, dst_view, src_view = sources, dst, src
-                for i in range(n):
-                    row = self.core.log.touched[d][i]
-                    dst_view[i] = row
-                    sources_view[i] = self.core.log.from_space[d][row]
-                    src_view[i] = self.core.log.from_row[d][row]
-                for source in (SPACE_CELLS, SPACE_HIST, SPACE_STEPS, SPACE_STAGE, SPACE_ZERO):
-                    chosen = sources == source
-                    if source == d:
-                        chosen &= src != dst   # a row that ends as it began
-                    if chosen.any():
-                        groups.append((d, source, dst[chosen], src[chosen]))
-            taken = []
-            for d, source, rows, from_rows in groups:
-                if source == SPACE_STAGE:
-                    taken.append([self.storage.from_host(stage[:, from_rows], dtype)
-                                  for stage, dtype in zip(self.stage, self.dtypes)])
-                elif source != SPACE_ZERO:
-                    taken.append([self.storage.take(t, from_rows) for t in spaces[source]])
-                else:
-                    taken.append(None)
-            for (d, source, rows, _), values in zip(groups, taken):
-                for kind in range(len(spaces[d])):
-                    if values is None:
-                        self.storage.zero(spaces[d][kind], rows)
-                    else:
-                        self.storage.put(spaces[d][kind], rows, values[kind])
+            if self.core.n_tensors:   # else no layer keeps state (an empty layer filter): no rows to move
+                log_carry_out(&self.core.mover.log, self.storage,
+                              (self.kinds, self.history_kinds, self.step_kinds, tuple(self.stage)), self.dtypes)
         finally:
-            log_reset(&self.core.log)
+            log_reset(&self.core.mover.log)
         return 0
 
-    def flush_moves(self):
-        """Execute the moves the last core call recorded (a logged storage's; nothing otherwise)."""
-        if self.core.logged:
+    cdef int finish(self) except -1:
+        """The end of every entry point that changes cells, rows or history (apply included): the
+        moves it recorded are carried out now, on a logged storage (nothing is pending otherwise).
+        A storage failing here breaks the core (``flush``)."""
+        if self.core.mover.logged:
             self.flush()
+        return 0
+
+    cdef int apply_ubatch(self, const Split* split, int32_t u, const int32_t* seq_ids) except 1:
+        """Ubatch ``u`` of ``split`` placed (``core_apply_ubatch``), its moves carried out: an engine
+        code.  A storage that failed while the step scratch grew or while the moves were carried out
+        broke the core: ``BrokenCacheError``."""
+        cdef int code
+        self.usable("apply")
+        with nogil:
+            code = core_apply_ubatch(&self.core, split, u, seq_ids)
+        self.finish()   # a failed apply may have moved some rows too
+        self.usable("apply")
+        return code
 
     @property
     def host_rows(self):
         """Whether the C code moves the rows itself (a storage with host views: the C API works)."""
-        return not self.core.logged
+        return not self.core.mover.logged
 
     cdef stage_cells(self, int32_t seq_id):
         """A logged core's staging copies of the rows ``state_write(seq_id)`` reads, made equal to
@@ -529,7 +494,7 @@ cdef class MemoryCore:
         cdef Py_ssize_t kind
         cdef int32_t cell
         cdef list rows = []
-        if not (self.core.logged and self.core.n_tensors):
+        if not (self.core.mover.logged and self.core.n_tensors):
             return
         if seq_id >= 0:
             if self.core.cells.tail[seq_id] >= 0:
@@ -548,7 +513,7 @@ cdef class MemoryCore:
     cdef list staged(self):
         """The host copies of the cells' tensors a logged core reads blobs into and writes them from."""
         cdef Py_ssize_t kind
-        if self.core.logged and not self.stage and self.core.n_tensors:
+        if self.core.mover.logged and not self.stage and self.core.n_tensors:
             self.stage = [np.zeros(tuple(t.shape), dtype=dtype.numpy) for t, dtype in zip(self.kinds, self.dtypes)]
             self.address("stage", self.stage, self.core.tensor_data)
         return self.stage
@@ -620,16 +585,7 @@ cdef class MemoryCore:
         broken = cells_check(c, &at)
         if not broken:
             return None
-        return {
-            CHECK_SEQ_RANGE: f"cell {at} holds a seq outside [0, {c.size})",
-            CHECK_TAIL: f"cell {at} holds a seq whose tail is elsewhere",
-            CHECK_LIST: f"broken member list of cell {at}",
-            CHECK_COUNT: f"cell {at} counts {c.n_seq[at] if at >= 0 else 0} sequences but lists another number",
-            CHECK_FREE_BIT: f"the free bit of cell {at} disagrees with its sequences",
-            CHECK_EMPTY: f"empty cell {at} has pos {c.pos[at] if at >= 0 else 0} / src {c.src[at] if at >= 0 else 0}",
-            CHECK_DANGLING: "a sequence has a tail but no cell holds it",
-            CHECK_USED: f"used is {c.used}, but another number of cells is not empty",
-        }[broken]
+        return cells_check_message(c, broken, at)
 
     def history(self):
         """Copies of the rollback history: ``(tags, [history of tensor k, ...])`` (docs/rollback.md);
@@ -637,7 +593,7 @@ cdef class MemoryCore:
         cdef int32_t size = self.core.cells.size, n = self.core.history.n_rollback
         self.usable("history")
         core_file_steps(&self.core)
-        self.flush_moves()
+        self.finish()
         history = [self.storage.to_host(t) for t in self.history_kinds]
         return self.tags.copy(), [array[k].reshape(size, n, array.shape[2]) for array in history
                                   for k in range(array.shape[0])]
@@ -657,49 +613,49 @@ cdef class MemoryCore:
 
     # -- changes -------------------------------------------------------------------------
 
-    # each call below hands its recorded moves to a logged storage before it returns
+    # each call below ends in finish(): a logged storage carries out its recorded moves before it returns
 
     def clear(self):
         """Empty every cell and zero every row; also the one call a broken core takes: once the storage
         has zeroed every row, nothing of the broken state is left, so the core is usable again."""
         core_clear(&self.core)
-        self.flush_moves()
+        self.finish()
         self.core.broken = False
         self.broken_by = None
 
     def seq_rm(self, int32_t seq, int32_t p0, int32_t p1):
         self.usable("seq_rm")
         removed = core_seq_rm(&self.core, seq, p0, p1)
-        self.flush_moves()
+        self.finish()
         return removed
 
     def seq_cp(self, int32_t seq_src, int32_t seq_dst):
         self.usable("seq_cp")
         core_seq_cp(&self.core, seq_src, seq_dst)
-        self.flush_moves()
+        self.finish()
 
     def seq_keep(self, int32_t seq):
         self.usable("seq_keep")
         code = core_seq_keep(&self.core, seq)
-        self.flush_moves()
+        self.finish()
         return code
 
     def seq_add(self, int32_t seq, int32_t p0, int32_t p1, int32_t shift):
         self.usable("seq_add")
         code = core_seq_add(&self.core, seq, p0, p1, shift)
-        self.flush_moves()
+        self.finish()
         return code
 
     def seq_div(self, int32_t seq, int32_t p0, int32_t p1, int32_t d):
         self.usable("seq_div")
         code = core_seq_div(&self.core, seq, p0, p1, d)
-        self.flush_moves()
+        self.finish()
         return code
 
     def rollback_min(self, int32_t seq):
         self.usable("rollback_min")
         q = core_rollback_min(&self.core, seq)
-        self.flush_moves()
+        self.finish()
         return q
 
     def restore(self, int32_t seq, int32_t pos, list rows):
@@ -714,12 +670,12 @@ cdef class MemoryCore:
         self.usable("restore")
         if len(rows) != self.core.n_tensors:
             raise ValueError(f"{len(rows)} rows for {self.core.n_tensors} tensors")
-        if self.core.logged:
+        if self.core.mover.logged:
             # rows of the storage's own type are written by it (on its device: no host transfer)
             kinds = [self.as_storage_rows(rows[kind * n_state:(kind + 1) * n_state], kind) if n_state else None
                      for kind in range(2)]
             cell = core_restore(&self.core, seq, pos, NULL)
-            self.flush_moves()
+            self.finish()
             if cell >= 0 and n_state:
                 try:
                     for kind in range(2):
@@ -741,7 +697,9 @@ cdef class MemoryCore:
                     row = bytes(row)
                     views[k] = row
                 pointers[k] = <const char*>&row[0]
-            return core_restore(&self.core, seq, pos, pointers)
+            cell = core_restore(&self.core, seq, pos, pointers)
+            self.finish()
+            return cell
         finally:
             free(pointers)
 
@@ -770,31 +728,23 @@ cdef class MemoryCore:
 
     cdef Py_ssize_t write(self, unsigned char* out, Py_ssize_t capacity, int32_t seq_id) except -1:
         """Write the blob to out, which has room for capacity bytes; returns the blob's length."""
-        cdef Core* c = &self.core
-        cdef Py_ssize_t off, n
-        cdef int32_t n_ranges
-        cdef int32_t* begin
-        cdef int32_t* end
+        cdef BlobSource src
+        cdef BlobPieces pieces
+        cdef Py_ssize_t n
         self.stage_cells(seq_id)
-        begin = alloc_ranges(c.cells.size)
-        end = begin + max_ranges(c.cells.size)
+        # Composed with the GIL held and no Python code in between; the copies then need only the
+        # pieces, so another thread cannot make the rows disagree with the meta or overflow out.
+        src = blob_source(&self.core)
+        if blob_compose(&pieces, &src, seq_id) != RC_OK:
+            raise MemoryError("cannot allocate the blob's headers")
         try:
-            # Ranges, size and meta are taken with the GIL held and no Python code
-            # in between; the copies then need only the ranges, so another
-            # thread cannot make the rows disagree with the meta or overflow out.
-            n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
-            n = blob_size(&c.cells, seq_id, c.n_tensors, c.row_bytes)
-            if n > capacity:
-                raise messages.target_too_small(capacity, n)
-            off = write_meta(&c.cells, seq_id, out)
-            if off < 0:
-                raise MemoryError("cannot allocate the seq-id slots")
+            if pieces.size > capacity:
+                raise messages.target_too_small(capacity, pieces.size)
             with nogil:
-                off += write_rows(out + off, c.n_layer, c.n_tensors, c.tensor_data, c.row_bytes, c.type_ids, n_ranges,
-                                  begin, end)
+                n = blob_copy(&pieces, out)
         finally:
-            free(begin)
-        return off
+            blob_release(&pieces)
+        return n
 
     def aliases(self, const unsigned char[::1] buffer):
         """Whether ``buffer`` shares a byte with any tensor of this core: the cells' rows (host views
@@ -835,43 +785,24 @@ cdef class MemoryCore:
         return blob
 
     def state_write_file(self, object file, int32_t seq_id):
-        """Write the blob to a binary file: the meta, then each range of rows straight from the tensors."""
-        cdef Core* c = &self.core
-        cdef Py_ssize_t k, n, total, n_meta = meta_size(&c.cells, seq_id)
-        cdef int32_t i, n_ranges
-        cdef unsigned char header[TENSOR_HEADER_BYTES]
-        cdef bytes meta = PyBytes_FromStringAndSize(NULL, n_meta + DATA_HEADER_BYTES)
-        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(meta)
-        cdef int32_t* begin
-        cdef int32_t* end
+        """Write the blob to a binary file, piece by piece: the rows straight from the tensors."""
+        cdef BlobSource src
+        cdef BlobPieces pieces
+        cdef const unsigned char* p
+        cdef Py_ssize_t i, n, total = 0
         self.usable("state_write_file")
         self.stage_cells(seq_id)
-        begin = alloc_ranges(c.cells.size)
-        end = begin + max_ranges(c.cells.size)
+        src = blob_source(&self.core)
+        if blob_compose(&pieces, &src, seq_id) != RC_OK:
+            raise MemoryError("cannot allocate the blob's headers")
         try:
-            n_ranges = selected_ranges(&c.cells, seq_id, begin, end)
-            # the allocations above may have run Python code (a finalizer) that changed the cache
-            if meta_size(&c.cells, seq_id) != n_meta:
-                raise CoreError("state_write_into: the cache changed while it was written")
-            if write_meta(&c.cells, seq_id, p) < 0:
-                raise MemoryError("cannot allocate the seq-id slots")
-            put_u32(p + n_meta, 0)
-            put_u32(p + n_meta + 4, <uint32_t>c.n_layer)
-            write_all(file, meta)
-            total = len(meta)
-            # the ranges are fixed now: file.write may run other threads, not move these rows
-            for k in range(c.n_tensors):
-                put_u32(header, <uint32_t>c.type_ids[k])
-                put_u64(header + 4, <uint64_t>c.row_bytes[k])
-                write_all(file, <bytes>header[:TENSOR_HEADER_BYTES])
-                total += TENSOR_HEADER_BYTES
-                for i in range(n_ranges):
-                    n = (end[i] - begin[i]) * c.row_bytes[k]
-                    write_all(file, <unsigned char[:n]>(<unsigned char*>c.tensor_data[k]
-                                                            + begin[i] * c.row_bytes[k]))
-                    total += n
+            # the pieces are fixed now: file.write may run other threads, not move these rows
+            for i in range(pieces.n_pieces):
+                n = blob_piece(&pieces, i, &p)
+                write_all(file, <unsigned char[:n]><unsigned char*>p if n else b"")
+                total += n
         finally:
-            free(begin)
+            blob_release(&pieces)
         return total
 
     def state_read(self, const unsigned char[::1] data, int32_t seq_id):
@@ -888,7 +819,7 @@ cdef class MemoryCore:
         self.staged()
         with nogil:
             code = core_state_read(&self.core, seq_id, p, length, &defect)
-        self.flush_moves()
+        self.finish()
         if code != RC_OK:
             if code <= BLOB_ERR_TRUNCATED:   # the blob codes are -30 and below
                 raise self.blob_error(code, &defect, length)
@@ -896,25 +827,6 @@ cdef class MemoryCore:
         return length
 
     cdef object blob_error(self, int code, const BlobDefect* d, Py_ssize_t length):
-        """The StateError for a check_blob code, worded once (``formats.messages.engine_error``)."""
-        cdef Py_ssize_t k = d.index
-        signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
-        expected = None
-        if code == BLOB_ERR_TYPE:
-            expected = self.core.type_ids[k]
-        elif code == BLOB_ERR_ROW_BYTES:
-            expected = self.core.row_bytes[k]
-        field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
-                 FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
-                 FIELD_ROWS: "rows"}.get(d.field, "")
-        value = d.value
-        if signed:
-            value = int(<int32_t><uint32_t>d.value)
-        # section k of the blob is r or s of the k-th layer with state: messages name the model's layer
-        n_state = len(self.layers)
-        layer_index = k
-        if 0 <= k < 2 * n_state:
-            layer_index = self.layers[k] if k < n_state else self.core.n_layer + self.layers[k - n_state]
-        return messages.engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
-                                     index=layer_index, other=d.other, value=value, size=self.core.cells.size,
-                                     n_layer=self.core.n_layer, expected=expected)
+        """The StateError for a check_blob code of this cache (``_state_io.blob_error``)."""
+        return blob_error(code, d, length, self.layers, self.core.n_layer, self.core.type_ids, self.core.row_bytes,
+                          self.core.cells.size)

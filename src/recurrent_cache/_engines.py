@@ -19,7 +19,7 @@ from typing import IO, Any, NamedTuple, Protocol
 import numpy as np
 
 from .formats.dtypes import StateType
-from .storage import Storage
+from .storage import Storage, has_host_access
 
 __all__ = ["Core", "Engine", "NAMES", "Placement", "Split", "load"]
 
@@ -112,11 +112,11 @@ def _build_compiled(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes:
 def _build_reference(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes: tuple[StateType, StateType],
                      n_rollback: int, type_ids: list[int], n_layer: int, layers: tuple[int, ...]) -> tuple[Core, Split]:
     from . import reference
-    host = [storage.host_view(kind) for kind in kinds]
-    if any(view is None for view in host):
+    if not has_host_access(storage):
         from .errors import ConfigError
         raise ConfigError(f"the reference engine moves rows in host memory; {storage!r} has none: "
                           "use the compiled engine")
+    host = [storage.host_view(kind) for kind in kinds]
     tensors = [view[k] for view in host if view is not None for k in range(len(layers))]
     core = reference.MemoryCore(size, tensors, n_rollback, type_ids, n_layer, layers, storage)
     return core, functools.partial(reference.split_batch, core)

@@ -20,7 +20,7 @@ import numpy as np
 from ._cells cimport (RC_ERR_ARGUMENT, RC_ERR_BROKEN, RC_ERR_DUPLICATE_SEQ, RC_ERR_NO_FREE_CELL,
                       RC_ERR_NO_MEMORY, RC_ERR_PLACEMENT, RC_ERR_POSITION, RC_ERR_SEQ_HAS_CELL,
                       RC_ERR_SEQ_RANGE, RC_OK)
-from ._core cimport MemoryCore, core_apply_ubatch
+from ._core cimport MemoryCore
 from ._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP, SPLIT_ERR_NEGATIVE_POS,
                       SPLIT_ERR_NO_MEMORY, SPLIT_ERR_POS_MAX, SPLIT_ERR_SEQ_RANGE, SPLIT_OK, Split,
                       SplitDetail, split_batch as split_cells, split_prepare, split_release)
@@ -74,16 +74,11 @@ cdef class Placement:
     def apply(self, int32_t u):
         """Ubatch ``u`` placed by the memory core (find_slot, copy plan, row moves); an engine code."""
         cdef int code
-        cdef MemoryCore core = self.core
         if not 0 <= u < self.split.n_ubatches:
             raise IndexError(f"ubatch {u} of {self.split.n_ubatches}")
-        core.usable("apply")
-        with nogil:
-            code = core_apply_ubatch(&core.core, &self.split, u, &self.seq_id_flat[0])
-            if code == RC_OK:
-                code = self.keep_plan(core.core.cells.head, core.core.cells.n)
-        core.flush_moves()   # a logged storage moves its rows now (a failed apply may have moved some too)
-        core.usable("apply")   # a storage that failed while the step scratch grew broke the core
+        code = self.core.apply_ubatch(&self.split, u, &self.seq_id_flat[0])
+        if code == RC_OK:
+            code = self.keep_plan(self.core.core.cells.head, self.core.core.cells.n)
         return code
 
     cdef int keep_plan(self, int32_t head, int32_t n) noexcept nogil:

@@ -5,15 +5,8 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 
 from ._cells cimport Cells
 
-cdef enum:
-    SPLIT_OK = 0
-    SPLIT_ERR_SEQ_RANGE = -10      # token detail_token lists detail_seq outside [0, size)
-    SPLIT_ERR_NEGATIVE_POS = -11   # token detail_token has position detail_pos
-    SPLIT_ERR_GAP = -12            # seq detail_seq: positions not consecutive (detail_pos after detail_prev)
-    SPLIT_ERR_CONTINUE = -13       # seq detail_seq starts at detail_pos, cached at detail_prev
-    SPLIT_ERR_FIND_SLOT = -14      # find_slot would see detail_pos after detail_prev (detail_n tokens)
-    SPLIT_ERR_NO_MEMORY = -15
-    SPLIT_ERR_POS_MAX = -16        # token detail_token has position 2**31 - 1 ("to infinity")
+from ._codes cimport (SPLIT_OK, SPLIT_ERR_SEQ_RANGE, SPLIT_ERR_NEGATIVE_POS, SPLIT_ERR_GAP, SPLIT_ERR_CONTINUE,
+                      SPLIT_ERR_FIND_SLOT, SPLIT_ERR_NO_MEMORY, SPLIT_ERR_POS_MAX)
 
 cdef struct SplitDetail:
     int32_t token

@@ -3,7 +3,7 @@
 
 The helpers are ``noexcept nogil``: a blob defect is reported as a
 ``BLOB_ERR_*`` code plus a ``BlobDefect`` saying where, and
-``recurrent_cache._core.MemoryCore.blob_error`` is the one place that turns them into
+``blob_error`` below is the one place that turns them into
 ``StateError`` messages (worded in ``recurrent_cache.formats.messages``).
 """
 
@@ -11,23 +11,14 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from ._cells cimport Cells
 
-# the numbers of errors.BLOB_* (the one table; a test checks they agree)
-cdef enum:
-    BLOB_OK = 0
-    BLOB_ERR_TRUNCATED = -30         # field at offset needs `need` bytes
-    BLOB_ERR_TRAILING = -31          # bytes after the blob's end at offset
-    BLOB_ERR_SEQ_CELL_COUNT = -32    # a sequence blob with more than one cell
-    BLOB_ERR_CELL_COUNT = -33        # more cells than the cache
-    BLOB_ERR_NEGATIVE_POS = -34      # a pos outside [0, 2**31 - 1)
-    BLOB_ERR_SEQ_N_SEQ_ID = -35      # a sequence blob's cell lists seq ids
-    BLOB_ERR_NO_SEQ_ID = -36         # a whole-cache blob's cell lists none
-    BLOB_ERR_N_SEQ_ID = -37          # a cell lists more seq ids than the cache has
-    BLOB_ERR_SEQ_ID_RANGE = -38
-    BLOB_ERR_SEQ_ID_REPEATED = -39   # `other` = the cell that listed it first
-    BLOB_ERR_V_TRANS = -40
-    BLOB_ERR_N_LAYER = -41
-    BLOB_ERR_TYPE = -42              # tensor `index`
-    BLOB_ERR_ROW_BYTES = -43         # tensor `index`
+from ._codes cimport (BLOB_OK, BLOB_ERR_TRUNCATED, BLOB_ERR_TRAILING, BLOB_ERR_SEQ_CELL_COUNT, BLOB_ERR_CELL_COUNT,
+                      BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_N_SEQ_ID, BLOB_ERR_NO_SEQ_ID, BLOB_ERR_N_SEQ_ID,
+                      BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_V_TRANS, BLOB_ERR_N_LAYER,
+                      BLOB_ERR_TYPE, BLOB_ERR_ROW_BYTES)
+
+cdef enum:                           # the blob's fixed headers (docs/concepts.md §5)
+    DATA_HEADER_BYTES = 8            # u32 v_trans, u32 n_layer
+    TENSOR_HEADER_BYTES = 12         # i32 type, u64 row_bytes
 
 cdef enum BlobField:                 # what a truncated read was after
     FIELD_CELL_COUNT
@@ -63,11 +54,33 @@ cdef Py_ssize_t blob_size(const Cells* c, int32_t seq_id, Py_ssize_t n_tensors,
 # write cell_count and the meta (seq ids sorted) to out[0:meta_size]; -1 when out of memory
 cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) noexcept nogil
 
-# v_trans, n_layer (the model's layers) and every tensor section (r then s of the layers with
-# state) of the selected ranges to out; returns the bytes written
-cdef Py_ssize_t write_rows(unsigned char* out, int32_t n_layer, Py_ssize_t n_tensors, char** tensor_data,
-                           const Py_ssize_t* row_bytes, const int32_t* type_ids, int32_t n_ranges,
-                           const int32_t* begin, const int32_t* end) noexcept nogil
+# the one blob composer (MemoryCore.write, state_write_file and rc_state_write all use it): a
+# blob is its pieces, in order — the meta with v_trans and n_layer (the model's layers), then per
+# tensor (r then s of the layers with state) its header and its rows, one piece per range
+cdef struct BlobSource:              # what a blob is written from (the memory core's fields)
+    const Cells* cells
+    int32_t n_layer
+    Py_ssize_t n_tensors
+    char** tensor_data
+    const Py_ssize_t* row_bytes
+    const int32_t* type_ids
+
+cdef struct BlobPieces:
+    const BlobSource* src
+    Py_ssize_t size                  # bytes of the whole blob
+    Py_ssize_t n_pieces
+    unsigned char* head              # the meta and data header (head_bytes), then every tensor header
+    Py_ssize_t head_bytes
+    int32_t n_ranges                 # the selected cells as runs [begin[i], end[i])
+    int32_t* begin
+    int32_t* end
+
+# compose state_write(seq_id) of src (whose cells and rows must not change until it is released):
+# RC_OK, or RC_ERR_NO_MEMORY with nothing to release
+cdef int blob_compose(BlobPieces* b, const BlobSource* src, int32_t seq_id) noexcept nogil
+cdef void blob_release(BlobPieces* b) noexcept nogil
+cdef Py_ssize_t blob_piece(const BlobPieces* b, Py_ssize_t i, const unsigned char** p) noexcept nogil
+cdef Py_ssize_t blob_copy(const BlobPieces* b, unsigned char* out) noexcept nogil
 
 # rows of a checked blob to rows head.. of each tensor, then zero rows zero_from..size-1
 cdef void read_rows(const unsigned char* data, Py_ssize_t data_offset, int32_t head, int32_t count,
@@ -85,10 +98,11 @@ cdef int check_blob(Cells* c, int32_t seq_id, const unsigned char* data, Py_ssiz
                     BlobLayout* layout, BlobDefect* defect) noexcept nogil
 
 
+# the StateError for a check_blob code and its defect, from the one table (``errors.engine_error``);
+# layers: the model's layers with state (section k of the blob is r or s of the k-th of them)
+cdef object blob_error(int code, const BlobDefect* d, Py_ssize_t length, tuple layers, int32_t n_layer,
+                       const int32_t* type_ids, const Py_ssize_t* row_bytes, int32_t size)
+
 # little-endian fields of the format
 cdef void put_u32(unsigned char* p, uint32_t v) noexcept nogil
 cdef void put_u64(unsigned char* p, uint64_t v) noexcept nogil
-
-# room for selected_ranges' begin and end arrays (end at begin + max_ranges(size))
-cdef Py_ssize_t max_ranges(int32_t size) noexcept nogil
-cdef int32_t* alloc_ranges(int32_t size) except NULL

@@ -6,15 +6,18 @@ Writing goes straight from the state tensors to the target, range by range
 copies.  Reading validates the whole blob first (``check_blob``) and only
 then changes the cells and rows, so a rejected blob leaves the cache exactly
 as it was.  Integers are little-endian on every host; rows are copied as
-stored.  The loops only: ``_core.MemoryCore`` calls them (state reads change the
-cache, so they are the core's) and turns a defect into its ``StateError``.
+stored.  The loops only: ``_core`` calls them (state reads change the cache, so
+they are the core's); ``blob_error`` turns a defect into its ``StateError``.
 """
 
 from libc.stdint cimport INT32_MAX, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
-from ._cells cimport RC_OK, cells_clear, cells_find_slot, cells_join, cells_new_epoch, cells_seq_rm
+from ._codes cimport RC_ERR_NO_MEMORY, RC_OK
+from ._cells cimport cells_clear, cells_find_slot, cells_join, cells_new_epoch, cells_seq_rm
+
+from .formats.messages import engine_error
 
 
 # The compiled blob codes by the names of ``errors``' table (a test checks they agree).
@@ -27,10 +30,6 @@ CODES = {
     "BLOB_V_TRANS": BLOB_ERR_V_TRANS, "BLOB_N_LAYER": BLOB_ERR_N_LAYER, "BLOB_TYPE": BLOB_ERR_TYPE,
     "BLOB_ROW_BYTES": BLOB_ERR_ROW_BYTES,
 }
-
-cdef enum:
-    DATA_HEADER_BYTES = 8     # u32 v_trans, u32 n_layer
-    TENSOR_HEADER_BYTES = 12  # i32 type, u64 row_bytes
 
 
 # -- little-endian fields --------------------------------------------------------
@@ -83,17 +82,9 @@ cdef int32_t selected_ranges(const Cells* c, int32_t seq_id, int32_t* begin, int
     return n
 
 
-cdef Py_ssize_t max_ranges(int32_t size) noexcept nogil:
+cdef inline Py_ssize_t max_ranges(int32_t size) noexcept nogil:
     # runs of selected cells are separated by at least one other cell
     return (size + 1) // 2
-
-
-cdef int32_t* alloc_ranges(int32_t size) except NULL:
-    """Room for the begin and end arrays of selected_ranges (end at + max_ranges)."""
-    cdef int32_t* ranges = <int32_t*>malloc(2 * max_ranges(size) * sizeof(int32_t))
-    if ranges == NULL:
-        raise MemoryError("cannot allocate the cell ranges")
-    return ranges
 
 
 cdef inline int32_t selected_count(const Cells* c, int32_t seq_id) noexcept nogil:
@@ -157,23 +148,68 @@ cdef Py_ssize_t write_meta(const Cells* c, int32_t seq_id, unsigned char* out) n
     return off
 
 
-cdef Py_ssize_t write_rows(unsigned char* out, int32_t n_layer, Py_ssize_t n_tensors, char** tensor_data,
-                           const Py_ssize_t* row_bytes, const int32_t* type_ids, int32_t n_ranges,
-                           const int32_t* begin, const int32_t* end) noexcept nogil:
-    """v_trans, n_layer and every tensor section; returns the bytes written.  A layer filter
-    (llama.cpp's null layers) writes the model's n_layer but sections of the layers with state only."""
-    cdef Py_ssize_t k, off = DATA_HEADER_BYTES, n
-    cdef int32_t i
-    put_u32(out, 0)
-    put_u32(out + 4, <uint32_t>n_layer)
-    for k in range(n_tensors):
-        put_u32(out + off, <uint32_t>type_ids[k])
-        put_u64(out + off + 4, <uint64_t>row_bytes[k])
-        off += TENSOR_HEADER_BYTES
-        for i in range(n_ranges):
-            n = (end[i] - begin[i]) * row_bytes[k]
-            memcpy(out + off, tensor_data[k] + begin[i] * row_bytes[k], n)
-            off += n
+# -- the one blob composer -------------------------------------------------------------------
+
+cdef int blob_compose(BlobPieces* b, const BlobSource* src, int32_t seq_id) noexcept nogil:
+    """The pieces of ``state_write(seq_id)``: its headers composed, its rows as ranges of the
+    tensors.  A layer filter (llama.cpp's null layers) writes the model's n_layer but sections
+    of the layers with state only."""
+    cdef const Cells* c = src.cells
+    cdef Py_ssize_t k, n_meta = meta_size(c, seq_id), at
+    memset(b, 0, sizeof(BlobPieces))
+    b.src = src
+    b.size = blob_size(c, seq_id, src.n_tensors, src.row_bytes)
+    b.head_bytes = n_meta + DATA_HEADER_BYTES
+    b.head = <unsigned char*>malloc(b.head_bytes + TENSOR_HEADER_BYTES * src.n_tensors)
+    b.begin = <int32_t*>malloc(2 * max_ranges(c.size) * sizeof(int32_t))
+    if b.head == NULL or b.begin == NULL or write_meta(c, seq_id, b.head) < 0:
+        blob_release(b)
+        return RC_ERR_NO_MEMORY
+    b.end = b.begin + max_ranges(c.size)
+    b.n_ranges = selected_ranges(c, seq_id, b.begin, b.end)
+    put_u32(b.head + n_meta, 0)                          # v_trans
+    put_u32(b.head + n_meta + 4, <uint32_t>src.n_layer)
+    for k in range(src.n_tensors):
+        at = b.head_bytes + TENSOR_HEADER_BYTES * k
+        put_u32(b.head + at, <uint32_t>src.type_ids[k])
+        put_u64(b.head + at + 4, <uint64_t>src.row_bytes[k])
+    b.n_pieces = 1 + src.n_tensors * (1 + <Py_ssize_t>b.n_ranges)
+    return RC_OK
+
+
+cdef void blob_release(BlobPieces* b) noexcept nogil:
+    free(b.head)
+    free(b.begin)
+    b.head = NULL
+    b.begin = NULL
+    b.n_pieces = 0
+
+
+cdef Py_ssize_t blob_piece(const BlobPieces* b, Py_ssize_t i, const unsigned char** p) noexcept nogil:
+    """Piece i of the blob, in order: the meta and data header, then per tensor its header and
+    its rows range by range; its start in *p, its length returned."""
+    cdef Py_ssize_t k, r, row
+    if i == 0:
+        p[0] = b.head
+        return b.head_bytes
+    k = (i - 1) // (1 + b.n_ranges)
+    r = (i - 1) % (1 + b.n_ranges)
+    if r == 0:
+        p[0] = b.head + b.head_bytes + TENSOR_HEADER_BYTES * k
+        return TENSOR_HEADER_BYTES
+    row = b.src.row_bytes[k]
+    p[0] = <const unsigned char*>b.src.tensor_data[k] + b.begin[r - 1] * row
+    return (b.end[r - 1] - b.begin[r - 1]) * row
+
+
+cdef Py_ssize_t blob_copy(const BlobPieces* b, unsigned char* out) noexcept nogil:
+    """Every piece to out (room for b.size bytes); returns the bytes written."""
+    cdef Py_ssize_t i, n, off = 0
+    cdef const unsigned char* p
+    for i in range(b.n_pieces):
+        n = blob_piece(b, i, &p)
+        memcpy(out + off, p, n)
+        off += n
     return off
 
 
@@ -328,3 +364,28 @@ cdef int restore_blob(Cells* c, const unsigned char* data, const BlobLayout* lay
     return RC_OK
 
 
+
+
+cdef object blob_error(int code, const BlobDefect* d, Py_ssize_t length, tuple layers, int32_t n_layer,
+                       const int32_t* type_ids, const Py_ssize_t* row_bytes, int32_t size):
+    cdef Py_ssize_t k = d.index
+    signed = code in (BLOB_ERR_NEGATIVE_POS, BLOB_ERR_SEQ_ID_RANGE, BLOB_ERR_SEQ_ID_REPEATED, BLOB_ERR_TYPE)
+    expected = None
+    if code == BLOB_ERR_TYPE:
+        expected = type_ids[k]
+    elif code == BLOB_ERR_ROW_BYTES:
+        expected = row_bytes[k]
+    field = {FIELD_CELL_COUNT: "cell_count", FIELD_CELL: "cell", FIELD_SEQ_IDS: "seq_ids",
+             FIELD_DATA_HEADER: "data_header", FIELD_TENSOR_HEADER: "tensor_header",
+             FIELD_ROWS: "rows"}.get(d.field, "")
+    value = d.value
+    if signed:
+        value = int(<int32_t><uint32_t>d.value)
+    # section k of the blob is r or s of the k-th layer with state: messages name the model's layer
+    n_state = len(layers)
+    layer_index = k
+    if 0 <= k < 2 * n_state:
+        layer_index = layers[k] if k < n_state else n_layer + layers[k - n_state]
+    return engine_error(code, field=field, offset=d.offset, need=d.need, length=length, cell=d.cell,
+                        index=layer_index, other=d.other, value=value, size=size, n_layer=n_layer,
+                        expected=expected)

@@ -23,7 +23,7 @@ from .batch import Batch
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, OutOfRangeError, PositionError,
                      StateError, engine_error)
 from .memory_state import MemoryState, MemoryStatus, RowViews, ThreadGuard
-from .storage import Storage, Tensor, allocating, storage_for
+from .storage import Storage, Tensor, allocating, has_host_access, storage_for
 from .formats.blob import blob_view, framing_prefix
 from .formats.files import read_file
 from .formats.framings import Framing, in_section, unframe
@@ -105,7 +105,7 @@ class RecurrentCache:
                                                          self._n_rollback, list(self._geometry.type_ids),
                                                          self._geometry.n_layer, self._geometry.state_layers)
         # whether the engine moves the rows in host memory (then rows it is given are made numpy first)
-        self._host_rows = self._storage.host_view(kinds[0]) is not None
+        self._host_rows = has_host_access(self._storage)
         placed_r: list[Any] = [None] * self._geometry.n_layer
         placed_s: list[Any] = [None] * self._geometry.n_layer
         for k, il in enumerate(self._geometry.state_layers):

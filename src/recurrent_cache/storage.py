@@ -6,10 +6,10 @@ then s) is one tensor ``[n_state_layers, rows, width]`` whose ``[k]`` is the row
 k-th layer with state, so a decision that moves some rows is one call per kind, whatever
 the number of layers or rows.
 
-A storage whose tensors are in host memory hands the core a numpy view of them
-(``host_view``); the core then moves rows itself, in C, without the GIL (the numpy storage,
-torch on ``cpu``; the C API needs this).  A storage that returns None there (torch on a GPU)
-gets the core's decisions as index arrays at the end of each call: every row gathered
+A storage whose tensors are in host memory says so (``host_access``) and hands the core a
+numpy view of them (``host_view``); the core then moves rows itself, in C, without the GIL
+(the numpy storage, torch on ``cpu``; the C API needs this).  Any other storage (torch on a
+GPU) gets the core's decisions as index arrays at the end of each call: every row gathered
 first (``take``), then written (``put``, ``zero``) — see docs/storage.md.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from ._args import as_flag
 from .errors import ArgumentError, ConfigError, RecurrentCacheError
 from .formats.dtypes import STATE_TYPES, StateType
 
-__all__ = ["NumpyStorage", "Storage", "Tensor", "TorchStorage", "allocating", "storage_for"]
+__all__ = ["NumpyStorage", "Storage", "Tensor", "TorchStorage", "allocating", "has_host_access", "storage_for"]
 
 # A tensor of a cache's storage: numpy.ndarray (numpy), torch.Tensor (torch), or what another
 # storage allocates.  Both support the indexing, slicing and reshape the package applies to rows.
@@ -34,9 +34,8 @@ Tensor = Any
 
 
 @runtime_checkable
-class Storage(Protocol):
-    """What the core needs of a storage.  ``tensor`` arguments are tensors it allocated;
-    ``rows`` are int64 numpy index arrays along axis 1 (a row index within each layer)."""
+class _RowMethods(Protocol):
+    """The methods every storage has, ``host_access`` aside (a storage written before the flag)."""
 
     @property
     def name(self) -> str:
@@ -51,7 +50,7 @@ class Storage(Protocol):
 
     def host_view(self, tensor: Any) -> np.ndarray | None:
         """``tensor``'s memory as a numpy array of ``dtype.numpy`` (shared, not a copy) that the
-        core may read and write in C, or None when the core must hand its moves over as indices."""
+        core may read and write in C; asked for only when ``host_access`` is true (else None)."""
 
     def take(self, tensor: Any, rows: np.ndarray) -> Any:
         """A new tensor holding ``tensor[:, rows]``."""
@@ -74,10 +73,33 @@ class Storage(Protocol):
         """A new tensor of this storage holding a copy of ``array`` (one transfer)."""
 
 
+@runtime_checkable
+class Storage(_RowMethods, Protocol):
+    """What the core needs of a storage.  ``tensor`` arguments are tensors it allocated;
+    ``rows`` are int64 numpy index arrays along axis 1 (a row index within each layer)."""
+
+    @property
+    def host_access(self) -> bool:
+        """Whether the core may move rows in the tensors' memory itself, through ``host_view``
+        (the C API needs it); false: the core hands its moves over as index arrays."""
+
+
+def has_host_access(storage: _RowMethods) -> bool:
+    """``storage.host_access``, the one test of which path moves a storage's rows.  A storage
+    without the attribute (written before it existed) runs the index path, which every storage
+    serves: its ``host_view`` is never asked for.  Anything but a bool (a forwarding storage's
+    ``__getattr__`` handing out a method) is a ``ConfigError``."""
+    flag = getattr(storage, "host_access", False)
+    if not isinstance(flag, bool):
+        raise ConfigError(f"{storage!r}: host_access must be True or False, not {type(flag).__name__}")
+    return flag
+
+
 class NumpyStorage:
     """The default: numpy arrays in host memory, moved by the core in C."""
 
     name = "numpy"
+    host_access = True
     device = "cpu"
 
     def allocate(self, shape: tuple[int, ...], dtype: StateType) -> np.ndarray:
@@ -256,8 +278,8 @@ def storage_for(storage: Any, device: Any) -> Storage:
         if storage == "torch":
             return TorchStorage(device)
         raise ConfigError(f"unknown storage {storage!r} (expected 'numpy', 'torch' or a Storage object)")
-    if not isinstance(storage, Storage):
+    if not isinstance(storage, _RowMethods):
         raise ConfigError(f"storage must be 'numpy', 'torch' or a Storage object, not {type(storage).__name__}")
     if device is not None:
         raise ConfigError(f"device {device!r} is given with a storage object, which has its own device")
-    return storage
+    return cast(Storage, storage)   # one without host_access is read through has_host_access
