@@ -35,7 +35,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 # The package's optional imports and the extra that installs each.  The hf and torch
 # entries are for the checkpoint loaders being added (safetensors, tokenizers, torch).
 OPTIONAL_IMPORTS = {"ml_dtypes": "bf16", "gguf": "gguf", "redis": "redis", "tqdm": "demo",
-                    "safetensors": "hf", "tokenizers": "hf", "torch": "torch"}
+                    "safetensors": "hf", "tokenizers": "hf", "torch": "torch", "array_api_compat": "torch"}
 
 # (files, the extra that enables them); the first pattern that matches a file decides.
 AREAS = [

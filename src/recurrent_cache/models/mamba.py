@@ -24,6 +24,7 @@ state is below llama.cpp's own float32 error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,13 @@ from typing import Any
 import numpy as np
 
 from ._arrays import Array
+from ._registry import Family, register
 from ._ssm import (causal_conv, conv_state_after, conv_window, linear, random_conv, random_dt_bias, random_head,
                    rms_norm, selective_scan, silu, softplus)
 from ._storage import StateStorage
-from .recurrent import MixerResult, RecurrentModel, check_sizes, ReferenceRun, checked_layers
+from .recurrent import MixerResult, RecurrentModel, ReferenceRun, check_sizes, checked_layers
+from .gguf_io import GGUFReader
+from .hf import Checkpoint, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
 __all__ = ["ARCH", "LAYER_TENSORS", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
@@ -218,3 +222,67 @@ def random_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer
     return MambaModel(p, token_embd, layers, output_norm, output, dtype=dtype)
 
 
+# -- files: GGUF (llama.cpp's converter) and Hugging Face checkpoints (transformers' MambaForCausalLM) ----------
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> MambaModel:
+    """The model of a GGUF file of architecture ``mamba`` (``load_gguf``)."""
+    hparams = MambaHParams(**sizes, dt_rank=read.key("ssm.time_step_rank", int),
+                           dt_b_c_rms=read.key("ssm.dt_b_c_rms", bool, False))
+    shapes = layer_shapes(hparams)
+    layers = [MambaLayer(**{field: read.tensor(f"blk.{il}.{suffix}", shapes[field])
+                            for field, suffix in LAYER_TENSORS.items()})
+              for il in range(hparams.n_layer)]
+    token_embd, output_norm, output = head
+    return MambaModel(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
+def _gguf_layout(model: MambaModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    shapes = layer_shapes(model.hparams)
+    return {field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}
+
+
+def _write_gguf_keys(writer: Any, model: MambaModel) -> None:
+    writer.add_ssm_time_step_rank(model.hparams.dt_rank)
+    writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
+    writer.add_ssm_dt_b_c_rms(model.hparams.dt_b_c_rms)
+
+
+def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> MambaModel:
+    """The model of a ``MambaForCausalLM`` checkpoint directory (``load_hf``)."""
+    config = checkpoint.config
+    common = common_sizes(checkpoint)
+    n_embd = common["n_embd"]
+    d_inner = checkpoint.field("intermediate_size", int, int(checkpoint.field("expand", int, 2) * n_embd))
+    rank = config.get("time_step_rank", "auto")
+    dt_rank = math.ceil(n_embd / 16) if rank == "auto" else checkpoint.field("time_step_rank", int)
+    p = built(checkpoint, MambaHParams, **common, d_inner=d_inner, dt_rank=dt_rank)
+    use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
+    layers = []
+    for il in range(p.n_layer):
+        prefix = f"backbone.layers.{il}."
+
+        def weight(name: str, shape: tuple[int, ...], prefix: str = prefix) -> np.ndarray:
+            return checkpoint.tensor(prefix + name, shape)
+        layers.append(MambaLayer(
+            attn_norm=weight("norm.weight", (p.n_embd,)),
+            ssm_in=weight("mixer.in_proj.weight", (2 * p.d_inner, p.n_embd)),
+            ssm_conv1d=weight("mixer.conv1d.weight", (p.d_inner, p.d_conv)),
+            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.d_inner,)) if use_conv_bias
+                          else np.zeros(p.d_inner, np.float32)),
+            ssm_x=weight("mixer.x_proj.weight", (p.dt_rank + 2 * p.d_state, p.d_inner)),
+            ssm_dt=weight("mixer.dt_proj.weight", (p.d_inner, p.dt_rank)),
+            ssm_dt_b=weight("mixer.dt_proj.bias", (p.d_inner,)),
+            ssm_a=-np.exp(weight("mixer.A_log", (p.d_inner, p.d_state)).astype(np.float64)),
+            ssm_d=weight("mixer.D", (p.d_inner,)),
+            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
+        ))
+    token_embd, output_norm, output = head_tensors(checkpoint, p.n_vocab, p.n_embd, tied_default=True)
+    return built(checkpoint, MambaModel, hparams=p, token_embd=token_embd, layers=layers,
+                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
+
+
+FAMILY = register(Family(label="Mamba-1", gguf_arch=ARCH, hf_architecture="MambaForCausalLM", model_class=MambaModel,
+                         from_gguf=_from_gguf, from_hf=_from_hf, gguf_layout=_gguf_layout,
+                         write_gguf_keys=_write_gguf_keys))

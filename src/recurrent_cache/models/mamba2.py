@@ -34,10 +34,13 @@ import numpy as np
 
 from ..errors import ModelError
 from ._arrays import Array
+from ._registry import Family, register
 from ._ssm import (causal_conv, conv_state_after, conv_window, gated_rms_norm, linear, random_conv, random_dt_bias,
                    random_head, selective_scan, softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, check_sizes, checked_layers
+from .gguf_io import GGUFReader
+from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
 __all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "random_mamba2_model"]
@@ -238,3 +241,83 @@ def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, 
         ))
     token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
     return Mamba2Model(p, token_embd, layers, output_norm, output, dtype=dtype)
+
+
+# -- files: GGUF (llama.cpp's converter) and Hugging Face checkpoints (transformers' Mamba2ForCausalLM) ---------
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> Mamba2Model:
+    """The model of a GGUF file of architecture ``mamba2`` (``load_gguf``)."""
+    hparams = Mamba2HParams(**sizes, n_head=read.key("ssm.time_step_rank", int),
+                            n_group=read.key("ssm.group_count", int, 1))
+    shapes, stored = layer_shapes(hparams), gguf_layer_shapes(hparams)
+
+    def tensor(name: str, field: str) -> np.ndarray:
+        values = read.tensor(name, stored[field])
+        return values.reshape(shapes[field]) if values.shape == stored[field] else values
+    layers = [Mamba2Layer(**{field: tensor(f"blk.{il}.{suffix}", field) for field, suffix in LAYER_TENSORS.items()})
+              for il in range(hparams.n_layer)]
+    token_embd, output_norm, output = head
+    return Mamba2Model(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
+def _gguf_layout(model: Mamba2Model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    if model.hparams.limits_time_step:
+        raise ModelError(f"time_step_limit {model.hparams.time_step_limit} clamps dt; llama.cpp's mamba2 "
+                         "does not, so the GGUF file would be another model")
+    shapes = gguf_layer_shapes(model.hparams)
+    return {field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}
+
+
+def _write_gguf_keys(writer: Any, model: Mamba2Model) -> None:
+    writer.add_ssm_time_step_rank(model.hparams.n_head)
+    writer.add_ssm_group_count(model.hparams.n_group)
+    writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
+
+
+def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
+    """The model of a ``Mamba2ForCausalLM`` checkpoint directory (``load_hf``)."""
+    config = checkpoint.config
+    common = common_sizes(checkpoint)
+    n_embd = common["n_embd"]
+    d_inner = int(checkpoint.positive_float("expand", 2, high=MAX_CONFIG_INT) * n_embd)
+    n_head, head_dim = checkpoint.field("num_heads", int), checkpoint.field("head_dim", int)
+    if n_head * head_dim != d_inner:
+        raise checkpoint.refuse("num_heads", f"num_heads × head_dim = {n_head * head_dim}, but "
+                                f"expand × hidden_size = {d_inner}")
+    limit = config.get("time_step_limit", (0.0, math.inf))
+    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
+    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
+            or (as_float(limit[1]) is None and limit[1] != math.inf)):
+        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
+    p = built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
+                                n_group=checkpoint.field("n_groups", int, 1),
+                                time_step_limit=(float(limit[0]), float(limit[1])))
+    use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
+    layers = []
+    for il in range(p.n_layer):
+        prefix = f"backbone.layers.{il}."
+
+        def weight(name: str, shape: tuple[int, ...], prefix: str = prefix) -> np.ndarray:
+            return checkpoint.tensor(prefix + name, shape)
+        layers.append(Mamba2Layer(
+            attn_norm=weight("norm.weight", (p.n_embd,)),
+            ssm_in=weight("mixer.in_proj.weight", (p.d_in_proj, p.n_embd)),
+            ssm_conv1d=weight("mixer.conv1d.weight", (p.conv_channels, p.d_conv)),
+            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.conv_channels,)) if use_conv_bias
+                          else np.zeros(p.conv_channels, np.float32)),
+            ssm_dt_b=weight("mixer.dt_bias", (p.n_head,)),
+            ssm_a=-np.exp(weight("mixer.A_log", (p.n_head,)).astype(np.float64)),
+            ssm_d=weight("mixer.D", (p.n_head,)),
+            ssm_norm=weight("mixer.norm.weight", (p.d_inner,)),
+            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
+        ))
+    token_embd, output_norm, output = head_tensors(checkpoint, p.n_vocab, p.n_embd, tied_default=False)
+    return built(checkpoint, Mamba2Model, hparams=p, token_embd=token_embd, layers=layers,
+                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
+
+
+FAMILY = register(Family(label="Mamba-2", gguf_arch=ARCH, hf_architecture="Mamba2ForCausalLM",
+                         model_class=Mamba2Model, from_gguf=_from_gguf, from_hf=_from_hf, gguf_layout=_gguf_layout,
+                         write_gguf_keys=_write_gguf_keys))
