@@ -67,9 +67,10 @@ def by_hf_architecture(name: object) -> Family | None:
 
 
 def of_model(model: object) -> Family:
-    """The family ``model`` is an instance of, or ``ModelError``."""
-    for family in _FAMILIES:
-        if isinstance(model, family.model_class):
-            return family
+    """The family of ``model``'s class, or of its nearest base class that has one; ``ModelError`` otherwise."""
+    for cls in type(model).__mro__:
+        for family in _FAMILIES:
+            if family.model_class is cls:
+                return family
     raise ModelError(f"no registered model family runs {type(model).__name__} "
                      f"(families: {', '.join(f.label for f in _FAMILIES)})")

@@ -2,9 +2,11 @@
 residual, the output head, and the run over the cache (ubatches, state rows, step states).
 
 A model architecture (Mamba-1 in ``mamba.py``, Mamba-2 in ``mamba2.py``)
-subclasses ``RecurrentModel`` and supplies only its mixer: one block's math on
-``[n_seqs, n_tokens, n_embd]`` inputs, reading and updating its conv and SSM
-states.  Both keep their states in llama.cpp's layout:
+subclasses ``RecurrentModel``, supplies only its mixer — one block's math on
+``[n_seqs, n_tokens, n_embd]`` inputs, written once on an array namespace
+``xp`` with the shared pieces of ``_ssm.py`` (numpy, or torch where the cache
+keeps torch rows: ``_arrays.py``) — and registers itself (``_registry.py``).
+Both keep their states in llama.cpp's layout:
 
 * r row (n_embd_r = (d_conv-1) * conv_channels): the last d_conv-1 inputs of
   each conv channel, channel-major, oldest first: ``r[ch*(d_conv-1) + t]``;
