@@ -13,6 +13,12 @@ imports) on the f32 GGUF file the package writes of the same model, with
 built from the same weights (when installed).  Each decodes ``--tokens`` greedy
 tokens after a short prompt, for one sequence and for 8 together; the table gives
 generated tokens per second (summed over the sequences) and the ratio to llama.cpp.
+
+``--threads`` (default 2) is llama.cpp's ``n_threads`` and torch's thread count;
+numpy's BLAS takes ``OPENBLAS_NUM_THREADS`` (or ``OMP_NUM_THREADS``) from the
+environment.  On a loaded machine a thread count equal to the cores makes
+every engine wait for its slowest thread: llama.cpp's 2-thread figures then
+swing tenfold from run to run; the load average is printed with the table.
 """
 
 from __future__ import annotations
@@ -184,6 +190,16 @@ def transformers_decoder(model: RecurrentModel) -> Decoder | str:
     return rate
 
 
+def set_threads(n_threads: int) -> None:
+    """llama.cpp's and torch's thread count."""
+    global THREADS
+    THREADS = n_threads
+    if torch_available():
+        import torch
+
+        torch.set_num_threads(n_threads)
+
+
 def torch_available() -> bool:
     try:
         import torch  # noqa: F401
@@ -197,7 +213,9 @@ def main() -> None:
     add_quick_option(parser, "2-layer models of n_embd 128, 4 tokens")
     parser.add_argument("--tokens", type=int, help="greedy tokens per sequence (default 64; 4 with --quick)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sequences decoding together")
+    parser.add_argument("--threads", type=int, default=THREADS, help="llama.cpp's and torch's threads (default 2)")
     options = parser.parse_args()
+    set_threads(options.threads)
     if options.quick:
         print(NOTE)
     n_tokens = options.tokens or (4 if options.quick else 64)
@@ -228,7 +246,7 @@ def main() -> None:
             print(f"{label}: {model.hparams.describe()}", flush=True)
     load_after = os.getloadavg()
     lines += ["", f"{n_tokens} greedy tokens per sequence after a {len(PROMPT)}-token prompt, float32 everywhere, "
-              f"llama.cpp with {THREADS} threads; load average (1 min) {load_before[0]:.2f} before, "
+              f"llama.cpp and torch with {THREADS} threads; load average (1 min) {load_before[0]:.2f} before, "
               f"{load_after[0]:.2f} after; {os.cpu_count()} CPUs"] + notes
     report = "\n".join(lines)
     print(report)
