@@ -297,10 +297,7 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Ma
     use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
     layers = []
     for il in range(p.n_layer):
-        prefix = f"backbone.layers.{il}."
-
-        def weight(name: str, shape: tuple[int, ...], prefix: str = prefix) -> np.ndarray:
-            return checkpoint.tensor(prefix + name, shape)
+        weight = checkpoint.layer_tensors(il)
         layers.append(Mamba2Layer(
             attn_norm=weight("norm.weight", (p.n_embd,)),
             ssm_in=weight("mixer.in_proj.weight", (p.d_in_proj, p.n_embd)),
