@@ -58,7 +58,9 @@ AREAS = [
 # Files outside every extra, and why.
 NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
             "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
-                                             "(tests/test_llamacpp_exchange.py runs it only when llama_cpp imports)"}
+                                             "(tests/test_llamacpp_exchange.py runs it only when llama_cpp imports)",
+            "bench/model_speed.py": "compares with llama-cpp-python (no extra installs it: it compiles llama.cpp) and "
+                                    "transformers; each engine whose module does not import is reported skipped"}
 
 # Names of the package whose use needs an extra: the code behind them imports its module.
 NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
