@@ -35,7 +35,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 # The package's optional imports and the extra that installs each.  The hf and torch
 # entries are for the checkpoint loaders being added (safetensors, tokenizers, torch).
 OPTIONAL_IMPORTS = {"ml_dtypes": "bf16", "gguf": "gguf", "redis": "redis", "tqdm": "demo",
-                    "safetensors": "hf", "tokenizers": "hf", "torch": "torch"}
+                    "safetensors": "hf", "tokenizers": "hf", "torch": "torch", "array_api_compat": "torch"}
 
 # (files, the extra that enables them); the first pattern that matches a file decides.
 AREAS = [
@@ -60,7 +60,9 @@ AREAS = [
 # Files outside every extra, and why.
 NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
             "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
-                                             "(tests/test_llamacpp_exchange.py runs it only when llama_cpp imports)"}
+                                             "(tests/test_llamacpp_exchange.py runs it only when llama_cpp imports)",
+            "bench/model_speed.py": "compares with llama-cpp-python (no extra installs it: it compiles llama.cpp) and "
+                                    "transformers; each engine whose module does not import is reported skipped"}
 
 # Names of the package whose use needs an extra: the code behind them imports its module.
 NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}

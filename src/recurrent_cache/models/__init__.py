@@ -1,4 +1,5 @@
-"""Models that run on the cache (numpy only; writing GGUF files and quantized tensors need ``gguf``).
+"""Models that run on the cache, in numpy (torch too, where the cache keeps its states in torch: the ``torch``
+extra); writing GGUF files and quantized tensors need ``gguf``.
 
     from recurrent_cache.models import trained_model
     model = trained_model()                     # the shipped byte-level Mamba
@@ -7,7 +8,8 @@
 
 Architectures: Mamba-1 (``MambaModel``) and Mamba-2 (``Mamba2Model``), from
 GGUF files (``load_gguf``) or Hugging Face checkpoint directories
-(``load_hf``; ``load_model`` takes either).
+(``load_hf``; ``load_model`` takes either).  Each family's module registers
+itself (``_registry``); importing it here is what makes it loadable.
 """
 
 from .gguf_io import load_gguf, recurrent_layers, write_gguf

@@ -1,18 +1,21 @@
 """How a state tensor stores numbers, and the rounding that implies.
 
 A model computes in float32 or float64 but the cache keeps its states in f32,
-f16 or bf16.  ``StateStorage`` converts between the two.  Every conversion to
+f16 or bf16.  ``StateStorage`` converts between the two, for numpy arrays and
+(``torch_forward.TorchStateStorage``) torch tensors alike.  Every conversion to
 the storage type goes through float32 first, as ggml does (its compute type
 is f32), and bf16 rounds to nearest even, like ``ggml_compute_fp32_to_bf16``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..formats.dtypes import STATE_TYPES
 
-__all__ = ["StateStorage"]
+__all__ = ["StateStorage", "astype"]
 
 # Without ml_dtypes the cache stores a bf16 row as its raw bits in uint16.
 _RAW_BF16 = np.dtype(np.uint16)
@@ -26,13 +29,28 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
     return np.where(is_nan, (bits >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
 
 
-class StateStorage:
-    """The storage dtype of one state tensor (``cache.r[il].dtype``)."""
+def astype(xp: Any, array: Any, dtype: Any, copy: bool = True) -> Any:
+    """``array`` as ``dtype`` (numpy 2.0's namespace has no ``astype`` function: the method serves)."""
+    if xp is np:
+        return array.astype(dtype, copy=copy)
+    return xp.astype(array, dtype, copy=copy)
 
-    def __init__(self, dtype: np.dtype) -> None:
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in {t.numpy for t in STATE_TYPES.values()} | {_RAW_BF16}:
-            raise TypeError(f"no state storage for dtype {self.dtype}")
+
+class StateStorage:
+    """The storage dtype of one state tensor (``cache.r[il].dtype``), for arrays of namespace ``xp``.
+
+    The one rounding policy of every backend: a value goes to the storage dtype
+    through float32 (ggml's compute type), bf16 rounding to nearest even.
+    """
+
+    def __init__(self, dtype: Any, xp: Any = np) -> None:
+        self.xp = xp
+        if xp is np:
+            dtype = np.dtype(dtype)
+            if dtype not in {t.numpy for t in STATE_TYPES.values()} | {_RAW_BF16}:
+                raise TypeError(f"no state storage for dtype {dtype}")
+        self.dtype = dtype
+        self.raw_bf16 = xp is np and dtype == _RAW_BF16
 
     @classmethod
     def named(cls, name: str) -> "StateStorage":
@@ -41,20 +59,20 @@ class StateStorage:
             raise ValueError(f"unknown state dtype {name!r} (expected one of {', '.join(STATE_TYPES)})")
         return cls(STATE_TYPES[name].numpy)
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
+    def encode(self, values: Any) -> Any:
         """``values`` as this storage holds them (a new array of the storage dtype)."""
-        as_f32 = np.asarray(values, dtype=np.float32)
-        if self.dtype == _RAW_BF16:
+        as_f32 = astype(self.xp, values, self.xp.float32, copy=False)
+        if self.raw_bf16:
             return _bf16_bits(as_f32)
-        return as_f32.astype(self.dtype)
+        return astype(self.xp, as_f32, self.dtype)
 
-    def decode(self, stored: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        """Stored values as a new float array of ``dtype``."""
-        if self.dtype == _RAW_BF16:
+    def decode(self, stored: Any, dtype: Any) -> Any:
+        """Stored values as floats of ``dtype`` (``stored`` itself when it has that dtype: never written to)."""
+        if self.raw_bf16:
             return (stored.astype(np.uint32) << 16).view(np.float32).astype(dtype)
-        return stored.astype(dtype)
+        return astype(self.xp, stored, dtype, copy=False)
 
-    def round(self, values: np.ndarray) -> np.ndarray:
+    def round(self, values: Any) -> Any:
         """``values`` as they would read back after a store (the input itself when lossless)."""
         if values.dtype == self.dtype:
             return values

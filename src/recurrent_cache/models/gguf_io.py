@@ -8,7 +8,7 @@ converter does, so llama.cpp loads what it writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -16,14 +16,12 @@ import numpy as np
 
 from ..atomic_write import atomic_write
 from ..errors import GGUFError, ModelError
-from . import mamba, mamba2
+from ._registry import by_gguf_arch, of_model
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
-from .mamba import MambaHParams, MambaLayer, MambaModel
-from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model
 from .recurrent import RecurrentModel
 from .vocab import Vocabulary
 
-__all__ = ["GGUF_MISSING", "import_gguf", "load_gguf", "recurrent_layers", "write_gguf"]
+__all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "load_gguf", "recurrent_layers", "write_gguf"]
 
 GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
                 "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
@@ -80,7 +78,7 @@ def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     try:
         file = GGUFFile(name)
         arch = file.fields.get("general.architecture")
-        n_layer = _Reader(file, str(arch)).key("block_count", int)
+        n_layer = GGUFReader(file, str(arch)).key("block_count", int)
         heads_kv = file.fields.get(f"{arch}.attention.head_count_kv", 0)
     except ModelError as exc:
         raise ModelError(f"{name}: {exc}") from None
@@ -100,7 +98,7 @@ def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     return tuple(il for il in range(n_layer) if per_layer[il] == 0 and il in holds_state)
 
 
-class _Reader:
+class GGUFReader:
     """Typed access to one file's keys and tensors, with errors that name them."""
 
     def __init__(self, file: GGUFFile, arch: str) -> None:
@@ -134,38 +132,18 @@ class _Reader:
 
 def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
     arch = file.fields.get("general.architecture")
-    if arch not in (mamba.ARCH, mamba2.ARCH):
-        raise ModelError(f"architecture {arch!r}; this loader reads {mamba.ARCH!r} (Mamba-1) and "
-                         f"{mamba2.ARCH!r} (Mamba-2) models")
-    read = _Reader(file, str(arch))
+    family = by_gguf_arch(arch)
+    read = GGUFReader(file, str(arch))
     token_embd = read.tensor("token_embd.weight")
     if token_embd.ndim != 2:
         raise ModelError(f"tensor token_embd.weight has shape {token_embd.shape}, not 2-D")
-    common = dict(n_vocab=int(token_embd.shape[0]), n_embd=read.key("embedding_length", int),
-                  n_layer=read.key("block_count", int), d_conv=read.key("ssm.conv_kernel", int),
-                  d_inner=read.key("ssm.inner_size", int), d_state=read.key("ssm.state_size", int),
-                  rms_eps=read.key("attention.layer_norm_rms_epsilon", float))
-    output_norm, output = read.tensor("output_norm.weight"), read.optional_tensor("output.weight")
-    vocab = _vocabulary(file)
-    if arch == mamba.ARCH:
-        hparams = MambaHParams(**common, dt_rank=read.key("ssm.time_step_rank", int),
-                               dt_b_c_rms=read.key("ssm.dt_b_c_rms", bool, False))
-        layers = [MambaLayer(**{field: read.tensor(f"blk.{il}.{suffix}", shape)
-                                for (field, suffix), shape in zip(mamba.LAYER_TENSORS.items(),
-                                                                  mamba.layer_shapes(hparams).values())})
-                  for il in range(hparams.n_layer)]
-        return MambaModel(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
-    hparams2 = Mamba2HParams(**common, n_head=read.key("ssm.time_step_rank", int),
-                             n_group=read.key("ssm.group_count", int, 1))
-    shapes, stored = mamba2.layer_shapes(hparams2), mamba2.gguf_layer_shapes(hparams2)
-
-    def mamba2_tensor(name: str, field: str) -> np.ndarray:
-        values = read.tensor(name, stored[field])
-        return values.reshape(shapes[field]) if values.shape == stored[field] else values
-    layers2 = [Mamba2Layer(**{field: mamba2_tensor(f"blk.{il}.{suffix}", field)
-                              for field, suffix in mamba2.LAYER_TENSORS.items()})
-               for il in range(hparams2.n_layer)]
-    return Mamba2Model(hparams2, token_embd, layers2, output_norm, output, dtype=dtype, vocab=vocab)
+    sizes = dict(n_vocab=int(token_embd.shape[0]), n_embd=read.key("embedding_length", int),
+                 n_layer=read.key("block_count", int), d_conv=read.key("ssm.conv_kernel", int),
+                 d_inner=read.key("ssm.inner_size", int), d_state=read.key("ssm.state_size", int),
+                 rms_eps=read.key("attention.layer_norm_rms_epsilon", float))
+    head = (token_embd, read.tensor("output_norm.weight"), read.optional_tensor("output.weight"))
+    model: RecurrentModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
+    return model
 
 
 def _vocabulary(file: GGUFFile) -> Vocabulary | None:
@@ -229,30 +207,22 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     """
     if file_type not in ("f32", "f16"):
         raise ModelError(f"file_type must be 'f32' or 'f16', got {file_type!r}")
-    if isinstance(model, Mamba2Model):
-        if model.hparams.limits_time_step:
-            raise ModelError(f"time_step_limit {model.hparams.time_step_limit} clamps dt; llama.cpp's mamba2 "
-                             "does not, so the GGUF file would be another model")
-        arch, tables = mamba2.ARCH, mamba2.LAYER_TENSORS
-        shapes = mamba2.gguf_layer_shapes(model.hparams)
-    elif isinstance(model, MambaModel):
-        arch, tables = mamba.ARCH, mamba.LAYER_TENSORS
-        shapes = mamba.layer_shapes(model.hparams)
-    else:
-        raise ModelError(f"write_gguf writes Mamba-1 and Mamba-2 models, not {type(model).__name__}")
+    family = of_model(model)
+    layout = family.gguf_layout(model)
     gguf = import_gguf()
     named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
     if not model.tied:
         named["output.weight"] = model.output
     for il, layer in enumerate(model.layers):
-        for field_name, suffix in tables.items():
-            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shapes[field_name])
+        for field_name, (suffix, shape) in layout.items():
+            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shape)
     stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
                                    or _stays_f32(tensor_name, array) else np.float16)
               for tensor_name, array in named.items()}
     # written whole or not at all: a failure part-way (a full disk) leaves what was at ``path``
     with atomic_write(os.fspath(path)) as temporary:
-        _write(gguf, model, temporary, arch, file_type, stored, name, tokens, token_types, tokenizer, eos, merges)
+        _write(gguf, model, temporary, family.gguf_arch, family.write_gguf_keys, file_type, stored, name, tokens,
+               token_types, tokenizer, eos, merges)
 
 
 def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) -> np.ndarray:
@@ -272,7 +242,8 @@ def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) 
     return converted
 
 
-def _write(gguf: ModuleType, model: RecurrentModel, path: str, arch: str, file_type: str,
+def _write(gguf: ModuleType, model: RecurrentModel, path: str, arch: str, family_keys: Callable[[Any, Any], None],
+           file_type: str,
            stored: dict[str, np.ndarray], name: str, tokens: Sequence[str] | None, token_types: Sequence[int] | None,
            tokenizer: str, eos: int | None, merges: Sequence[str] | None) -> None:
     """The GGUF file of ``write_gguf`` at ``path``: its keys, then the ``stored`` tensors."""
@@ -287,15 +258,7 @@ def _write(gguf: ModuleType, model: RecurrentModel, path: str, arch: str, file_t
     writer.add_ssm_conv_kernel(p.d_conv)
     writer.add_ssm_inner_size(p.d_inner)
     writer.add_ssm_state_size(p.d_state)
-    if isinstance(model, Mamba2Model):
-        writer.add_ssm_time_step_rank(model.hparams.n_head)
-        writer.add_ssm_group_count(model.hparams.n_group)
-        writer.add_layer_norm_rms_eps(p.rms_eps)
-    else:
-        assert isinstance(model, MambaModel)
-        writer.add_ssm_time_step_rank(model.hparams.dt_rank)
-        writer.add_layer_norm_rms_eps(p.rms_eps)
-        writer.add_ssm_dt_b_c_rms(model.hparams.dt_b_c_rms)
+    family_keys(writer, model)
     writer.add_vocab_size(p.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
     if tokens is None:

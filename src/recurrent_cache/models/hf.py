@@ -31,9 +31,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ._registry import by_hf_architecture, families
 from .gguf_io import load_gguf, write_gguf
-from .mamba import MambaHParams, MambaLayer, MambaModel
-from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model
 from ..errors import ModelError
 from .recurrent import RecurrentModel
 from ..errors import SafetensorsError
@@ -41,9 +40,9 @@ from .safetensors_file import SafetensorsFile
 from ._untrusted import read_capped, short_repr
 from .vocab import TokenizerTable, Vocabulary
 
-__all__ = ["ARCHITECTURES", "convert_hf_to_gguf", "load_hf", "load_model"]
+__all__ = ["Checkpoint", "as_float", "built", "common_sizes", "convert_hf_to_gguf", "head_tensors", "load_hf",
+           "load_model"]
 
-ARCHITECTURES = ("MambaForCausalLM", "Mamba2ForCausalLM")
 T = TypeVar("T")
 CONFIG, WEIGHTS, WEIGHTS_INDEX, TOKENIZER = ("config.json", "model.safetensors", "model.safetensors.index.json",
                                              "tokenizer.json")
@@ -69,7 +68,7 @@ def load_hf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentM
     token ids only without it.  Raises ``ModelError`` naming the file and the
     field for anything it does not support or that is inconsistent.
     """
-    return _load(_Checkpoint(Path(path)), dtype)
+    return _load(Checkpoint(Path(path)), dtype)
 
 
 def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLike[str],
@@ -80,7 +79,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLi
     merges, eos) are those of llama.cpp's ``convert_hf_to_gguf.py``;
     ``file_type`` "f16" stores the 2-D weights in f16 as its ``--outtype f16``.
     """
-    checkpoint = _Checkpoint(Path(hf_dir))
+    checkpoint = Checkpoint(Path(hf_dir))
     model = _load(checkpoint, np.float32)   # every check of the checkpoint before the output file is opened
     tokenizer = checkpoint.tokenizer()
     name = Path(hf_dir).resolve().name
@@ -94,11 +93,10 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLi
     return model
 
 
-def _load(checkpoint: _Checkpoint, dtype: Any) -> RecurrentModel:
+def _load(checkpoint: Checkpoint, dtype: Any) -> RecurrentModel:
     """The model of ``checkpoint``, computing in ``dtype``."""
     vocab = checkpoint.vocabulary()
-    build = _mamba if checkpoint.architecture == "MambaForCausalLM" else _mamba2
-    model: RecurrentModel = build(checkpoint, checkpoint.config, dtype, vocab)
+    model: RecurrentModel = checkpoint.family.from_hf(checkpoint, dtype, vocab)
     if checkpoint.unread:
         extra = sorted(checkpoint.unread)
         raise ModelError(f"{checkpoint.directory}: {len(extra)} tensors the {CONFIG} does not call for, "
@@ -106,7 +104,7 @@ def _load(checkpoint: _Checkpoint, dtype: Any) -> RecurrentModel:
     return model
 
 
-class _Checkpoint:
+class Checkpoint:
     """One checkpoint directory: its config, where each tensor lives, and reads that name the file."""
 
     def __init__(self, directory: Path) -> None:
@@ -121,10 +119,12 @@ class _Checkpoint:
             raise ModelError(f"{config_path}: not a JSON object")
         self.config: dict[str, Any] = config
         architectures = config.get("architectures")
-        if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        family = (by_hf_architecture(architectures[0]) if isinstance(architectures, list) and len(architectures) == 1
+                  else None)
+        if family is None:
             raise ModelError(f"{config_path}: architectures {architectures!r}; load_hf reads "
-                             f"{' and '.join(ARCHITECTURES)} checkpoints")
-        self.architecture = str(architectures[0])
+                             f"{' and '.join(f.hf_architecture for f in families())} checkpoints")
+        self.family = family
         self._open: dict[Path, SafetensorsFile] = {}   # each shard parsed once
         self._tokenizer: tuple[TokenizerTable, Any] | None = None   # read once, by tokenizer()
         self.files: dict[str, Path] = self._weight_files()
@@ -149,7 +149,7 @@ class _Checkpoint:
     def positive_float(self, name: str, default: float, high: float) -> float:
         """``config.json`` field ``name``: a finite number in ``(0, high]``."""
         value = self.config.get(name, default)
-        number = _as_float(value)
+        number = as_float(value)
         if number is None or not 0 < number <= high:
             raise ModelError(f"{self.directory / CONFIG}: field {name} is {short_repr(value)}, not a number "
                              f"in (0, {high:g}]")
@@ -202,6 +202,10 @@ class _Checkpoint:
             except OSError as exc:
                 raise ModelError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
         return self._open[path]
+
+    def layer_tensors(self, il: int) -> Callable[[str, tuple[int, ...]], np.ndarray]:
+        """``tensor`` of layer ``il``: ``(name, shape)`` reads ``backbone.layers.{il}.{name}``."""
+        return lambda name, shape: self.tensor(f"backbone.layers.{il}.{name}", shape)
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -322,7 +326,7 @@ def _key(parent: str, key: str) -> str:
     return f"{parent}.{key}" if parent else key
 
 
-def _as_float(value: Any) -> float | None:
+def as_float(value: Any) -> float | None:
     """``value`` as a finite float; None when it is not a number (a bool, a string), infinite, NaN or
     too large for a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -352,7 +356,8 @@ def _tokenizer_encoder(path: Path, data: Any) -> Any:
     return encode
 
 
-def _common(checkpoint: _Checkpoint) -> dict[str, Any]:
+def common_sizes(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The sizes every family reads from a config.json, after the checks every family makes."""
     if checkpoint.field("hidden_act", str, "silu") != "silu":
         raise checkpoint.refuse("hidden_act", "only silu is supported (as in llama.cpp)")
     if checkpoint.field("use_bias", bool, False):
@@ -364,7 +369,7 @@ def _common(checkpoint: _Checkpoint) -> dict[str, Any]:
                 rms_eps=checkpoint.positive_float("layer_norm_epsilon", 1e-5, high=1.0))
 
 
-def _head(checkpoint: _Checkpoint, n_vocab: int, n_embd: int, tied_default: bool
+def head_tensors(checkpoint: Checkpoint, n_vocab: int, n_embd: int, tied_default: bool
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """token_embd, output_norm and output (None when tied, as transformers ties them)."""
     embeddings = next((n for n in ("backbone.embeddings.weight", "backbone.embedding.weight") if checkpoint.has(n)),
@@ -378,81 +383,9 @@ def _head(checkpoint: _Checkpoint, n_vocab: int, n_embd: int, tied_default: bool
     return token_embd, output_norm, output
 
 
-def _built(checkpoint: _Checkpoint, build: Callable[..., T], **fields: Any) -> T:
+def built(checkpoint: Checkpoint, build: Callable[..., T], **fields: Any) -> T:
     """``build(**fields)`` (hyper-parameters or the model), its ModelError naming the checkpoint's config."""
     try:
         return build(**fields)
     except ModelError as exc:
         raise ModelError(f"{checkpoint.directory / CONFIG}: {exc}") from None
-
-
-def _mamba(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: Vocabulary | None) -> MambaModel:
-    common = _common(checkpoint)
-    n_embd = common["n_embd"]
-    d_inner = checkpoint.field("intermediate_size", int, int(checkpoint.field("expand", int, 2) * n_embd))
-    rank = config.get("time_step_rank", "auto")
-    dt_rank = math.ceil(n_embd / 16) if rank == "auto" else checkpoint.field("time_step_rank", int)
-    p = _built(checkpoint, MambaHParams, **common, d_inner=d_inner, dt_rank=dt_rank)
-    use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
-    layers = []
-    for il in range(p.n_layer):
-        prefix = f"backbone.layers.{il}."
-
-        def weight(name: str, shape: tuple[int, ...], prefix: str = prefix) -> np.ndarray:
-            return checkpoint.tensor(prefix + name, shape)
-        layers.append(MambaLayer(
-            attn_norm=weight("norm.weight", (p.n_embd,)),
-            ssm_in=weight("mixer.in_proj.weight", (2 * p.d_inner, p.n_embd)),
-            ssm_conv1d=weight("mixer.conv1d.weight", (p.d_inner, p.d_conv)),
-            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.d_inner,)) if use_conv_bias
-                          else np.zeros(p.d_inner, np.float32)),
-            ssm_x=weight("mixer.x_proj.weight", (p.dt_rank + 2 * p.d_state, p.d_inner)),
-            ssm_dt=weight("mixer.dt_proj.weight", (p.d_inner, p.dt_rank)),
-            ssm_dt_b=weight("mixer.dt_proj.bias", (p.d_inner,)),
-            ssm_a=-np.exp(weight("mixer.A_log", (p.d_inner, p.d_state)).astype(np.float64)),
-            ssm_d=weight("mixer.D", (p.d_inner,)),
-            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
-        ))
-    token_embd, output_norm, output = _head(checkpoint, p.n_vocab, p.n_embd, tied_default=True)
-    return _built(checkpoint, MambaModel, hparams=p, token_embd=token_embd, layers=layers,
-                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
-
-
-def _mamba2(checkpoint: _Checkpoint, config: dict[str, Any], dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
-    common = _common(checkpoint)
-    n_embd = common["n_embd"]
-    d_inner = int(checkpoint.positive_float("expand", 2, high=MAX_CONFIG_INT) * n_embd)
-    n_head, head_dim = checkpoint.field("num_heads", int), checkpoint.field("head_dim", int)
-    if n_head * head_dim != d_inner:
-        raise checkpoint.refuse("num_heads", f"num_heads × head_dim = {n_head * head_dim}, but "
-                                f"expand × hidden_size = {d_inner}")
-    limit = config.get("time_step_limit", (0.0, math.inf))
-    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or _as_float(limit[0]) is None
-            or (_as_float(limit[1]) is None and limit[1] != math.inf)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
-    p = _built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
-                                n_group=checkpoint.field("n_groups", int, 1),
-                                time_step_limit=(float(limit[0]), float(limit[1])))
-    use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
-    layers = []
-    for il in range(p.n_layer):
-        prefix = f"backbone.layers.{il}."
-
-        def weight(name: str, shape: tuple[int, ...], prefix: str = prefix) -> np.ndarray:
-            return checkpoint.tensor(prefix + name, shape)
-        layers.append(Mamba2Layer(
-            attn_norm=weight("norm.weight", (p.n_embd,)),
-            ssm_in=weight("mixer.in_proj.weight", (p.d_in_proj, p.n_embd)),
-            ssm_conv1d=weight("mixer.conv1d.weight", (p.conv_channels, p.d_conv)),
-            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.conv_channels,)) if use_conv_bias
-                          else np.zeros(p.conv_channels, np.float32)),
-            ssm_dt_b=weight("mixer.dt_bias", (p.n_head,)),
-            ssm_a=-np.exp(weight("mixer.A_log", (p.n_head,)).astype(np.float64)),
-            ssm_d=weight("mixer.D", (p.n_head,)),
-            ssm_norm=weight("mixer.norm.weight", (p.d_inner,)),
-            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
-        ))
-    token_embd, output_norm, output = _head(checkpoint, p.n_vocab, p.n_embd, tied_default=False)
-    return _built(checkpoint, Mamba2Model, hparams=p, token_embd=token_embd, layers=layers,
-                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)

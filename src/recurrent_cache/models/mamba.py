@@ -24,17 +24,21 @@ state is below llama.cpp's own float32 error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .. import _args
-from ..errors import ModelError
+from ._arrays import Array
+from ._registry import Family, register
+from ._ssm import (causal_conv, conv_state_after, conv_window, linear, random_conv, random_dt_bias, random_head,
+                   rms_norm, selective_scan, silu, softplus)
 from ._storage import StateStorage
-from .recurrent import (RecurrentModel, ReferenceRun, StepStates, causal_conv, checked_layers, conv_steps, conv_window,
-                        rms_norm, softplus, silu)
+from .recurrent import MixerResult, RecurrentModel, ReferenceRun, check_sizes, checked_layers
+from .gguf_io import GGUFReader
+from .hf import Checkpoint, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
 __all__ = ["ARCH", "LAYER_TENSORS", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
@@ -61,12 +65,7 @@ class MambaHParams:
     dt_b_c_rms: bool = False  # mamba.ssm.dt_b_c_rms: RMS-norm dt, B and C (Falcon-Mamba)
 
     def __post_init__(self) -> None:
-        for name in ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "dt_rank"):
-            # d_conv = 1 would leave no rolling state: the cache needs rows of width >= 1
-            minimum = 2 if name == "d_conv" else 1
-            _args.count(getattr(self, name), f"hyper-parameter {name}", minimum, ModelError, int32_only=False)
-        if not self.rms_eps > 0:
-            raise ModelError(f"rms_eps must be positive, got {self.rms_eps!r}")
+        check_sizes(self, ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "dt_rank"))
 
     @property
     def conv_channels(self) -> int:
@@ -152,43 +151,32 @@ class MambaModel(RecurrentModel):
         self.layers = checked_layers(layers, hparams.n_layer, MambaLayer, LAYER_TENSORS, layer_shapes(hparams),
                                      self.dtype)
 
-    def mixer(self, layer: MambaLayer, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
-              storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
-              steps: StepStates | None = None) -> np.ndarray:
+    def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
+              storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
         """One Mamba block on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
 
         conv: [n_seqs, d_inner, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
         """
         p = self.hparams
         n_tokens = u.shape[1]
-        xz = u @ layer.ssm_in.T
+        xz = linear(u, w["ssm_in"])
         z = xz[..., p.d_inner:]
-        window = conv_window(conv, xz[..., :p.d_inner], storage_r)       # [n_seqs, d_inner, d_conv-1+n_tokens]
-        xc = causal_conv(window, layer.ssm_conv1d, layer.ssm_conv1d_b, n_tokens)  # [n_seqs, n_tokens, d_inner]
+        window = conv_window(xp, conv, xz[..., :p.d_inner], storage_r)     # [n_seqs, d_inner, d_conv-1+n_tokens]
+        xc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)   # [n_seqs, n_tokens, d_inner]
 
-        dbc = xc @ layer.ssm_x.T
+        dbc = linear(xc, w["ssm_x"])
         dt = dbc[..., :p.dt_rank]
         b = dbc[..., p.dt_rank:p.dt_rank + p.d_state]
         c = dbc[..., p.dt_rank + p.d_state:]
         if p.dt_b_c_rms:
-            dt, b, c = rms_norm(dt, p.rms_eps), rms_norm(b, p.rms_eps), rms_norm(c, p.rms_eps)
-        dt = softplus(dt @ layer.ssm_dt.T + layer.ssm_dt_b)                  # [n_seqs, n_tokens, d_inner]
-        dt_x = dt * xc
+            dt, b, c = rms_norm(xp, dt, p.rms_eps), rms_norm(xp, b, p.rms_eps), rms_norm(xp, c, p.rms_eps)
+        dt = softplus(xp, linear(dt, w["ssm_dt"]) + w["ssm_dt_b"])               # [n_seqs, n_tokens, d_inner]
+        # per channel: the decay exp(dt * A[ch, :]) and the input dt * xc, over d_state
+        y, ssm, ssm_steps = selective_scan(xp, ssm, dt[..., None], w["ssm_a"], dt * xc, b, c, storage_s, m)
+        conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
+        out = linear((y + xc * w["ssm_d"]) * silu(xp, z), w["ssm_out"])
+        return out, conv, ssm, None if conv_steps is None else (conv_steps, ssm_steps)
 
-        # The selective scan: the only loop over tokens, vectorised over sequences.
-        first_step = n_tokens - 1 - m
-        ssm_steps = np.empty((ssm.shape[0], m) + ssm.shape[1:], dtype=ssm.dtype)
-        y = np.empty_like(xc)
-        for t in range(n_tokens):
-            h = ssm * np.exp(dt[:, t, :, None] * layer.ssm_a) + dt_x[:, t, :, None] * b[:, t, None, :]
-            y[:, t] = (h @ c[:, t, :, None])[..., 0]
-            ssm[...] = storage_s.round(h)
-            if first_step <= t < n_tokens - 1:
-                ssm_steps[:, t - first_step] = ssm
-        if m and steps is not None:
-            steps.append((conv_steps(window, p.d_conv, m), ssm_steps))
-        result: np.ndarray = ((y + xc * layer.ssm_d) * silu(z)) @ layer.ssm_out.T
-        return result
 
 # -- random weights -------------------------------------------------------------------
 
@@ -216,23 +204,82 @@ def random_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer
 
     layers = []
     for _ in range(n_layer):
-        dt_init = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=d_inner))
+        dt_bias = random_dt_bias(rng, d_inner)
+        attn_norm = 1.0 + 0.1 * rng.standard_normal(n_embd)
+        ssm_in = rng.standard_normal((2 * d_inner, n_embd)) / np.sqrt(n_embd)
+        conv_weight, conv_bias = random_conv(rng, d_inner, d_conv)
         layers.append(MambaLayer(
-            attn_norm=1.0 + 0.1 * rng.standard_normal(n_embd),
-            ssm_in=rng.standard_normal((2 * d_inner, n_embd)) / np.sqrt(n_embd),
-            ssm_conv1d=uniform(1 / np.sqrt(d_conv), d_inner, d_conv),
-            ssm_conv1d_b=uniform(1 / np.sqrt(d_conv), d_inner),
+            attn_norm=attn_norm, ssm_in=ssm_in, ssm_conv1d=conv_weight, ssm_conv1d_b=conv_bias,
             ssm_x=uniform(1 / np.sqrt(d_inner), dt_rank + 2 * d_state, d_inner),
             ssm_dt=uniform(1 / np.sqrt(dt_rank), d_inner, dt_rank),
-            ssm_dt_b=dt_init + np.log(-np.expm1(-dt_init)),  # softplus(bias) = dt_init
+            ssm_dt_b=dt_bias,
             ssm_a=-np.tile(np.arange(1, d_state + 1, dtype=np.float64), (d_inner, 1)),
             ssm_d=np.ones(d_inner),
             # residual branches scaled by 1/sqrt(n_layer), as mamba_ssm's rescale_prenorm_residual
             ssm_out=rng.standard_normal((n_embd, d_inner)) / np.sqrt(d_inner * n_layer),
         ))
-    token_embd = rng.standard_normal((n_vocab, n_embd))
-    output_norm = 1.0 + 0.1 * rng.standard_normal(n_embd)
-    output = None if tied else 3.0 * rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)
+    token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
     return MambaModel(p, token_embd, layers, output_norm, output, dtype=dtype)
 
 
+# -- files: GGUF (llama.cpp's converter) and Hugging Face checkpoints (transformers' MambaForCausalLM) ----------
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> MambaModel:
+    """The model of a GGUF file of architecture ``mamba`` (``load_gguf``)."""
+    hparams = MambaHParams(**sizes, dt_rank=read.key("ssm.time_step_rank", int),
+                           dt_b_c_rms=read.key("ssm.dt_b_c_rms", bool, False))
+    shapes = layer_shapes(hparams)
+    layers = [MambaLayer(**{field: read.tensor(f"blk.{il}.{suffix}", shapes[field])
+                            for field, suffix in LAYER_TENSORS.items()})
+              for il in range(hparams.n_layer)]
+    token_embd, output_norm, output = head
+    return MambaModel(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
+def _gguf_layout(model: MambaModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    shapes = layer_shapes(model.hparams)
+    return {field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}
+
+
+def _write_gguf_keys(writer: Any, model: MambaModel) -> None:
+    writer.add_ssm_time_step_rank(model.hparams.dt_rank)
+    writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
+    writer.add_ssm_dt_b_c_rms(model.hparams.dt_b_c_rms)
+
+
+def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> MambaModel:
+    """The model of a ``MambaForCausalLM`` checkpoint directory (``load_hf``)."""
+    config = checkpoint.config
+    common = common_sizes(checkpoint)
+    n_embd = common["n_embd"]
+    d_inner = checkpoint.field("intermediate_size", int, int(checkpoint.field("expand", int, 2) * n_embd))
+    rank = config.get("time_step_rank", "auto")
+    dt_rank = math.ceil(n_embd / 16) if rank == "auto" else checkpoint.field("time_step_rank", int)
+    p = built(checkpoint, MambaHParams, **common, d_inner=d_inner, dt_rank=dt_rank)
+    use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
+    layers = []
+    for il in range(p.n_layer):
+        weight = checkpoint.layer_tensors(il)
+        layers.append(MambaLayer(
+            attn_norm=weight("norm.weight", (p.n_embd,)),
+            ssm_in=weight("mixer.in_proj.weight", (2 * p.d_inner, p.n_embd)),
+            ssm_conv1d=weight("mixer.conv1d.weight", (p.d_inner, p.d_conv)),
+            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.d_inner,)) if use_conv_bias
+                          else np.zeros(p.d_inner, np.float32)),
+            ssm_x=weight("mixer.x_proj.weight", (p.dt_rank + 2 * p.d_state, p.d_inner)),
+            ssm_dt=weight("mixer.dt_proj.weight", (p.d_inner, p.dt_rank)),
+            ssm_dt_b=weight("mixer.dt_proj.bias", (p.d_inner,)),
+            ssm_a=-np.exp(weight("mixer.A_log", (p.d_inner, p.d_state)).astype(np.float64)),
+            ssm_d=weight("mixer.D", (p.d_inner,)),
+            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
+        ))
+    token_embd, output_norm, output = head_tensors(checkpoint, p.n_vocab, p.n_embd, tied_default=True)
+    return built(checkpoint, MambaModel, hparams=p, token_embd=token_embd, layers=layers,
+                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
+
+
+FAMILY = register(Family(label="Mamba-1", gguf_arch=ARCH, hf_architecture="MambaForCausalLM", model_class=MambaModel,
+                         from_gguf=_from_gguf, from_hf=_from_hf, gguf_layout=_gguf_layout,
+                         write_gguf_keys=_write_gguf_keys))

@@ -32,10 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from ._storage import StateStorage
 from ..errors import ModelError
-from .recurrent import (RecurrentModel, StepStates, causal_conv, checked_layers, conv_steps,
-                        conv_window, rms_norm, silu, softplus)
+from ._arrays import Array
+from ._registry import Family, register
+from ._ssm import (causal_conv, conv_state_after, conv_window, gated_rms_norm, linear, random_conv, random_dt_bias,
+                   random_head, selective_scan, softplus)
+from ._storage import StateStorage
+from .recurrent import MixerResult, RecurrentModel, check_sizes, checked_layers
+from .gguf_io import GGUFReader
+from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
 __all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "random_mamba2_model"]
@@ -60,18 +65,11 @@ class Mamba2HParams:
     time_step_limit: tuple[float, float] = NO_TIME_STEP_LIMIT  # transformers' clamp of dt (no GGUF key)
 
     def __post_init__(self) -> None:
-        for name in ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "n_head", "n_group"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ModelError(f"hyper-parameter {name} must be a positive integer, got {value!r}")
-        if self.d_conv < 2:
-            raise ModelError(f"d_conv must be >= 2, got {self.d_conv}")
+        check_sizes(self, ("n_vocab", "n_embd", "n_layer", "d_conv", "d_inner", "d_state", "n_head", "n_group"))
         if self.d_inner % self.n_head:
             raise ModelError(f"d_inner {self.d_inner} is not a multiple of n_head {self.n_head}")
         if self.n_head % self.n_group:
             raise ModelError(f"n_head {self.n_head} is not a multiple of n_group {self.n_group}")
-        if not self.rms_eps > 0:
-            raise ModelError(f"rms_eps must be positive, got {self.rms_eps!r}")
         low, high = self.time_step_limit
         if not (0.0 <= low <= high):
             raise ModelError(f"time_step_limit must be (low, high) with 0 <= low <= high, got {self.time_step_limit}")
@@ -175,9 +173,8 @@ class Mamba2Model(RecurrentModel):
         self.layers = checked_layers(layers, hparams.n_layer, Mamba2Layer, LAYER_TENSORS, layer_shapes(hparams),
                                      self.dtype)
 
-    def mixer(self, layer: Mamba2Layer, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
-              storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
-              steps: StepStates | None = None) -> np.ndarray:
+    def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
+              storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
         """One Mamba-2 block on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
 
         conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
@@ -185,41 +182,31 @@ class Mamba2Model(RecurrentModel):
         p = self.hparams
         n_seqs, n_tokens = u.shape[:2]
         n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
-        zxbcdt = u @ layer.ssm_in.T
+        zxbcdt = linear(u, w["ssm_in"])
         z = zxbcdt[..., :p.d_inner]
-        window = conv_window(conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels], storage_r)
-        xbc = causal_conv(window, layer.ssm_conv1d, layer.ssm_conv1d_b, n_tokens)  # [n_seqs, n_tokens, channels]
-        x = xbc[..., :p.d_inner].reshape(n_seqs, n_tokens, n_head, head_dim)
+        window = conv_window(xp, conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels], storage_r)
+        xbc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)  # [n_seqs, n_tokens, channels]
+        x = xbc[..., :p.d_inner].reshape((n_seqs, n_tokens, n_head, head_dim))
         # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave
         per_group = n_head // n_group
-        b = np.repeat(xbc[..., p.d_inner:p.d_inner + n_group * d_state].reshape(n_seqs, n_tokens, n_group, d_state),
-                      per_group, axis=2)                                    # [n_seqs, n_tokens, n_head, d_state]
-        c = np.repeat(xbc[..., p.d_inner + n_group * d_state:].reshape(n_seqs, n_tokens, n_group, d_state),
-                      per_group, axis=2)
-        dt = softplus(zxbcdt[..., p.d_inner + p.conv_channels:] + layer.ssm_dt_b)  # [n_seqs, n_tokens, n_head]
+        b = xbc[..., p.d_inner:p.d_inner + n_group * d_state].reshape((n_seqs, n_tokens, n_group, d_state))
+        c = xbc[..., p.d_inner + n_group * d_state:].reshape((n_seqs, n_tokens, n_group, d_state))
+        if per_group > 1:
+            # [n_seqs, n_tokens, n_head, d_state]
+            b, c = xp.repeat(b, per_group, axis=2), xp.repeat(c, per_group, axis=2)
+        dt = softplus(xp, zxbcdt[..., p.d_inner + p.conv_channels:] + w["ssm_dt_b"])   # [n_seqs, n_tokens, n_head]
         if p.limits_time_step:
-            dt = np.clip(dt, *p.time_step_limit)
-        decay = np.exp(dt * layer.ssm_a)                                     # [n_seqs, n_tokens, n_head]
-        dt_x = dt[..., None] * x                                             # [n_seqs, n_tokens, n_head, head_dim]
+            dt = xp.clip(dt, *p.time_step_limit)
 
-        # The scan: the only loop over tokens, vectorised over sequences and heads.
-        state = ssm.reshape(n_seqs, n_head, head_dim, d_state)
-        first_step = n_tokens - 1 - m
-        ssm_steps = np.empty((n_seqs, m) + ssm.shape[1:], dtype=ssm.dtype)
-        y = np.empty_like(x)
-        for t in range(n_tokens):
-            h = state * decay[:, t, :, None, None] + dt_x[:, t, :, :, None] * b[:, t, :, None, :]
-            y[:, t] = (h @ c[:, t, :, :, None])[..., 0]
-            state[...] = storage_s.round(h)
-            if first_step <= t < n_tokens - 1:
-                ssm_steps[:, t - first_step] = ssm
-        if m and steps is not None:
-            steps.append((conv_steps(window, p.d_conv, m), ssm_steps))
-
-        y = (y + x * layer.ssm_d[:, None]).reshape(n_seqs, n_tokens, p.d_inner) * silu(z)
-        grouped = rms_norm(y.reshape(n_seqs, n_tokens, n_group, p.d_inner // n_group), p.rms_eps)
-        result: np.ndarray = (grouped.reshape(n_seqs, n_tokens, p.d_inner) * layer.ssm_norm) @ layer.ssm_out.T
-        return result
+        # per head: the decay exp(dt * A) of all its channels, and the input dt * x
+        state = ssm.reshape((n_seqs, n_head, head_dim, d_state))
+        y, state, ssm_steps = selective_scan(xp, state, dt[..., None, None], w["ssm_a"][:, None, None],
+                                             dt[..., None] * x, b, c, storage_s, m)
+        conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
+        y = (y + x * w["ssm_d"][:, None]).reshape((n_seqs, n_tokens, p.d_inner))
+        out = linear(gated_rms_norm(xp, y, z, w["ssm_norm"], n_group, p.rms_eps), w["ssm_out"])
+        steps = None if ssm_steps is None else (conv_steps, ssm_steps.reshape((n_seqs, m, p.d_inner, d_state)))
+        return out, conv, state.reshape((n_seqs, p.d_inner, d_state)), steps
 
 
 def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer: int = 4,
@@ -241,20 +228,93 @@ def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, 
     rng = np.random.default_rng(seed)
     layers = []
     for _ in range(n_layer):
-        dt_init = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=p.n_head))
-        bound = 1 / np.sqrt(d_conv)
+        dt_bias = random_dt_bias(rng, p.n_head)
+        attn_norm = 1.0 + 0.1 * rng.standard_normal(n_embd)
+        ssm_in = rng.standard_normal((p.d_in_proj, n_embd)) / np.sqrt(n_embd)
+        conv_weight, conv_bias = random_conv(rng, p.conv_channels, d_conv)
         layers.append(Mamba2Layer(
-            attn_norm=1.0 + 0.1 * rng.standard_normal(n_embd),
-            ssm_in=rng.standard_normal((p.d_in_proj, n_embd)) / np.sqrt(n_embd),
-            ssm_conv1d=rng.uniform(-bound, bound, size=(p.conv_channels, d_conv)),
-            ssm_conv1d_b=rng.uniform(-bound, bound, size=p.conv_channels),
-            ssm_dt_b=dt_init + np.log(-np.expm1(-dt_init)),  # softplus(bias) = dt_init
+            attn_norm=attn_norm, ssm_in=ssm_in, ssm_conv1d=conv_weight, ssm_conv1d_b=conv_bias, ssm_dt_b=dt_bias,
             ssm_a=-np.arange(1, p.n_head + 1, dtype=np.float64),
             ssm_d=np.ones(p.n_head),
             ssm_norm=1.0 + 0.1 * rng.standard_normal(d_inner),
             ssm_out=rng.standard_normal((n_embd, d_inner)) / np.sqrt(d_inner * n_layer),
         ))
-    token_embd = rng.standard_normal((n_vocab, n_embd))
-    output_norm = 1.0 + 0.1 * rng.standard_normal(n_embd)
-    output = None if tied else 3.0 * rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)
+    token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
     return Mamba2Model(p, token_embd, layers, output_norm, output, dtype=dtype)
+
+
+# -- files: GGUF (llama.cpp's converter) and Hugging Face checkpoints (transformers' Mamba2ForCausalLM) ---------
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> Mamba2Model:
+    """The model of a GGUF file of architecture ``mamba2`` (``load_gguf``)."""
+    hparams = Mamba2HParams(**sizes, n_head=read.key("ssm.time_step_rank", int),
+                            n_group=read.key("ssm.group_count", int, 1))
+    shapes, stored = layer_shapes(hparams), gguf_layer_shapes(hparams)
+
+    def tensor(name: str, field: str) -> np.ndarray:
+        values = read.tensor(name, stored[field])
+        return values.reshape(shapes[field]) if values.shape == stored[field] else values
+    layers = [Mamba2Layer(**{field: tensor(f"blk.{il}.{suffix}", field) for field, suffix in LAYER_TENSORS.items()})
+              for il in range(hparams.n_layer)]
+    token_embd, output_norm, output = head
+    return Mamba2Model(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
+def _gguf_layout(model: Mamba2Model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    if model.hparams.limits_time_step:
+        raise ModelError(f"time_step_limit {model.hparams.time_step_limit} clamps dt; llama.cpp's mamba2 "
+                         "does not, so the GGUF file would be another model")
+    shapes = gguf_layer_shapes(model.hparams)
+    return {field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}
+
+
+def _write_gguf_keys(writer: Any, model: Mamba2Model) -> None:
+    writer.add_ssm_time_step_rank(model.hparams.n_head)
+    writer.add_ssm_group_count(model.hparams.n_group)
+    writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
+
+
+def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
+    """The model of a ``Mamba2ForCausalLM`` checkpoint directory (``load_hf``)."""
+    config = checkpoint.config
+    common = common_sizes(checkpoint)
+    n_embd = common["n_embd"]
+    d_inner = int(checkpoint.positive_float("expand", 2, high=MAX_CONFIG_INT) * n_embd)
+    n_head, head_dim = checkpoint.field("num_heads", int), checkpoint.field("head_dim", int)
+    if n_head * head_dim != d_inner:
+        raise checkpoint.refuse("num_heads", f"num_heads × head_dim = {n_head * head_dim}, but "
+                                f"expand × hidden_size = {d_inner}")
+    limit = config.get("time_step_limit", (0.0, math.inf))
+    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
+    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
+            or (as_float(limit[1]) is None and limit[1] != math.inf)):
+        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
+    p = built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
+                                n_group=checkpoint.field("n_groups", int, 1),
+                                time_step_limit=(float(limit[0]), float(limit[1])))
+    use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
+    layers = []
+    for il in range(p.n_layer):
+        weight = checkpoint.layer_tensors(il)
+        layers.append(Mamba2Layer(
+            attn_norm=weight("norm.weight", (p.n_embd,)),
+            ssm_in=weight("mixer.in_proj.weight", (p.d_in_proj, p.n_embd)),
+            ssm_conv1d=weight("mixer.conv1d.weight", (p.conv_channels, p.d_conv)),
+            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.conv_channels,)) if use_conv_bias
+                          else np.zeros(p.conv_channels, np.float32)),
+            ssm_dt_b=weight("mixer.dt_bias", (p.n_head,)),
+            ssm_a=-np.exp(weight("mixer.A_log", (p.n_head,)).astype(np.float64)),
+            ssm_d=weight("mixer.D", (p.n_head,)),
+            ssm_norm=weight("mixer.norm.weight", (p.d_inner,)),
+            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
+        ))
+    token_embd, output_norm, output = head_tensors(checkpoint, p.n_vocab, p.n_embd, tied_default=False)
+    return built(checkpoint, Mamba2Model, hparams=p, token_embd=token_embd, layers=layers,
+                    output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
+
+
+FAMILY = register(Family(label="Mamba-2", gguf_arch=ARCH, hf_architecture="Mamba2ForCausalLM",
+                         model_class=Mamba2Model, from_gguf=_from_gguf, from_hf=_from_hf, gguf_layout=_gguf_layout,
+                         write_gguf_keys=_write_gguf_keys))

@@ -2,9 +2,11 @@
 residual, the output head, and the run over the cache (ubatches, state rows, step states).
 
 A model architecture (Mamba-1 in ``mamba.py``, Mamba-2 in ``mamba2.py``)
-subclasses ``RecurrentModel`` and supplies only its mixer: one block's math on
-``[n_seqs, n_tokens, n_embd]`` inputs, reading and updating its conv and SSM
-states.  Both keep their states in llama.cpp's layout:
+subclasses ``RecurrentModel``, supplies only its mixer — one block's math on
+``[n_seqs, n_tokens, n_embd]`` inputs, written once on an array namespace
+``xp`` with the shared pieces of ``_ssm.py`` (numpy, or torch where the cache
+keeps torch rows: ``_arrays.py``) — and registers itself (``_registry.py``).
+Both keep their states in llama.cpp's layout:
 
 * r row (n_embd_r = (d_conv-1) * conv_channels): the last d_conv-1 inputs of
   each conv channel, channel-major, oldest first: ``r[ch*(d_conv-1) + t]``;
@@ -27,9 +29,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
+from .. import _args
 from ..errors import ModelError
 from ..memory_state import MemoryStatus
 from ..storage import Storage
+from ._arrays import NUMPY, Array, Backend, ModelWeights
+from ._ssm import linear, rms_norm
 from ._storage import StateStorage
 from .vocab import Vocabulary
 
@@ -38,12 +43,16 @@ if TYPE_CHECKING:
 
     from ..cache import RecurrentCache
 
-__all__ = ["HostRows", "ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "TorchRows", "checked_layers",
-           "checked_tensor", "rms_norm", "silu", "softplus"]
+__all__ = ["HostRows", "MixerResult", "ModelShape", "RecurrentModel", "ReferenceRun", "StepStates", "TorchRows",
+           "check_sizes", "checked_layers", "checked_tensor"]
 
 
 # Per layer, the states after a ubatch's last m-1 .. 1 tokens: (conv [n_seqs, m, ...], ssm [n_seqs, m, ...]).
-StepStates = list[tuple[np.ndarray, np.ndarray]]
+StepStates = list[tuple[Array, Array]]
+
+# What a mixer returns: its output to add to the residual, the conv and SSM states after the last token,
+# and (m > 0) the states after the earlier ones.
+MixerResult = tuple[Array, Array, Array, "tuple[Array, Array] | None"]
 
 
 class ModelShape(Protocol):
@@ -87,6 +96,17 @@ class TorchRows(Protocol):
 Layer = TypeVar("Layer")
 
 
+def check_sizes(hparams: Any, names: Sequence[str]) -> None:
+    """``hparams``' sizes ``names`` positive integers (``d_conv`` at least 2) and ``rms_eps`` positive, or
+    ``ModelError`` naming the bad one."""
+    for name in names:
+        # d_conv = 1 would leave no rolling state: the cache needs rows of width >= 1
+        minimum = 2 if name == "d_conv" else 1
+        _args.count(getattr(hparams, name), f"hyper-parameter {name}", minimum, ModelError, int32_only=False)
+    if not hparams.rms_eps > 0:
+        raise ModelError(f"rms_eps must be positive, got {hparams.rms_eps!r}")
+
+
 def checked_layers(layers: Sequence[Any], n_layer: int, make: Callable[..., Layer], tensors: dict[str, str],
                    shapes: dict[str, tuple[int, ...]], dtype: np.dtype[Any]) -> list[Layer]:
     """``n_layer`` layers built by ``make`` from ``layers``' weights (attribute -> GGUF tensor name in
@@ -113,26 +133,6 @@ def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtyp
         raise ModelError(f"tensor {name} holds {np.size(converted) - np.isfinite(converted).sum()} "
                          f"values that are NaN or infinite (as {np.dtype(dtype).name})")
     return converted
-
-
-# -- the math shared by the architectures ------------------------------------------------
-
-
-def rms_norm(v: np.ndarray, eps: float) -> np.ndarray:
-    """``v / sqrt(mean(v*v) + eps)`` over the last axis (ggml_rms_norm, no weight)."""
-    result: np.ndarray = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
-    return result
-
-
-def silu(v: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-v) overflows to inf for very negative v: silu -> -0
-        result: np.ndarray = v / (1.0 + np.exp(-v))
-    return result
-
-
-def softplus(v: np.ndarray) -> np.ndarray:
-    """ggml's: ``v`` above 20, else ``log1p(exp(v))``."""
-    return np.where(v > 20.0, v, np.log1p(np.exp(np.minimum(v, 20.0))))
 
 
 class RecurrentModel(ABC):
@@ -203,11 +203,10 @@ class RecurrentModel(ABC):
         if st.status != MemoryStatus.SUCCESS:
             raise ModelError(f"cannot run a batch whose init_batch status is {st.status.name}")
         logits = [self.forward_ubatch(st) for _ in st]
-        if logits and not isinstance(logits[0], np.ndarray):
-            from .torch_forward import concatenated   # torch rows: torch is installed
-
-            return concatenated(logits)
-        return np.concatenate(logits) if logits else np.zeros((0, self.hparams.n_vocab), self.dtype)
+        if not logits:
+            return np.zeros((0, self.hparams.n_vocab), self.dtype)
+        joined: np.ndarray | torch.Tensor = logits[0] if len(logits) == 1 else _namespace_of(logits[0]).concat(logits)
+        return joined
 
     @overload
     def forward_ubatch(self, st: HostRows) -> np.ndarray: ...
@@ -223,32 +222,38 @@ class RecurrentModel(ABC):
         go into ``st.r_steps(il)`` / ``st.s_steps(il)`` (docs/rollback.md).  Returns the
         logits of the ubatch's output tokens in ubatch order, ``[n_outputs, n_vocab]``:
         a numpy array, or a torch tensor on the rows' device when the rows are torch
-        tensors (``forward``).
+        tensors (``forward``).  One math serves both (``_ssm.py``, the architecture's
+        ``mixer``); the rows' library decides the backend (``_arrays.py``, ``torch_forward.py``).
         """
         r_rows, s_rows = self.state_rows(st)
-        if not isinstance(r_rows[0], np.ndarray):
-            from .torch_forward import forward_ubatch   # torch rows: torch is installed
-
-            return forward_ubatch(self, st, r_rows, s_rows)
+        backend, device = _backend_of(r_rows[0])
+        storage_r, storage_s = backend.storage(r_rows[0]), backend.storage(s_rows[0])
+        xp = backend.xp
         p = self.hparams
         ub = st.ubatch
-        n_seqs, n_seq_tokens = ub.n_seqs, ub.n_seq_tokens
-        storage_r, storage_s = StateStorage(r_rows[0].dtype), StateStorage(s_rows[0].dtype)
-        conv = [storage_r.decode(rows, self.dtype).reshape(n_seqs, p.conv_channels, p.d_conv - 1) for rows in r_rows]
-        ssm = [storage_s.decode(rows, self.dtype).reshape(n_seqs, p.d_inner, p.d_state) for rows in s_rows]
-
+        n_seqs = ub.n_seqs
         m = st.r_steps(0).shape[1] if p.n_layer else 0   # step states the cache keeps per group
-        steps: StepStates = []
-        x = self.embed(ub.token, ub.embd).reshape(n_seqs, n_seq_tokens, p.n_embd)
-        x = self.run_layers(x, conv, ssm, storage_r, storage_s, m, steps)
+        with backend.computing():
+            weights = backend.weights(self, device)
+            # the input is checked before any state is read or written: a bad token leaves the cache as it was
+            x = self.embedded(backend, weights, device, ub.token, ub.embd).reshape((n_seqs, ub.n_seq_tokens, p.n_embd))
+            dtype = backend.compute_dtype(self)
+            conv = [storage_r.decode(rows, dtype).reshape((n_seqs, p.conv_channels, p.d_conv - 1)) for rows in r_rows]
+            ssm = [storage_s.decode(rows, dtype).reshape((n_seqs, p.d_inner, p.d_state)) for rows in s_rows]
+            steps: StepStates = []
+            x = self.run_layers(xp, weights, x, conv, ssm, storage_r, storage_s, m, steps)
 
-        for il in range(p.n_layer):
-            r_rows[il][...] = storage_r.encode(conv[il].reshape(n_seqs, p.n_embd_r))
-            s_rows[il][...] = storage_s.encode(ssm[il].reshape(n_seqs, p.n_embd_s))
-            if m:
-                st.r_steps(il)[...] = storage_r.encode(steps[il][0].reshape(n_seqs, m, p.n_embd_r))
-                st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape(n_seqs, m, p.n_embd_s))
-        return self.logits(x.reshape(ub.n_tokens, p.n_embd)[ub.output])
+            # written once every layer has run, so that an error in any layer leaves every row as it was
+            for il in range(p.n_layer):
+                r_rows[il][...] = storage_r.encode(conv[il].reshape((n_seqs, p.n_embd_r)))
+                s_rows[il][...] = storage_s.encode(ssm[il].reshape((n_seqs, p.n_embd_s)))
+                if m:
+                    st.r_steps(il)[...] = storage_r.encode(steps[il][0].reshape((n_seqs, m, p.n_embd_r)))
+                    st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape((n_seqs, m, p.n_embd_s)))
+            outputs = backend.from_host(np.flatnonzero(ub.output), device)
+            logits: np.ndarray | torch.Tensor = self.head(xp, weights, xp.take(x.reshape((ub.n_tokens, p.n_embd)),
+                                                                                outputs, axis=0))
+            return logits
 
     def state_rows(self, st: Any) -> tuple[list[Any], list[Any]]:
         """The r and s rows of every layer for ``st``'s applied ubatch (numpy arrays or torch tensors),
@@ -274,12 +279,14 @@ class RecurrentModel(ABC):
         ssm = [np.zeros((n_seqs, p.d_inner, p.d_state), self.dtype) for _ in range(p.n_layer)]
         return conv, ssm
 
-    def embed(self, tokens: np.ndarray | None, embd: np.ndarray | None = None) -> np.ndarray:
-        """The input rows: ``token_embd`` of ``tokens`` (ids checked), or ``embd`` itself when tokens is None."""
+    def embedded(self, backend: Backend, weights: ModelWeights, device: Any, tokens: np.ndarray | None,
+                 embd: np.ndarray | None) -> Array:
+        """The input rows on ``backend``: ``token_embd`` of ``tokens`` (ids checked), or ``embd`` itself (a copy)
+        when tokens is None."""
         if tokens is None:
-            return self.checked_embd(embd).astype(self.dtype)
-        embedded: np.ndarray = self.token_embd[self.checked_tokens(tokens)]
-        return embedded
+            return backend.from_host(self.checked_embd(embd).astype(self.dtype), device)
+        ids = backend.from_host(self.checked_tokens(tokens).astype(np.int64).reshape(-1), device)
+        return backend.xp.take(weights.token_embd, ids, axis=0)
 
     def checked_tokens(self, tokens: Any) -> np.ndarray:
         """``tokens`` as an array, or ``ModelError`` naming the first id outside the vocabulary."""
@@ -296,64 +303,58 @@ class RecurrentModel(ABC):
                              f"this model has n_embd {self.hparams.n_embd}")
         return embd
 
-    def run_layers(self, x: np.ndarray, conv: list[np.ndarray], ssm: list[np.ndarray],
+    def run_layers(self, xp: Any, weights: ModelWeights, x: Array, conv: list[Array], ssm: list[Array],
                    storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
-                   steps: StepStates | None = None) -> np.ndarray:
-        """All layers on ``x`` [n_seqs, n_tokens, n_embd]; ``conv`` / ``ssm`` are updated in place.
+                   steps: StepStates | None = None) -> Array:
+        """All layers on ``x`` [n_seqs, n_tokens, n_embd]; ``conv`` / ``ssm`` (lists, one state per layer)
+        are left holding the states after the last token.
 
         With ``m > 0`` each layer's states after tokens n_tokens-1-m .. n_tokens-2 are appended
         to ``steps`` as (conv [n_seqs, m, conv_channels, d_conv-1], ssm [n_seqs, m, d_inner, d_state]).
         """
         eps = self.hparams.rms_eps
-        for layer, conv_l, ssm_l in zip(self.layers, conv, ssm):
-            x = x + self.mixer(layer, rms_norm(x, eps) * layer.attn_norm, conv_l, ssm_l, storage_r, storage_s,
-                               m, steps)
+        for il, layer in enumerate(weights.layers):
+            out, conv[il], ssm[il], layer_steps = self.mixer(xp, layer, rms_norm(xp, x, eps) * layer["attn_norm"],
+                                                             conv[il], ssm[il], storage_r, storage_s, m)
+            x = x + out
+            if layer_steps is not None and steps is not None:
+                steps.append(layer_steps)
         return x
 
     @abstractmethod
-    def mixer(self, layer: Any, u: np.ndarray, conv: np.ndarray, ssm: np.ndarray,
-              storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
-              steps: StepStates | None = None) -> np.ndarray:
-        """One block on ``u`` [n_seqs, n_tokens, n_embd] (already normed): its output to add to the residual.
+    def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
+              storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
+        """One block on ``u`` [n_seqs, n_tokens, n_embd] (already normed), in namespace ``xp`` with the
+        layer's weights ``w`` (by field name).
 
         conv [n_seqs, conv_channels, d_conv-1] and ssm [n_seqs, d_inner, d_state]
-        hold the states before the first token and are left holding those after
-        the last; with ``m > 0`` (and ``steps`` given) the states after tokens
-        n_tokens-1-m .. n_tokens-2 are appended to ``steps``.
+        hold the states before the first token.  Returns the output to add to the
+        residual, the states after the last token, and with ``m > 0`` the states
+        after tokens n_tokens-1-m .. n_tokens-2 ((conv, ssm) with an axis of m
+        after the first), else None.
         """
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    def head(self, xp: Any, weights: ModelWeights, x: Array) -> Array:
         """``output @ (rms_norm(x) * output_norm)`` for rows ``x`` [..., n_embd]."""
-        result: np.ndarray = (rms_norm(x, self.hparams.rms_eps) * self.output_norm) @ self.output.T
+        return linear(rms_norm(xp, x, self.hparams.rms_eps) * weights.output_norm, weights.output)
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """``head`` of numpy rows ``x`` [..., n_embd]."""
+        result: np.ndarray = self.head(np, NUMPY.weights(self), x)
         return result
 
 
-def conv_window(conv: np.ndarray, inputs: np.ndarray, storage_r: StateStorage) -> np.ndarray:
-    """The causal conv's window ``[n_seqs, channels, d_conv-1+n_tokens]``: the state, then ``inputs``
-    [n_seqs, n_tokens, channels]; ``conv`` is left holding its last d_conv-1 columns.
+def _backend_of(rows: Any) -> tuple[Backend, Any]:
+    """The backend that computes on state rows like ``rows``, and their device."""
+    if isinstance(rows, np.ndarray):
+        return NUMPY, None
+    from .torch_forward import TORCH   # rows of another library: torch (the only other storage)
 
-    The inputs are rounded as the cache stores them *before* use, so the window
-    is the same whether an input came from this ubatch or from the cache: the
-    result does not depend on ubatch boundaries.
-    """
-    n_tokens = inputs.shape[1]
-    window = np.concatenate([conv, storage_r.round(inputs).transpose(0, 2, 1)], axis=2)
-    conv[...] = window[:, :, n_tokens:]
-    return window
+    return TORCH, TORCH.device_of(rows)
 
 
-def causal_conv(window: np.ndarray, weight: np.ndarray, bias: np.ndarray, n_tokens: int) -> np.ndarray:
-    """``silu(depthwise conv + bias)`` over ``window`` (from ``conv_window``): [n_seqs, n_tokens, channels]."""
-    d_conv = weight.shape[1]
-    summed = sum(window[:, :, k:k + n_tokens] * weight[:, k, None] for k in range(d_conv))
-    return silu(np.asarray(summed).transpose(0, 2, 1) + bias)
-
-
-def conv_steps(window: np.ndarray, d_conv: int, m: int) -> np.ndarray:
-    """The conv states after each of the window's tokens n_tokens-1-m .. n_tokens-2: [n_seqs, m, channels, d_conv-1]."""
-    n_tokens = window.shape[2] - (d_conv - 1)
-    first = n_tokens - 1 - m
-    return np.stack([window[:, :, t + 1:t + d_conv] for t in range(first, n_tokens - 1)], axis=1)
+def _namespace_of(array: Any) -> Any:
+    return NUMPY.xp if isinstance(array, np.ndarray) else _backend_of(array)[0].xp
 
 
 class ReferenceRun:
@@ -376,10 +377,12 @@ class ReferenceRun:
         """Run ``tokens`` in order; the logits after each one, ``[len(tokens), n_vocab]``."""
         model = self.model
         logits = []
-        for token in tokens:
-            x = model.embed(np.array([[token]]))
-            x = model.run_layers(x, self.conv, self.ssm, self.storage_r, self.storage_s)
-            logits.append(model.logits(x[0]))
+        with NUMPY.computing():
+            weights = NUMPY.weights(model)
+            for token in tokens:
+                x = model.embedded(NUMPY, weights, None, np.array([token]), None).reshape((1, 1, -1))
+                x = model.run_layers(np, weights, x, self.conv, self.ssm, self.storage_r, self.storage_s)
+                logits.append(model.head(np, weights, x[0]))
         return np.concatenate(logits)
 
     def copy(self) -> ReferenceRun:

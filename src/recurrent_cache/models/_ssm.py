@@ -1,0 +1,136 @@
+"""The pieces of math the recurrent architectures share, written once against an array namespace ``xp``.
+
+Every function takes ``xp`` (numpy, or torch through array-api-compat:
+``_arrays.py``) and uses only what the array API standard names, so one
+copy serves the numpy and the torch forward.  Shapes: ``n`` sequences,
+``T`` tokens; a state is ``[n, *lead, d_state]`` (Mamba-1: lead = channels;
+Mamba-2: lead = heads, head_dim).  The seeded initialisers are numpy only:
+they make the weights a model then keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._arrays import Array
+from ._storage import StateStorage
+
+__all__ = ["causal_conv", "conv_state_after", "conv_window", "gated_rms_norm", "linear", "random_conv",
+           "random_dt_bias", "random_head", "rms_norm", "selective_scan", "silu", "softplus"]
+
+
+def linear(x: Array, weight: Array) -> Array:
+    """``x @ weight.T`` over the last axis of ``x`` [..., k], as one 2-D product (BLAS's GEMV/GEMM:
+    numpy's stacked matmul of a 3-D ``x`` does not reach BLAS)."""
+    rows = x.reshape((-1, x.shape[-1])) @ weight.T
+    return rows.reshape((*x.shape[:-1], weight.shape[0]))
+
+
+def rms_norm(xp: Any, v: Array, eps: float) -> Array:
+    """``v / sqrt(mean(v*v) + eps)`` over the last axis (ggml_rms_norm, no weight)."""
+    return v / xp.sqrt(xp.mean(v * v, axis=-1, keepdims=True) + eps)
+
+
+def silu(xp: Any, v: Array) -> Array:
+    """``v / (1 + exp(-v))`` (exp overflows to inf for very negative v: -0; numpy's warning is off in a forward)."""
+    return v / (1.0 + xp.exp(-v))
+
+
+def softplus(xp: Any, v: Array) -> Array:
+    """ggml's: ``v`` above 20, else ``log1p(exp(v))``."""
+    return xp.where(v > 20.0, v, xp.log1p(xp.exp(xp.minimum(v, 20.0))))
+
+
+def gated_rms_norm(xp: Any, y: Array, z: Array, weight: Array, n_group: int, eps: float) -> Array:
+    """``rms_norm(y * silu(z))`` over each of ``n_group`` groups of the last axis, times ``weight``
+    (transformers' ``MambaRMSNormGated``, ``norm_before_gate=False``; llama.cpp's grouped ``build_norm``)."""
+    gated = y * silu(xp, z)
+    *lead, width = gated.shape
+    grouped = rms_norm(xp, gated.reshape((*lead, n_group, width // n_group)), eps)
+    return grouped.reshape((*lead, width)) * weight
+
+
+# -- the causal conv over the cache's r row ------------------------------------------------------
+
+
+def conv_window(xp: Any, conv: Array, inputs: Array, storage_r: StateStorage) -> Array:
+    """The causal conv's window ``[n, channels, d_conv-1+T]``: the state ``conv`` [n, channels, d_conv-1],
+    then ``inputs`` [n, T, channels].
+
+    The inputs are rounded as the cache stores them *before* use, so the window
+    is the same whether an input came from this ubatch or from the cache: the
+    result does not depend on ubatch boundaries.
+    """
+    return xp.concat([conv, xp.permute_dims(storage_r.round(inputs), (0, 2, 1))], axis=2)
+
+
+def causal_conv(xp: Any, window: Array, weight: Array, bias: Array, n_tokens: int) -> Array:
+    """``silu(depthwise conv + bias)`` over ``window`` (from ``conv_window``): [n, T, channels]."""
+    summed = window[:, :, 0:n_tokens] * weight[:, 0, None]
+    for k in range(1, weight.shape[1]):
+        summed = summed + window[:, :, k:k + n_tokens] * weight[:, k, None]
+    return silu(xp, xp.permute_dims(summed, (0, 2, 1)) + bias)
+
+
+def conv_state_after(xp: Any, window: Array, d_conv: int, m: int) -> tuple[Array, Array | None]:
+    """The conv state after the window's last token, and (``m > 0``) after each of its tokens
+    T-1-m .. T-2: [n, m, channels, d_conv-1]."""
+    n_tokens = window.shape[2] - (d_conv - 1)
+    steps = (xp.stack([window[:, :, t + 1:t + d_conv] for t in range(n_tokens - 1 - m, n_tokens - 1)], axis=1)
+             if m else None)
+    return window[:, :, n_tokens:], steps
+
+
+# -- the selective scan over the cache's s row ---------------------------------------------------
+
+
+def selective_scan(xp: Any, state: Array, dt: Array, a: Array, x: Array, b: Array, c: Array,
+                   storage_s: StateStorage, m: int) -> tuple[Array, Array, Array | None]:
+    """The recurrence, token by token: ``h = h * exp(dt*a) + x ⊗ b``, ``y = h @ c``.
+
+    ``state`` [n, *lead, d_state] is the state before the first token; ``dt``
+    [n, T, ...] broadcasts with ``a`` to a token's decay; ``x`` [n, T, *lead];
+    ``b`` and ``c`` [n, T, ..., d_state] broadcast over ``lead``'s last axis.
+    The state is rounded to its storage after every token (the exactness
+    contract: a batched run equals a solo run).  Returns ``y`` [n, T, *lead],
+    the state after the last token, and (``m > 0``) the states after tokens
+    T-1-m .. T-2, [n, m, *lead, d_state].
+    """
+    n_tokens = x.shape[1]
+    first_step = n_tokens - 1 - m
+    ys, steps = [], []
+    for t in range(n_tokens):
+        h = state * xp.exp(dt[:, t] * a) + x[:, t, ..., None] * b[:, t, ..., None, :]
+        ys.append((h @ c[:, t, ..., None])[..., 0])
+        state = storage_s.round(h)
+        if first_step <= t < n_tokens - 1:
+            steps.append(state)
+    y = ys[0][:, None] if n_tokens == 1 else xp.stack(ys, axis=1)
+    return y, state, xp.stack(steps, axis=1) if m else None
+
+
+# -- seeded random weights, initialised as mamba_ssm does ------------------------------------------
+
+
+def random_dt_bias(rng: np.random.Generator, n: int) -> np.ndarray:
+    """The softplus bias that makes ``dt`` log-uniform in [1e-3, 1e-1] (mamba_ssm's ``dt_proj.bias``)."""
+    dt_init = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=n))
+    return dt_init + np.log(-np.expm1(-dt_init))   # softplus(bias) = dt_init
+
+
+def random_conv(rng: np.random.Generator, channels: int, d_conv: int) -> tuple[np.ndarray, np.ndarray]:
+    """A depthwise conv's weight [channels, d_conv] and bias, uniform in ±1/sqrt(d_conv) (torch's Conv1d)."""
+    bound = 1 / np.sqrt(d_conv)
+    return (rng.uniform(-bound, bound, size=(channels, d_conv)), rng.uniform(-bound, bound, size=channels))
+
+
+def random_head(rng: np.random.Generator, n_vocab: int, n_embd: int, tied: bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """token_embd, output_norm and output (None when tied), the output scaled so that logits spread over a
+    few units: greedy decoding is not degenerate and sampling is not uniform."""
+    token_embd = rng.standard_normal((n_vocab, n_embd))
+    output_norm = 1.0 + 0.1 * rng.standard_normal(n_embd)
+    output = None if tied else 3.0 * rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)
+    return token_embd, output_norm, output
