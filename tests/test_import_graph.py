@@ -15,13 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "import_graph.py"
 PACKAGE = ROOT / "src" / "recurrent_cache"
 
-# The models helper of issue 25 removes this circle (torch_forward picks its function by isinstance
-# on mamba / mamba2, which import recurrent, which imports torch_forward); the lead drops this
-# exception after merging it.
-MODELS_CIRCLES = [["recurrent_cache.models.mamba", "recurrent_cache.models.mamba2", "recurrent_cache.models.recurrent",
-                   "recurrent_cache.models.torch_forward"]]
-
-
 @pytest.fixture(scope="module")
 def tool():
     spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
@@ -36,8 +29,8 @@ def graph(tool):
     return tool.import_graph(PACKAGE)
 
 
-def test_no_import_circle_outside_models(tool, graph):
-    assert tool.circles(graph) == MODELS_CIRCLES
+def test_no_import_circle(tool, graph):
+    assert tool.circles(graph) == []
 
 
 def test_the_dtype_table_imports_nothing_of_the_package(graph):
