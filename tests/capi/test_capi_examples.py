@@ -22,7 +22,7 @@ import pytest
 import recurrent_cache as rc
 from recurrent_cache import _capi as capi_versions
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "capi"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "capi"
 N_SEQS, N_STEPS, N_UBATCH, MAX_PROMPT = 32, 1000, 16, 8
 NEEDS = {"cython": ["Cython", "setuptools"], "c": ["setuptools"], "cpp": ["setuptools", "pybind11"]}
 
@@ -200,7 +200,7 @@ API = capi_versions.API_VERSION
 ])
 def test_a_version_mismatch_fails_the_import_with_a_message(built, kind, abi, api, expected):
     path = built(kind)
-    script = FAKE_TABLE.format(tests=str(Path(__file__).parent), abi=abi, api=api, path=str(path),
+    script = FAKE_TABLE.format(tests=str(Path(__file__).parents[1]), abi=abi, api=api, path=str(path),
                                module=path.name.split(".")[0])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3, result.stdout + result.stderr
@@ -210,7 +210,7 @@ def test_a_version_mismatch_fails_the_import_with_a_message(built, kind, abi, ap
 def test_a_newer_library_than_the_header_imports(built):
     """Entries are only appended: a table with a higher api_version serves an older header."""
     path = built("c")
-    script = FAKE_TABLE.format(tests=str(Path(__file__).parent), abi=1, api=API + 5, path=str(path),
+    script = FAKE_TABLE.format(tests=str(Path(__file__).parents[1]), abi=1, api=API + 5, path=str(path),
                                module=path.name.split(".")[0])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "imported" in result.stdout, result.stdout + result.stderr

@@ -9,10 +9,6 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.cli import demo
-import test_stores_shared
-
-redis_server = test_stores_shared.redis_server   # a fixture: a real redis-server on a unix socket
-
 SMALL = ["--clients", "4", "--parallel", "2", "--n-predict", "3", "--ubatch", "8", "--quiet", "--prefix-cache"]
 
 

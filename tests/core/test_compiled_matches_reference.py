@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import recurrent_cache
-from conftest import package_on
+from variants import package_on
 from golden import formula, store
 
 DTYPES = st.sampled_from(["f32", "f16", "bf16"])

@@ -272,7 +272,7 @@ def test_the_compiled_codes_are_the_table_codes():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_api_fuzzer_finds_no_crash_no_disagreement_no_change_on_rejection(seed):
     """bench/fuzz/fuzz_api.py, a short run in a subprocess (long runs: see its docstring)."""
-    fuzzer = Path(__file__).resolve().parents[1] / "bench" / "fuzz" / "fuzz_api.py"
+    fuzzer = Path(__file__).resolve().parents[2] / "bench" / "fuzz" / "fuzz_api.py"
     result = subprocess.run([sys.executable, str(fuzzer), "--steps", "6000", "--seed", str(seed)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
@@ -283,7 +283,7 @@ def test_api_fuzzer_finds_no_crash_no_disagreement_no_change_on_rejection(seed):
                                           ("fuzz_files.py", ["--runs", "200", "--seed", "1"])])
 def test_the_file_fuzzers_run_clean(fuzzer, args):
     """Short runs of the blob and file fuzzers, so they cannot rot (long runs: their docstrings)."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "fuzz" / fuzzer
+    path = Path(__file__).resolve().parents[2] / "bench" / "fuzz" / fuzzer
     result = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     assert "no failure" in result.stdout or "failures 0" in result.stdout, result.stdout[-2000:]

@@ -37,7 +37,7 @@ import pytest
 
 import recurrent_cache
 from capi_table import P, Ubatch, header_codes, ints, message, table
-from conftest import VARIANTS, package_on
+from variants import VARIANTS, package_on
 from recurrent_cache import stores
 from rows import assign, host
 from rows import dtype as dtype_of
@@ -1055,7 +1055,7 @@ def test_a_c_context_over_null_is_refused_not_a_crash():
     that a crash fails this test instead of the suite."""
     child = subprocess.run(
         [sys.executable, "-c", "import ctypes, sys\n"
-         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+         f"sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
          "from capi_table import table\n"
          "try:\n"
          "    table().ctx_new(ctypes.py_object())\n"

@@ -228,7 +228,7 @@ def test_a_c_batch_goes_stale_when_the_python_api_changes_the_cache(compiled):
 def test_rc_ctx_new_of_null_raises_instead_of_crashing():
     script = f"""
 import ctypes, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from capi_table import table
 new = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(ctypes.cast(table().ctx_new, ctypes.c_void_p).value)
 try:

@@ -26,7 +26,7 @@ from recurrent_cache.stores import DirectoryStore, decode_snapshot, encode_snaps
 from rows import assign, host
 from rows import dtype as dtype_of
 
-CURRENT = Path(__file__).parent / "data" / "llamacpp_current"
+CURRENT = Path(__file__).parents[1] / "data" / "llamacpp_current"
 GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
 ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 N_LAYER, LAYERS = 5, (0, 2, 3)

@@ -14,7 +14,7 @@ from recurrent_cache import reference
 from golden import snapshot
 
 HERE = Path(__file__).resolve().parent
-BUILD = HERE.parent / "examples" / "capi" / "build.py"
+BUILD = HERE.parents[1] / "examples" / "capi" / "build.py"
 
 
 @pytest.fixture(scope="module")

@@ -648,5 +648,5 @@ def test_hostile(results, name):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parents[1]))
     child(sys.argv[2:])

@@ -29,7 +29,7 @@ import pytest
 import recurrent_cache as rc
 from recurrent_cache.cli import inspect as inspect_command
 
-DATA = Path(__file__).resolve().parent / "data" / "llamacpp_current"
+DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp_current"
 N_LAYER, LAYERS = 4, (0, 2)
 
 

@@ -26,7 +26,7 @@ from recurrent_cache.errors import ArgumentError, StateError
 from recurrent_cache.models import trained_model
 from recurrent_cache.state_format import unframe
 
-DATA = Path(__file__).resolve().parent / "data" / "llamacpp_current"
+DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp_current"
 RECORDS = {record["scenario"]: record for record in
            map(json.loads, gzip.open(DATA / "records.jsonl.gz", "rt", encoding="utf-8"))}
 MAMBA = RECORDS["mamba"]

@@ -28,7 +28,7 @@ import pytest
 from recurrent_cache import load_seq_file, save_seq_file
 from recurrent_cache.models import trained_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "llamacpp_exchange"
 RECORD = json.loads((DATA / "exchange.json").read_text())
 LOGITS = dict(np.load(DATA / "logits.npz"))

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.llamacpp_live
 llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
 pytest.importorskip("gguf", reason="the recorder writes the hybrid GGUF with gguf")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "llamacpp_current"
 
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 import recurrent_cache
 import recurrent_cache.cache
-from conftest import ENGINES, VARIANTS, package_on
+from variants import ENGINES, VARIANTS, package_on
 from recurrent_cache.errors import ArgumentError, SeqIdError, StateError
 from recurrent_cache.state_format import parse_blob
 

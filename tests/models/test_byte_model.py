@@ -14,7 +14,7 @@ from recurrent_cache.models import (TRAINED_GGUF, ReferenceRun, Sampler, held_ou
 from recurrent_cache.models.gguf_file import GGUFFile
 from recurrent_cache.models.mamba import LAYER_TENSORS
 
-REFERENCE = Path(__file__).resolve().parent / "data" / "byte_mamba_reference.npz"
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "byte_mamba_reference.npz"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 from recurrent_cache.models import ReferenceRun, load_gguf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "train_byte_mamba.py"
 SHIPPED = [REPO / "src" / "recurrent_cache" / "models" / "data" / "byte_mamba.gguf",
            REPO / "src" / "recurrent_cache" / "models" / "data" / "byte_mamba.json",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "prefix_cache.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_cache.py"
 
 
 @pytest.fixture(scope="module")

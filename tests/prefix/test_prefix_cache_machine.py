@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import recurrent_cache
-from conftest import package_on
+from variants import package_on
 from recurrent_cache.prefix_cache import PrefixCache
 from rows import host
 from test_prefix_cache import N_EMBD_R, N_EMBD_S, N_LAYER, fake_state, prefill, snapshot_bytes

@@ -6,7 +6,7 @@ run; a snapshot never reaches a cache of another namespace, geometry or dtype;
 an evicted snapshot is found in the store by a later miss; a damaged entry,
 a store that raises and a Redis server that stops are misses, never
 exceptions.  The Redis server is the real ``redis-server`` that the store
-tests start (``RedisServer`` in test_stores_shared.py).
+tests start (``RedisServer`` in tests/redis_servers.py).
 
 Also the worker the multi-process test runs: ``python tests/test_prefix_cache_store.py
 ROLE STORE PROMPTS_JSON`` (see ``_worker``).
@@ -26,12 +26,11 @@ import recurrent_cache as rc
 from recurrent_cache.models import random_model
 from recurrent_cache.stores import Geometry, RedisStore, encode_snapshot, open_store, snapshot_key
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # when run as the worker script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, when run as the worker script
 import test_stores_shared  # noqa: E402
-from test_stores_shared import RedisServer  # noqa: E402
+from redis_servers import RedisServer  # noqa: E402
 
 kind = test_stores_shared.kind                  # fixtures: a DirectoryStore and a RedisStore on a real server
-redis_server = test_stores_shared.redis_server
 
 HERE = Path(__file__).resolve()
 MODEL = dict(seed=3, n_embd=16, n_layer=2, d_state=4, n_vocab=64)

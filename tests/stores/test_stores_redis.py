@@ -13,10 +13,8 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.stores import RedisStore, decode_snapshot
-import test_stores_shared
-from test_stores_shared import RedisServer, numbered_entry, small_entries
-
-redis_server = test_stores_shared.redis_server   # the fixture, shared
+from redis_servers import RedisServer
+from test_stores_shared import numbered_entry, small_entries
 
 
 def test_server_stopped_mid_run_is_misses_then_recovers(tmp_path, caplog):

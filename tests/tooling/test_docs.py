@@ -41,7 +41,7 @@ import pytest
 pytestmark = pytest.mark.torch_skip("the pages and their toy model run numpy code on numpy storage; the torch "
                                     "run would repeat the compiled run (docs/storage.md runs torch itself)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 COMMAND_TIMEOUT = 180   # seconds; the commands on the pages take a few seconds each on an idle machine

@@ -27,7 +27,7 @@ from recurrent_cache.cli import COMMANDS
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
          for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))

@@ -28,7 +28,8 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
 PACKAGE = ROOT / "src" / "recurrent_cache"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
@@ -45,20 +46,20 @@ AREAS = [
     ("src/recurrent_cache/cli/**/*.py", "demo"),
     ("tools/train_byte_mamba.py", "train"),
     ("tools/write_transcripts.py", "demo"),          # runs the documented commands
-    ("tests/test_training.py", "train"),
+    ("tests/models/test_training.py", "train"),
     # CI's second stage: what they import beyond the test extra (torch, transformers) is test-torch's
-    ("tests/test_hf_models.py", "test-torch"),
-    ("tests/test_torch_forward.py", "test-torch"),
-    ("tests/test_storage.py", "test-torch"),
-    ("tests/test_cli_storage.py", "test-torch"),
+    ("tests/models/test_hf_models.py", "test-torch"),
+    ("tests/models/test_torch_forward.py", "test-torch"),
+    ("tests/storage/test_storage.py", "test-torch"),
+    ("tests/cli/test_cli_storage.py", "test-torch"),
     ("tests/**/*.py", "test"),
-    ("examples/**/*.py", "test"),                     # tests/test_examples.py builds them
+    ("examples/**/*.py", "test"),                     # tests/capi/test_capi_examples.py builds them
     ("docs/**/*.py", "docs"),
 ]
 # Files outside every extra, and why.
 NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
             "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
-                                             "(tests/test_llamacpp_exchange.py runs it only when llama_cpp imports)"}
+                                             "(tests/formats/test_llamacpp_exchange.py runs it only when llama_cpp imports)"}
 
 # Names of the package whose use needs an extra: the code behind them imports its module.
 NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
@@ -130,7 +131,9 @@ def third_party_imports(path: Path) -> dict[str, bool]:
                 isinstance(ancestor, ast.If) and ast.unparse(ancestor.test) == "TYPE_CHECKING")
             ancestor = up.get(ancestor)
         for module in modules:
-            local = (path.parent / f"{module}.py").exists() or (path.parent / module).is_dir()
+            # a module beside the file, or one of the test helpers in tests/ (tests/conftest.py's path)
+            local = any((directory / f"{module}.py").exists() or (directory / module).is_dir()
+                        for directory in {path.parent, *([TESTS] if TESTS in path.parents else [])})
             if module in sys.stdlib_module_names or module in ("recurrent_cache", "bench", "__future__") or local:
                 continue
             found[module] = found.get(module, True) and optional
