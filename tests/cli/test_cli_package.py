@@ -1,7 +1,7 @@
 """The command line as a package: every subcommand's --help shows examples that parse, the
 modules import alone and without a cycle, and one module builds batches.  Its types and lint
 (mypy --strict, ruff with the private-name rule) are checked with the whole tree's, in
-tests/test_tooling.py."""
+tests/tooling/test_types_and_lint.py."""
 
 from __future__ import annotations
 

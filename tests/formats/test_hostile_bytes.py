@@ -1,6 +1,6 @@
 """Hostile input at the byte, file and inspect surfaces: no crash, no hang, no silent corruption.
 
-Every case runs in a child interpreter (``python tests/test_hostile_io.py
+Every case runs in a child interpreter (``python tests/formats/test_hostile_bytes.py
 --child NAME ...``): one child runs many cases and says when each starts and
 ends, so a case that kills the interpreter (a signal) or hangs (no answer in
 ``CASE_SECONDS``) is a failure of that case by name, and the child is

@@ -335,7 +335,7 @@ def test_the_demo_serves_a_mamba2_checkpoint_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("arch", ["mamba1", "mamba2"])
 def test_the_damage_suites_numpy_checkpoints_are_what_transformers_reads(tmp_path, arch):
-    """tests/test_damaged_checkpoints.py damages checkpoints it writes without transformers: transformers
+    """tests/models/test_damaged_checkpoints.py damages checkpoints it writes without transformers: transformers
     loads them with no missing, unexpected or misshapen weight, and load_hf serves its logits."""
     from test_damaged_checkpoints import write_checkpoint
     directory = write_checkpoint(tmp_path / arch, arch)

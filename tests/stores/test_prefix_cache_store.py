@@ -8,7 +8,7 @@ a store that raises and a Redis server that stops are misses, never
 exceptions.  The Redis server is the real ``redis-server`` that the store
 tests start (``RedisServer`` in tests/redis_servers.py).
 
-Also the worker the multi-process test runs: ``python tests/test_prefix_cache_store.py
+Also the worker the multi-process test runs: ``python tests/stores/test_prefix_cache_store.py
 ROLE STORE PROMPTS_JSON`` (see ``_worker``).
 """
 

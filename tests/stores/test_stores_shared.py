@@ -1,7 +1,7 @@
 """Behaviour both stores share, tested against a real directory and a real Redis server.
 
 Also the worker that the multi-process tests run as a separate OS process:
-``python tests/test_stores_shared.py ROLE STORE ...`` (see ``_worker``).
+``python tests/stores/test_stores_shared.py ROLE STORE ...`` (see ``_worker``).
 
 The Redis server is tests/redis_servers.py's, started per test by tests/conftest.py's
 ``redis_server`` fixture.

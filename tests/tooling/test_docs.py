@@ -15,7 +15,7 @@ What each fence language means on a page:
   exit with status 0; a command already run identically (same words) is not run twice.
 - ``c`` / ``cpp`` / ``cython``: must be a verbatim excerpt, whitespace-normalised, of a
   file under ``examples/`` or of ``src/recurrent_cache/capi.h`` — the sources the test
-  suite compiles (tests/test_capi.py), so a C block cannot show code that does not build.
+  suite compiles (tests/capi/test_capi_examples.py), so a C block cannot show code that does not build.
 - ``ALLOWED`` languages (``text``): not executed; each is listed with its reason.
 - Any other language, a fence without one, or a fence not at the start of a line fails.
 

@@ -11,7 +11,7 @@
 - the README's two opening commands are getting-started's, and the test command is .ci/run's first stage.
 
 That the API reference shows every public name is checked on the built site
-(tests/test_docs.py, ``test_site_builds_strictly``: one build for both). The tests
+(tests/tooling/test_docs.py, ``test_site_builds_strictly``: one build for both). The tests
 at the end break a copy of a page and show that each check then fails.
 """
 

@@ -59,7 +59,8 @@ AREAS = [
 # Files outside every extra, and why.
 NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
             "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
-                                             "(tests/formats/test_llamacpp_exchange.py runs it only when llama_cpp imports)"}
+                                             "(tests/formats/test_llamacpp_exchange.py runs it only when llama_cpp "
+                                             "imports)"}
 
 # Names of the package whose use needs an extra: the code behind them imports its module.
 NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
