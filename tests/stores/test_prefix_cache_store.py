@@ -27,10 +27,8 @@ from recurrent_cache.models import random_model
 from recurrent_cache.stores import Geometry, RedisStore, encode_snapshot, open_store, snapshot_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, when run as the worker script
-import test_stores_shared  # noqa: E402
 from redis_servers import RedisServer  # noqa: E402
 
-kind = test_stores_shared.kind                  # fixtures: a DirectoryStore and a RedisStore on a real server
 
 HERE = Path(__file__).resolve()
 MODEL = dict(seed=3, n_embd=16, n_layer=2, d_state=4, n_vocab=64)

@@ -32,7 +32,7 @@ from recurrent_cache.stores.snapshot import key_digest
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))   # for the worker process, which is not run by pytest
-from test_stores_shared import StoreKind, numbered_entry, small_entries  # noqa: E402
+from test_stores_shared import numbered_entry, small_entries  # noqa: E402
 
 
 def data_file(store: DirectoryStore, key: str) -> Path:
@@ -230,11 +230,6 @@ def test_processes_racing_puts_of_one_key_leave_a_readable_entry(kind, tmp_path)
     assert sum(r["puts"] for r in results) >= 1
     final = kind.open().get_first([key])
     assert final is not None and bytes(final[1]) in candidates
-
-
-@pytest.fixture
-def kind(request, tmp_path):
-    return StoreKind(request.param, tmp_path, request)
 
 
 # -- paths -----------------------------------------------------------------------------------
