@@ -23,41 +23,11 @@ from typing import Any
 
 import pytest
 
-import recurrent_cache
-from recurrent_cache.storage import TorchStorage
+sys.path.insert(0, str(Path(__file__).parent))  # tests/golden.py and friends, in every subject directory
+from redis_servers import RedisServer  # noqa: E402
+from variants import VARIANTS, package_on  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/golden.py and friends
-
-pytest_plugins = ["pytester"]   # tests/test_extras.py runs this conftest on tests of its own
-
-ENGINES = ("compiled", "reference")
-# The ``rc`` fixture's parameters: an engine on numpy storage, or "torch" (compiled, torch storage).
-VARIANTS = (*ENGINES, "torch")
-
-
-def torch_storage() -> TorchStorage:
-    """Torch storage on ``cpu`` that takes the index-array path a GPU takes (no host view)."""
-    return TorchStorage("cpu", host_access=False)
-
-
-def package_on(variant: str) -> types.SimpleNamespace:
-    """The package's public names, with ``RecurrentCache`` building caches on ``variant``
-    (an engine on numpy storage, or ``"torch"``: the compiled engine on torch storage)."""
-    engine = "compiled" if variant == "torch" else variant
-    storage = "torch" if variant == "torch" else "numpy"
-
-    def new_cache(*args: Any, **kwargs: Any) -> recurrent_cache.RecurrentCache:
-        kwargs.setdefault("engine", engine)
-        # the reference engine moves rows in host memory only: a test that asks for it keeps numpy
-        if storage == "torch" and kwargs["engine"] == "compiled" and not {"storage", "device"} & kwargs.keys():
-            kwargs["storage"] = torch_storage()
-        return recurrent_cache.RecurrentCache(*args, **kwargs)
-
-    names = {name: getattr(recurrent_cache, name) for name in recurrent_cache.__all__}
-    names["RecurrentCache"] = new_cache
-    names["ENGINE"] = engine
-    names["STORAGE"] = storage
-    return types.SimpleNamespace(**names)
+pytest_plugins = ["pytester"]   # tests/tooling/test_extras.py runs this conftest on tests of its own
 
 
 @pytest.fixture(params=VARIANTS, scope="module")
@@ -66,6 +36,14 @@ def rc(request):
     if request.param == "torch":
         pytest.importorskip("torch", reason="the torch variant needs torch: pip install '.[torch]'")
     return package_on(request.param)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a unix socket in the test's temporary directory (tests/redis_servers.py)."""
+    server = RedisServer(tmp_path, "--maxmemory-policy", "allkeys-lru").start()
+    yield server
+    server.stop()
 
 
 def pytest_configure(config):
@@ -99,9 +77,10 @@ def imports_torch(module: types.ModuleType | None) -> bool:
 
 # Tests that need torch where nothing in the test shows it, and why.
 NEEDS_TORCH_BY_ID = {
-    "tests/test_tooling.py::test_the_whole_package_type_checks_strictly":
+    "tests/tooling/test_types_and_lint.py::test_the_whole_package_type_checks_strictly":
         "mypy --strict reads torch's own types for the torch storage and forward",
-    "tests/test_bench_smoke.py::test_every_script_runs_quick[storage.py]": "bench/storage.py times the torch storage",
+    "tests/tooling/test_bench_smoke.py::test_every_script_runs_quick[storage.py]":
+        "bench/storage.py times the torch storage",
 }
 
 
@@ -130,13 +109,21 @@ def needs_torch(item: pytest.Item) -> bool:
 
 
 # The slowest tests (pytest --durations on 2 cores), by node id prefix: each runs the demo, a
-# subprocess build, mypy or a long state machine.
-SLOW = ("tests/test_transcripts.py::", "tests/test_prefix_cache_demo.py::", "tests/test_tooling.py::",
-        "tests/test_state_machine.py::TestCoreMatchesReference", "tests/test_prefix_cache_machine.py::",
-        "tests/test_hostile.py::test_former_crashers_raise_package_errors[huge cache sizes]",
-        "tests/test_capi.py::test_example_loop_equals_python_api", "tests/test_prepare.py::",
-        "tests/test_bench_smoke.py::", "tests/test_stores_shared.py::", "tests/test_speculative.py::test_demo_",
-        "tests/test_prefix_cache_trust.py::test_saves_racing_a_thread")
+# subprocess build, mypy, a long state machine, or a command in a real process (a second or more
+# each: the package's import alone is most of one).  The fast lane (python -m pytest) leaves them to
+# CI's second stage and to -m "".
+SLOW = ("tests/tooling/test_transcripts.py::", "tests/tooling/test_types_and_lint.py::", "tests/tooling/test_bench_",
+        "tests/core/test_compiled_matches_reference.py::TestCoreMatchesReference", "tests/core/test_prepare.py::",
+        "tests/core/test_hostile_callers.py::test_former_crashers_raise_package_errors[huge cache sizes]",
+        "tests/prefix/test_prefix_cache_machine.py::",
+        "tests/prefix/test_prefix_cache_trust.py::test_saves_racing_a_thread",
+        "tests/capi/test_capi_examples.py::", "tests/stores/test_stores_shared.py::",
+        "tests/stores/test_prefix_cache_store.py::test_another_process", "tests/models/test_speculative.py::test_demo_",
+        "tests/models/test_byte_model.py::test_held_out_bits_per_byte_recorded_and_reproduced",
+        "tests/cli/test_demo_prefix_cache.py::", "tests/cli/test_demo.py::test_command_line_entry_point",
+        "tests/cli/test_cli_output.py::", "tests/cli/test_generate.py::test_streams_in_a_real_process",
+        "tests/formats/test_atomic_write.py::", "tests/formats/test_inspect.py::test_command_line_entry_point",
+        "tests/formats/test_inspect_layers.py::test_a_recorded_hybrid_through_the_command")
 
 
 def pytest_collection_modifyitems(items):

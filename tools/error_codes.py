@@ -8,7 +8,7 @@ compiled core returns; ``_cells``, ``_split``, ``_state_io`` and ``_moves`` cimp
 ``src/recurrent_cache/capi.h`` (the C API's ``RC_*`` numbers, an installed header users include)
 and ``src/recurrent_cache/errors.py`` (the Python constants ``engine_error`` turns into exceptions).
 Each of those holds the declarations between the markers below, written from ``CODES``; edit
-the table here, then run this script (``tests/test_error_codes.py`` runs it in check mode).
+the table here, then run this script (``tests/core/test_row_mover.py`` runs it in check mode).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ between marker comments and is written by this tool::
 of one transcript run in order in one fresh temporary directory (so ``--store
 states`` of two runs is one directory), with this interpreter, stdout and stderr
 merged as a terminal shows them.  Each ``$`` line in the block is a command, the
-lines up to the next one its output; ``tests/test_transcripts.py`` reruns them
+lines up to the next one its output; ``tests/tooling/test_transcripts.py`` reruns them
 and checks that today's output still has the documented shape.
 
 ``<!-- table: bench-operations -->`` in ``docs/benchmarks.md`` is filled the same

@@ -11,7 +11,7 @@ storage dtype, computed in the model's dtype, rounded to the storage dtype
 after every token, every conversion to the storage dtype through float32
 first, as ggml's; bf16 rounds to nearest even (torch's conversion does).
 Logits and states agree with the numpy forward up to the order of
-floating-point sums in matrix products (tests/test_torch_forward.py measures it).
+floating-point sums in matrix products (tests/models/test_torch_forward.py measures it).
 
 The weights are converted to torch once per device and kept for as long as
 the model lives; on the CPU they share the model's numpy memory.
