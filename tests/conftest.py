@@ -123,7 +123,8 @@ SLOW = ("tests/tooling/test_transcripts.py::", "tests/tooling/test_types_and_lin
         "tests/cli/test_demo_prefix_cache.py::", "tests/cli/test_demo.py::test_command_line_entry_point",
         "tests/cli/test_cli_output.py::", "tests/cli/test_generate.py::test_streams_in_a_real_process",
         "tests/formats/test_atomic_write.py::", "tests/formats/test_inspect.py::test_command_line_entry_point",
-        "tests/formats/test_inspect_layers.py::test_a_recorded_hybrid_through_the_command")
+        "tests/formats/test_inspect_layers.py::test_a_recorded_hybrid_through_the_command",
+        "tests/formats/test_state_format.py::test_ml_dtypes_is_imported_by_a_bf16_cache_only")
 
 
 def pytest_collection_modifyitems(items):

@@ -207,3 +207,16 @@ def test_no_module_but_the_formats_tables_spells_out_a_layout_or_the_type_table(
         for layout in layouts:
             assert layout not in code, f"{path.name} spells the layout {layout}"
         assert not re.search(r"\b30\s*:\s*\(|\"bf16\"\s*:\s*\(\s*30", code), f"{path.name} has a type table"
+
+
+def test_ml_dtypes_is_imported_by_a_bf16_cache_only():
+    # ml_dtypes takes about a second to import: a process that never holds bf16 must not pay it
+    import subprocess
+    import sys
+    program = ("import sys, recurrent_cache as rc; c = rc.RecurrentCache(2, 4, 8, 1, dtype_s='f16'); "
+               "c.state_write(); assert 'ml_dtypes' not in sys.modules, 'f32/f16'; "
+               "rc.RecurrentCache(2, 4, 8, 1, dtype_s='bf16'); "
+               "import importlib.util; "
+               "assert ('ml_dtypes' in sys.modules) == bool(importlib.util.find_spec('ml_dtypes'))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

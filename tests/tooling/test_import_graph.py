@@ -103,3 +103,9 @@ def test_the_command_names_a_circle_and_fails(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--root", str(package)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "floor 1:\n  a  <- b" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_architecture_page_names_every_module(graph):
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    names = {module.removeprefix("recurrent_cache.") for module in graph}
+    assert sorted(name for name in names if f"`{name}`" not in page) == []
