@@ -124,13 +124,10 @@ def _framed(prefix: bytes, tokens: list[int], body: bytes) -> bytes:
     return prefix + struct.pack(f"<I{len(tokens)}i", len(tokens), *tokens) + body
 
 
-def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
-    """The package's own Mamba forward decodes the recorded batches; its state bytes, framed here by hand
-    as current llama.cpp frames them, load in llama.cpp and continue to llama.cpp's recorded logits."""
-    _same_state_versions()
+def _replayed(record, rc):
+    """A cache holding the states the package's own forward computes for ``record``'s operations."""
     from recurrent_cache.models import load_gguf
 
-    record = RECORDS["mamba"]
     model = load_gguf(ROOT / record["model_file"])
     cache = model.new_cache(n_seq_max=record["context"]["n_seq_max"], engine=rc.ENGINE)
     for op in record["ops"]:
@@ -140,6 +137,15 @@ def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
         token, pos, seq, wants = zip(*op["tokens"])
         batch = rc.Batch(token=list(token), pos=list(pos), seq_id=[[s] for s in seq], logits=[bool(w) for w in wants])
         model.forward(cache.init_batch(batch, n_ubatch=record["context"]["n_ubatch"]))
+    return cache
+
+
+def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
+    """The package's own Mamba forward decodes the recorded batches; its state bytes, framed here by hand
+    as current llama.cpp frames them, load in llama.cpp and continue to llama.cpp's recorded logits."""
+    _same_state_versions()
+    record = RECORDS["mamba"]
+    cache = _replayed(record, rc)
     out = tmp_path / "mamba"
     out.mkdir()
     for seq in record["sequences"]:
@@ -164,18 +170,8 @@ def test_files_the_package_writes_load_in_llamacpp(rc, tmp_path):
     files llama.cpp loads and continues to its recorded logits, from states the package computed."""
     _same_state_versions()
     from recurrent_cache import save_seq_file, save_session_file
-    from recurrent_cache.models import load_gguf
-
     record = RECORDS["mamba"]
-    model = load_gguf(ROOT / record["model_file"])
-    cache = model.new_cache(n_seq_max=record["context"]["n_seq_max"], engine=rc.ENGINE)
-    for op in record["ops"]:
-        if op["op"] == "seq_cp":
-            cache.seq_cp(op["src"], op["dst"], op["p0"], op["p1"])
-            continue
-        token, pos, seq, wants = zip(*op["tokens"])
-        batch = rc.Batch(token=list(token), pos=list(pos), seq_id=[[s] for s in seq], logits=[bool(w) for w in wants])
-        model.forward(cache.init_batch(batch, n_ubatch=record["context"]["n_ubatch"]))
+    cache = _replayed(record, rc)
     out = tmp_path / "mamba"
     out.mkdir()
     for seq in record["sequences"]:
