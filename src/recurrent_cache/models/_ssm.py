@@ -17,13 +17,25 @@ import numpy as np
 from ._arrays import Array
 from ._storage import StateStorage
 
-__all__ = ["causal_conv", "conv_state_after", "conv_window", "gated_rms_norm", "linear", "random_conv",
+__all__ = ["causal_conv", "conv_state_after", "conv_window", "gated_rms_norm", "linear", "product_weight", "random_conv",
            "random_dt_bias", "random_head", "rms_norm", "selective_scan", "silu", "softplus"]
+
+
+def product_weight(weight: np.ndarray) -> np.ndarray:
+    """A weight ``[out, in]`` of ``linear`` with the same values, stored as ``[in, out]`` rows (a Fortran-ordered
+    view), so that ``weight.T`` is C-contiguous.
+
+    BLAS then streams the weight once, adding ``x[k] * weight.T[k]`` into the
+    outputs, rather than taking one dot product per output row: measured at
+    130m shapes (one core), the 50,280 x 768 head 9.7 -> 6.7 ms for one row
+    and 31 -> 17 ms for 8, on numpy's OpenBLAS and torch's MKL alike.
+    """
+    return np.ascontiguousarray(weight.T).T
 
 
 def linear(x: Array, weight: Array) -> Array:
     """``x @ weight.T`` over the last axis of ``x`` [..., k], as one 2-D product (BLAS's GEMV/GEMM:
-    numpy's stacked matmul of a 3-D ``x`` does not reach BLAS)."""
+    numpy's stacked matmul of a 3-D ``x`` does not reach BLAS); fastest with ``weight`` from ``product_weight``."""
     rows = x.reshape((-1, x.shape[-1])) @ weight.T
     return rows.reshape((*x.shape[:-1], weight.shape[0]))
 
@@ -102,7 +114,9 @@ def selective_scan(xp: Any, state: Array, dt: Array, a: Array, x: Array, b: Arra
     first_step = n_tokens - 1 - m
     ys, steps = [], []
     for t in range(n_tokens):
-        h = state * xp.exp(dt[:, t] * a) + x[:, t, ..., None] * b[:, t, ..., None, :]
+        # one new array, updated in place: each pass over [n, *lead, d_state] costs (8 Mamba-2 rows: 6 MB)
+        h = state * xp.exp(dt[:, t] * a)
+        h += x[:, t, ..., None] * b[:, t, ..., None, :]
         ys.append((h @ c[:, t, ..., None])[..., 0])
         state = storage_s.round(h)
         if first_step <= t < n_tokens - 1:

@@ -60,11 +60,12 @@ class StateStorage:
         return cls(STATE_TYPES[name].numpy)
 
     def encode(self, values: Any) -> Any:
-        """``values`` as this storage holds them (a new array of the storage dtype)."""
+        """``values`` as this storage holds them: an array of the storage dtype (``values`` itself when it has
+        that dtype: a state is written to its rows right after, so a copy here would only be a second one)."""
         as_f32 = astype(self.xp, values, self.xp.float32, copy=False)
         if self.raw_bf16:
             return _bf16_bits(as_f32)
-        return astype(self.xp, as_f32, self.dtype)
+        return astype(self.xp, as_f32, self.dtype, copy=False)
 
     def decode(self, stored: Any, dtype: Any) -> Any:
         """Stored values as floats of ``dtype`` (``stored`` itself when it has that dtype: never written to)."""
