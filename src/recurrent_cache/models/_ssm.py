@@ -84,6 +84,8 @@ def conv_window(xp: Any, conv: Array, inputs: Array, storage_r: StateStorage) ->
 
 def causal_conv(xp: Any, window: Array, weight: Array, bias: Array, n_tokens: int) -> Array:
     """``silu(depthwise conv + bias)`` over ``window`` (from ``conv_window``): [n, T, channels]."""
+    if n_tokens == 1:   # decoding: the window is the one token's, a dot product per channel (one op, not 2*d_conv)
+        return silu(xp, xp.vecdot(window, weight)[:, None, :] + bias)
     summed = window[:, :, 0:n_tokens] * weight[:, 0, None]
     for k in range(1, weight.shape[1]):
         summed = summed + window[:, :, k:k + n_tokens] * weight[:, k, None]

@@ -31,6 +31,8 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
 
 def astype(xp: Any, array: Any, dtype: Any, copy: bool = True) -> Any:
     """``array`` as ``dtype`` (numpy 2.0's namespace has no ``astype`` function: the method serves)."""
+    if not copy and array.dtype == dtype:   # a state read or written in its own dtype: no library call at all
+        return array
     if xp is np:
         return array.astype(dtype, copy=copy)
     return xp.astype(array, dtype, copy=copy)
