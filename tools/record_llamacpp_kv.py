@@ -21,9 +21,12 @@ The sequences of the cells printed 'M' are taken from ``llama_state_get_data`` o
 context (its KV section lists every used cell's seq ids, in cell order; parsed by
 ``recurrent_cache.formats.kv``), and within a decode from the ubatch token that filled the cell.
 
-Writes ``DIR/placement.json`` (the schema is in ``DIR/README.md``) and the GGUF of the tiny
-attention-only model (``DIR/tiny_llama.gguf``); the hybrid is ``tests/data/llamacpp_current``'s
-``tiny_jamba.gguf``.
+A model with sliding-window layers has a second cache that no probe reaches (see
+``run_swa_steps``): its scenario is decodes only, each read at the next decode's first print.
+
+Writes ``DIR/placement.json`` (the schema is in ``DIR/README.md``) and the GGUFs of the tiny
+attention-only models (``DIR/tiny_llama.gguf``, ``DIR/tiny_granite_swa.gguf``); the hybrid is
+``tests/data/llamacpp_current``'s ``tiny_jamba.gguf``.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ KV_SIZE = 256   # llama.cpp pads n_ctx to a multiple of 256 (llama_context's con
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """A tiny Llama (attention with RoPE in every layer), seeded random f32 weights."""
+    """A tiny Llama (attention with RoPE in every layer), seeded random f32 weights; with
+    ``swa_layers`` a Granite-SWA (the same, plus attention sinks, those layers attending to the last
+    ``n_swa`` positions only: llama.cpp gives them a KV cache of their own)."""
 
     n_vocab: int = 64
     n_embd: int = 16
@@ -71,7 +76,16 @@ class LlamaShape:
     n_layer: int = 2
     rms_eps: float = 1e-5
     seed: int = 26
-    gguf_name = "tiny_llama.gguf"
+    swa_layers: tuple[int, ...] = ()     # with some: Granite's SWA architecture, these layers windowed
+    n_swa: int = 0
+
+    @property
+    def arch(self) -> str:
+        return "granite_swa" if self.swa_layers else "llama"
+
+    @property
+    def gguf_name(self) -> str:
+        return f"tiny_{self.arch}.gguf"
 
     def write_gguf(self, path: Path) -> None:
         import gguf
@@ -82,17 +96,23 @@ class LlamaShape:
             return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
 
         e, head = self.n_embd, self.n_embd // self.n_head
-        writer: Any = gguf.GGUFWriter(str(path), "llama")
-        writer.add_name("recurrent-cache-tiny-llama")
-        writer.add_uint32("llama.context_length", 4096)
-        writer.add_uint32("llama.embedding_length", e)
-        writer.add_uint32("llama.feed_forward_length", self.n_ff)
-        writer.add_uint32("llama.block_count", self.n_layer)
-        writer.add_uint32("llama.attention.head_count", self.n_head)
-        writer.add_uint32("llama.attention.head_count_kv", self.n_head_kv)
-        writer.add_float32("llama.attention.layer_norm_rms_epsilon", self.rms_eps)
-        writer.add_uint32("llama.rope.dimension_count", head)
-        writer.add_uint32("llama.vocab_size", self.n_vocab)
+        arch = self.arch
+        writer: Any = gguf.GGUFWriter(str(path), arch)
+        writer.add_name(f"recurrent-cache-tiny-{arch}")
+        writer.add_uint32(f"{arch}.context_length", 4096)
+        writer.add_uint32(f"{arch}.embedding_length", e)
+        writer.add_uint32(f"{arch}.feed_forward_length", self.n_ff)
+        writer.add_uint32(f"{arch}.block_count", self.n_layer)
+        writer.add_uint32(f"{arch}.attention.head_count", self.n_head)
+        writer.add_uint32(f"{arch}.attention.head_count_kv", self.n_head_kv)
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", self.rms_eps)
+        writer.add_uint32(f"{arch}.rope.dimension_count", head)
+        writer.add_uint32(f"{arch}.vocab_size", self.n_vocab)
+        if self.swa_layers:
+            writer.add_float32(f"{arch}.logit_scale", 1.0)
+            writer.add_uint32(f"{arch}.attention.sliding_window", self.n_swa)
+            writer.add_array(f"{arch}.attention.sliding_window_pattern",
+                             [int(il in self.swa_layers) for il in range(self.n_layer)])
         writer.add_uint32("general.file_type", 0)
         writer.add_string("tokenizer.ggml.model", "no_vocab")
         writer.add_tensor("token_embd.weight", normal(self.n_vocab, e, scale=1.0))
@@ -105,6 +125,8 @@ class LlamaShape:
             writer.add_tensor(blk + "attn_k.weight", normal(self.n_head_kv * head, e))
             writer.add_tensor(blk + "attn_v.weight", normal(self.n_head_kv * head, e))
             writer.add_tensor(blk + "attn_output.weight", normal(e, e))
+            if self.swa_layers:
+                writer.add_tensor(blk + "attn_sinks.weight", normal(self.n_head))
             writer.add_tensor(blk + "ffn_norm.weight", np.ones(e, dtype=np.float32))
             writer.add_tensor(blk + "ffn_gate.weight", normal(self.n_ff, e))
             writer.add_tensor(blk + "ffn_up.weight", normal(self.n_ff, e))
@@ -138,17 +160,20 @@ class LogTap:
         return text
 
 
-_HEADER = re.compile(r"find_slot: stream\[(\d+)\], n = *(\d+), used = *(\d+), head = *(\d+), size = *(\d+)[^\n]*")
+_HEADER = re.compile(r"find_slot: stream\[(\d+)\], n = *(\d+), used = *(\d+), head = *(\d+), size = *(\d+), "
+                     r"n_swa = *(\d+)[^\n]*")
 _MINMAX = re.compile(r"find_slot: stream\[\d+\] min\[(\d+)\] = *(-?\d+), max\[\d+\] = *(-?\d+)")
 
 
 @dataclass
 class Print:
-    """One find_slot print: the head, per cell (None or (pos, seq digit or 'M')), seq_pos min/max."""
+    """One find_slot print: the head, per cell (None or (pos, seq digit or 'M')), seq_pos min/max,
+    and the printing cache's window (0: not sliding; a model with SWA layers has a cache of each)."""
 
     head: int
     cells: list[tuple[int, str] | None]
     seq_pos: dict[int, tuple[int, int]]
+    n_swa: int = 0
 
 
 def parse_prints(text: str) -> list[Print]:
@@ -173,7 +198,7 @@ def parse_prints(text: str) -> list[Print]:
         for symbol, position in zip(symbols, positions[:size], strict=True):
             cells.append(None if symbol == "." else (int(position), symbol))
         seq_pos = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in _MINMAX.finditer(block)}
-        prints.append(Print(int(header.group(4)), cells, seq_pos))
+        prints.append(Print(int(header.group(4)), cells, seq_pos, int(header.group(6))))
     return prints
 
 
@@ -188,10 +213,18 @@ def one_per_find_slot(prints: list[Print]) -> list[Print]:
 
 
 def placed_ubatch(before: Print, after: list[Any], batch: list[list[Any]]) -> list[list[Any]]:
-    """The ubatch find_slot placed between two prints, in its order: the cells filled, in the order
-    find_slot's search visits them (from the head before, wrapping), are its tokens in order."""
+    """The ubatch find_slot placed between two prints, in its order: the cells filled (empty ones, and
+    with sliding-window attention cells whose token left the window), in the order find_slot's search
+    visits them (from the head before, wrapping), are its tokens in order."""
     size = len(after)
-    filled = [index for index in range(size) if before.cells[index] is None and after[index] is not None]
+
+    def same(printed: tuple[int, str] | None, cell: list[Any] | None) -> bool:
+        if printed is None or cell is None:
+            return printed is None and cell is None
+        return printed[0] == cell[0] and (printed[1] == "M") == (len(cell[1]) > 1) and (
+            printed[1] == "M" or cell[1] == [int(printed[1])])
+
+    filled = [index for index in range(size) if not same(before.cells[index], after[index])]
     filled.sort(key=lambda index: (index - before.head) % size)
     ubatch = []
     for index in filled:
@@ -213,6 +246,8 @@ class KvScenario:
     n_ubatch: int
     steps: tuple[dict[str, Any], ...]
     flash_attn: bool = False
+    n_swa: int = 0        # > 0: the model's SWA layers' cache is recorded (decodes only, see run_swa_scenario)
+    n_ctx: int = KV_SIZE  # with SWA the other layers' cache must hold every token: larger
 
     @property
     def probe_seq(self) -> int:
@@ -299,11 +334,28 @@ def _jamba_steps() -> tuple[dict[str, Any], ...]:
     )
 
 
+def _swa_steps() -> tuple[dict[str, Any], ...]:
+    """Two sequences past the SWA cache's 256 cells: find_slot wraps to cell 0 and reuses the cells
+    whose tokens left the window of 8."""
+    return (
+        decode(([0], 40), ([1], 20)),
+        decode(([0], 1), ([1], 1)),
+        decode(([0], 100)),
+        decode(([1], 90)),
+        decode(([0], 30), ([1], 30)),
+        decode(([0], 1), ([1], 1)),
+        decode(([0], 50)),
+    )
+
+
+SWA = LlamaShape(swa_layers=(0,), n_swa=8, seed=27)
 SCENARIOS = (
     KvScenario("llama_sequence_ops", "llama", n_seq_max=6, n_ubatch=8, steps=_llama_steps()),
-    KvScenario("llama_fill", "llama", n_seq_max=4, n_ubatch=32, steps=_fill_steps(hybrid=False)),
+    KvScenario("llama_fill", "llama", n_seq_max=4, n_ubatch=48, steps=_fill_steps(hybrid=False)),
     KvScenario("jamba_sequence_ops", "jamba", n_seq_max=5, n_ubatch=8, steps=_jamba_steps()),
-    KvScenario("jamba_fill", "jamba", n_seq_max=4, n_ubatch=32, steps=_fill_steps(hybrid=True)),
+    KvScenario("jamba_fill", "jamba", n_seq_max=4, n_ubatch=48, steps=_fill_steps(hybrid=True)),
+    KvScenario("granite_swa_window", "granite_swa", n_seq_max=3, n_ubatch=32, steps=_swa_steps(), n_swa=SWA.n_swa,
+               n_ctx=2 * KV_SIZE),
 )
 
 
@@ -314,8 +366,8 @@ class KvContext:
 
     def __init__(self, model: recorder.Model, scenario: KvScenario) -> None:
         params = lc.llama_context_default_params()
-        params.n_ctx = KV_SIZE
-        params.n_batch = KV_SIZE
+        params.n_ctx = params.n_batch = scenario.n_ctx
+        params.swa_full = False   # the SWA layers' cache as small as their window allows (KV_SIZE here)
         params.n_ubatch = scenario.n_ubatch
         params.n_seq_max = scenario.n_seq_max
         params.n_outputs_max_per_seq = 0
@@ -413,12 +465,15 @@ def _probe(ctx: KvContext, scenario: KvScenario, tap: LogTap) -> tuple[Print, li
 
 
 def run_scenario(scenario: KvScenario, data_dir: Path, tap: LogTap) -> dict[str, Any]:
-    path = (data_dir / LlamaShape.gguf_name if scenario.model == "llama"
-            else recorder.DEFAULT_DIR / recorder.HYBRIDS["jamba"].gguf_name)
+    path = {"llama": data_dir / LlamaShape().gguf_name, "granite_swa": data_dir / SWA.gguf_name,
+            "jamba": recorder.DEFAULT_DIR / recorder.HYBRIDS["jamba"].gguf_name}[scenario.model]
     model = recorder.Model(path)
     ctx = KvContext(model, scenario)
     steps: list[dict[str, Any]] = []
     try:
+        if scenario.n_swa:
+            steps = run_swa_steps(ctx, scenario, tap)
+            return _scenario_record(scenario, steps)
         if ctx.n_ctx != KV_SIZE:
             raise RuntimeError(f"llama.cpp made a context of {ctx.n_ctx} cells, not {KV_SIZE}")
         known: list[Any] = [None] * KV_SIZE
@@ -477,14 +532,66 @@ def run_scenario(scenario: KvScenario, data_dir: Path, tap: LogTap) -> dict[str,
     finally:
         ctx.close()
         model.close()
+    return _scenario_record(scenario, steps)
+
+
+def _scenario_record(scenario: KvScenario, steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"name": scenario.name, "model": scenario.model, "kv_size": KV_SIZE, "n_seq_max": scenario.n_seq_max,
-            "n_ubatch": scenario.n_ubatch, "n_swa": 0, "swa_type": "none", "unified": True,
+            "n_ubatch": scenario.n_ubatch, "n_swa": scenario.n_swa,
+            "swa_type": "standard" if scenario.n_swa else "none", "unified": True,
             "flash_attn": scenario.flash_attn, "probe_seq": scenario.probe_seq, "steps": steps}
+
+
+def _single_sequence_cells(printed: Print) -> list[Any]:
+    if any(cell is not None and cell[1] == "M" for cell in printed.cells):
+        raise RuntimeError("a cell of several sequences in a script without forks")
+    return [None if cell is None else [cell[0], [int(cell[1])]] for cell in printed.cells]
+
+
+def run_swa_steps(ctx: KvContext, scenario: KvScenario, tap: LogTap) -> list[dict[str, Any]]:
+    """The decodes of a scenario recorded in the cache of the model's SWA layers.
+
+    No probe reaches that cache (the other layers' cache, which holds every token, is prepared
+    first and refuses a batch first), so the cells after a decode are those the next decode's
+    first find_slot prints; after the last step one more decode (of the probe sequence, not a
+    step) prints them.  The scripts fork nothing: every cell holds one sequence."""
+    steps: list[dict[str, Any]] = []
+    decoded: list[tuple[dict[str, Any], list[Print]]] = []
+    decoded_pos: dict[str, list[int]] = {}   # each sequence's positions so far (decodes only: from the batches)
+    for spec in [*scenario.steps, None]:
+        batch = (batch_of(spec["parts"], decoded_pos) if spec is not None
+                 else [[1, 0, [scenario.probe_seq], True]])
+        for _, pos, seqs, _ in batch:
+            for seq in seqs:
+                decoded_pos[str(seq)] = [0, max(pos, decoded_pos.get(str(seq), [0, -1])[1])]
+        tap.take()
+        rc = ctx.decode(batch)
+        if rc != 0:
+            raise RuntimeError(f"{scenario.name}: llama_decode returned {rc} for {spec}")
+        prints = one_per_find_slot([p for p in parse_prints(tap.take()) if p.n_swa == scenario.n_swa])
+        if decoded:   # the first print of this decode: the cells after the one before it
+            step, its_prints = decoded[-1]
+            state: list[Any] = []
+            for before, after in zip(its_prints, [*its_prints[1:], prints[0]], strict=True):
+                state = _single_sequence_cells(after)
+                step["ubatches"].append(placed_ubatch(before, state, step["batch"]))
+                step["cells_per_ubatch"].append(state)
+                step["heads_per_ubatch"].append(after.head)
+            step.update(cells=state, head=prints[0].head,
+                        seq_pos={str(s): list(bounds) for s, bounds in sorted(prints[0].seq_pos.items())})
+        if spec is None:
+            break
+        step = {"op": "decode", "batch": batch, "rc": rc, "ok": True, "ubatches": [], "cells_per_ubatch": [],
+                "heads_per_ubatch": []}
+        steps.append(step)
+        decoded.append((step, prints))
+    return steps
 
 
 def record(out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    LlamaShape().write_gguf(out / LlamaShape.gguf_name)
+    for shape in (LlamaShape(), SWA):
+        shape.write_gguf(out / shape.gguf_name)
     tap = LogTap()
     version = recorder.llama_version()
     scenarios = []

@@ -49,7 +49,8 @@ def test_the_file_is_small_and_names_its_llama_cpp():
     ops = Counter(step["op"] for scenario in SCENARIOS.values() for step in scenario["steps"])
     assert set(ops) == set(OPS)   # every operation is recorded somewhere
     models = {scenario["model"] for scenario in SCENARIOS.values()}
-    assert models == {"llama", "jamba"}   # attention only, and a hybrid
+    assert models == {"llama", "jamba", "granite_swa"}   # attention only, a hybrid, sliding-window layers
+    assert any(scenario["n_swa"] for scenario in SCENARIOS.values())
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -98,14 +99,34 @@ def test_a_decodes_cells_hold_its_tokens_ubatch_by_ubatch(name, n):
     for ubatch, after, head in zip(step["ubatches"], step["cells_per_ubatch"], step["heads_per_ubatch"],
                                    strict=True):
         changed = [i for i in range(len(after)) if after[i] != cells[i]]
-        # every token went to a cell that was empty, and nothing else changed
-        assert all(cells[i] is None for i in changed)
+        # every token went to a cell that was empty (or held a token out of its sequence's window:
+        # llama.cpp's is_masked_swa, standard), and nothing else changed
+        last_pos = {}
+        for cell in cells:
+            for seq in cell[1] if cell else ():
+                last_pos[seq] = max(last_pos.get(seq, -1), cell[0])
+        n_swa = scenario["n_swa"]
+        assert all(cells[i] is None or (n_swa and len(cells[i][1]) == 1
+                                        and last_pos[cells[i][1][0]] + 1 - cells[i][0] >= n_swa) for i in changed)
         assert sorted((after[i][0], after[i][1]) for i in changed) == sorted(
             (token[1], sorted(token[2])) for token in ubatch)
         last = next(i for i in changed if after[i] == [ubatch[-1][1], sorted(ubatch[-1][2])])
         assert head == last + 1   # find_slot's head: after the last cell of the ubatch
         cells = after
     assert step["cells"] == cells and step["head"] == step["heads_per_ubatch"][-1]
+
+
+def test_the_sliding_window_cache_wraps_and_reuses_cells_out_of_the_window():
+    scenario = next(scenario for scenario in SCENARIOS.values() if scenario["n_swa"])
+    reused = wrapped = 0
+    cells = [None] * scenario["kv_size"]
+    for step in scenario["steps"]:
+        for after, head in zip(step["cells_per_ubatch"], step["heads_per_ubatch"], strict=True):
+            reused += sum(before is not None and before != now for before, now in zip(cells, after, strict=True))
+            wrapped += head < scenario["kv_size"] and any(
+                before is None and now is not None for before, now in zip(cells[head:], after[head:], strict=True))
+            cells = after
+    assert reused and wrapped
 
 
 def _expected(step, cells, head):
