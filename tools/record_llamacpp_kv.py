@@ -113,28 +113,15 @@ class LlamaShape:
             writer.add_uint32(f"{arch}.attention.sliding_window", self.n_swa)
             writer.add_array(f"{arch}.attention.sliding_window_pattern",
                              [int(il in self.swa_layers) for il in range(self.n_layer)])
-        writer.add_uint32("general.file_type", 0)
-        writer.add_string("tokenizer.ggml.model", "no_vocab")
-        writer.add_tensor("token_embd.weight", normal(self.n_vocab, e, scale=1.0))
-        writer.add_tensor("output_norm.weight", np.ones(e, dtype=np.float32))
-        writer.add_tensor("output.weight", normal(self.n_vocab, e))
+        recorder.add_vocab_and_output(writer, self.n_vocab, e, normal)
         for il in range(self.n_layer):
             blk = f"blk.{il}."
             writer.add_tensor(blk + "attn_norm.weight", np.ones(e, dtype=np.float32))
-            writer.add_tensor(blk + "attn_q.weight", normal(e, e))
-            writer.add_tensor(blk + "attn_k.weight", normal(self.n_head_kv * head, e))
-            writer.add_tensor(blk + "attn_v.weight", normal(self.n_head_kv * head, e))
-            writer.add_tensor(blk + "attn_output.weight", normal(e, e))
+            recorder.add_attention_tensors(writer, blk, e, self.n_head_kv * head, normal)
             if self.swa_layers:
                 writer.add_tensor(blk + "attn_sinks.weight", normal(self.n_head))
-            writer.add_tensor(blk + "ffn_norm.weight", np.ones(e, dtype=np.float32))
-            writer.add_tensor(blk + "ffn_gate.weight", normal(self.n_ff, e))
-            writer.add_tensor(blk + "ffn_up.weight", normal(self.n_ff, e))
-            writer.add_tensor(blk + "ffn_down.weight", normal(e, self.n_ff))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+            recorder.add_gated_ffn(writer, blk, e, self.n_ff, normal)
+        recorder.finish_gguf(writer)
 
 
 # -- the log tap ----------------------------------------------------------------------------
