@@ -96,15 +96,12 @@ def _bound(where: str, field: str, value: int, at: int, bound: int, bound_name: 
         raise kv_count_too_large(where, field, value, at, bound, bound_name)
 
 
-def _rows(reader: Any, n: int, field: str, keep: bool) -> memoryview | None:
-    """Step over ``n`` bytes of rows (charged against ``MAX_SKIPPED_BYTES``); their view when kept."""
+def _rows(reader: Any, shape: tuple[int, int], field: str, keep: bool) -> np.ndarray | None:
+    """Step over a (rows, bytes per row) block (charged against ``MAX_SKIPPED_BYTES``); a uint8
+    view of it when kept."""
+    n = shape[0] * shape[1]
     at = reader.step_over(n, field)
-    return reader.data[at:at + n] if keep else None
-
-
-def _matrix(data: memoryview | None, shape: tuple[int, int]) -> np.ndarray:
-    assert data is not None   # kept: _rows returned the view
-    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+    return np.frombuffer(reader.data[at:at + n], dtype=np.uint8).reshape(shape) if keep else None
 
 
 def _read_tensors(reader: Any, where: str, n_layer: int, cell_count: int, v_trans: bool,
@@ -112,22 +109,21 @@ def _read_tensors(reader: Any, where: str, n_layer: int, cell_count: int, v_tran
     k, v = [], []
     for il in range(n_layer):
         (type_id, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} K type and row size")
-        data = _rows(reader, cell_count * row_bytes, f"{where} layer {il} K rows", keep)
-        if keep:
-            k.append(KvTensor(type_id, row_bytes, _matrix(data, (cell_count, row_bytes))))
+        rows = _rows(reader, (cell_count, row_bytes), f"{where} layer {il} K rows", keep)
+        if rows is not None:
+            k.append(KvTensor(type_id, row_bytes, rows))
     for il in range(n_layer):
         if v_trans:
             (type_id, element_bytes, n_embd), _ = reader.unpack(
                 KV_V_TRANS_HEADER, f"{where} layer {il} V type, element size and width")
-            data = _rows(reader, n_embd * cell_count * element_bytes, f"{where} layer {il} V rows", keep)
-            if keep:
-                v.append(KvTensor(type_id, element_bytes, _matrix(data, (n_embd, cell_count * element_bytes)),
-                                  n_embd))
+            rows = _rows(reader, (n_embd, cell_count * element_bytes), f"{where} layer {il} V rows", keep)
+            if rows is not None:
+                v.append(KvTensor(type_id, element_bytes, rows, n_embd))
         else:
             (type_id, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} V type and row size")
-            data = _rows(reader, cell_count * row_bytes, f"{where} layer {il} V rows", keep)
-            if keep:
-                v.append(KvTensor(type_id, row_bytes, _matrix(data, (cell_count, row_bytes))))
+            rows = _rows(reader, (cell_count, row_bytes), f"{where} layer {il} V rows", keep)
+            if rows is not None:
+                v.append(KvTensor(type_id, row_bytes, rows))
     return tuple(k), tuple(v)
 
 
