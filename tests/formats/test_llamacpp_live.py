@@ -140,6 +140,16 @@ def _replayed(record, rc):
     return cache
 
 
+def _assert_llamacpp_continues(directory, record):
+    """llama.cpp accepts every file in ``directory``/mamba and continues each to its recorded logits."""
+    report, ok = recorder.check(directory, DATA, tolerance=1e-3)
+    results = report["scenarios"]["mamba"]
+    assert len(results) == 2 * len(record["sequences"]) + 2
+    for name, result in results.items():
+        assert result["accepted"] and result["within_tolerance"], (name, result.get("max_abs_diff"))
+    assert ok
+
+
 def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
     """The package's own Mamba forward decodes the recorded batches; its state bytes, framed here by hand
     as current llama.cpp frames them, load in llama.cpp and continue to llama.cpp's recorded logits."""
@@ -156,12 +166,7 @@ def test_states_the_package_computes_continue_in_llamacpp(rc, tmp_path):
     (out / "context.blob").write_bytes(whole)
     (out / "session.ggsn").write_bytes(_framed(struct.pack("<II", 0x6767736E, 10), record["sequences"][0]["tokens"],
                                                whole))
-    report, ok = recorder.check(tmp_path, DATA, tolerance=1e-3)
-    results = report["scenarios"]["mamba"]
-    assert len(results) == 2 * len(record["sequences"]) + 2
-    for name, result in results.items():
-        assert result["accepted"] and result["within_tolerance"], (name, result.get("max_abs_diff"))
-    assert ok
+    _assert_llamacpp_continues(tmp_path, record)
 
 
 def test_files_the_package_writes_load_in_llamacpp(rc, tmp_path):
@@ -180,9 +185,4 @@ def test_files_the_package_writes_load_in_llamacpp(rc, tmp_path):
         save_seq_file(out / f"seq{s}.ggsq", cache, s, seq["tokens"])
     (out / "context.blob").write_bytes(cache.state_write(-1, framing="llama", arch=record["arch"]))
     save_session_file(out / "session.ggsn", cache, record["sequences"][0]["tokens"], record["arch"])
-    report, ok = recorder.check(tmp_path, DATA, tolerance=1e-3)
-    results = report["scenarios"]["mamba"]
-    assert len(results) == 2 * len(record["sequences"]) + 2
-    for name, result in results.items():
-        assert result["accepted"] and result["within_tolerance"], (name, result.get("max_abs_diff"))
-    assert ok
+    _assert_llamacpp_continues(tmp_path, record)
