@@ -24,6 +24,7 @@ cdef enum:
     KV_CELL_COUNT = 8
     KV_NO_MEMORY = 9
     KV_NO_SLOT = 10           # find_slot: the ubatch fits nowhere (not an error: None in Python)
+    KV_SHIFT_RANGE = 11
 
 cdef enum:
     SWA_NONE = 0
@@ -81,7 +82,8 @@ cdef int kv_seq_cp(KvTable* t, int32_t src, int32_t dst, int32_t p0, int32_t p1)
 cdef int kv_seq_keep(KvTable* t, int32_t seq) noexcept nogil
 cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t delta, int64_t* a,
                     int64_t* b) noexcept nogil
-cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil
+cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, int64_t* a,
+                    int64_t* b) noexcept nogil
 cdef int32_t kv_seq_pos_min(const KvTable* t, int32_t seq) noexcept nogil
 cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil
 cdef bint kv_seq_has(const KvTable* t, int32_t cell, int32_t seq) noexcept nogil

@@ -12,7 +12,7 @@ the thin Python class over it, with ``kv_reference.KVCells``'s interface.
 """
 
 from libc.math cimport INFINITY
-from libc.stdint cimport INT32_MAX
+from libc.stdint cimport INT32_MAX, INT32_MIN
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memset
 
@@ -534,15 +534,27 @@ cdef int kv_seq_keep(KvTable* t, int32_t seq) noexcept nogil:
 cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t delta, int64_t* a,
                     int64_t* b) noexcept nogil:
     cdef int32_t n, k, cell, first_freed = t.size
+    cdef int code = KV_OK
     if delta == 0 or p0 == p1:
         return KV_OK
     n = collect_seq(t, seq, p0, p1)
+    # refusals name the lowest cell at fault, as a scan of the cells in order would
     for k in range(n):
         cell = t.scratch[k]
-        if <int64_t>t.pos[cell] + delta >= POS_END:
+        if <int64_t>t.pos[cell] + delta >= POS_END and (code == KV_OK or cell < a[0]):
+            code = KV_SHIFT_POSITION
             a[0] = cell
             b[0] = t.pos[cell]
-            return KV_SHIFT_POSITION
+    if code != KV_OK:
+        return code
+    for k in range(n):
+        cell = t.scratch[k]
+        if not INT32_MIN <= <int64_t>t.shift[cell] + delta <= INT32_MAX and (code == KV_OK or cell < a[0]):
+            code = KV_SHIFT_RANGE
+            a[0] = cell
+            b[0] = t.shift[cell]
+    if code != KV_OK:
+        return code
     for k in range(n):
         cell = t.scratch[k]
         t.has_shift = True
@@ -561,13 +573,24 @@ cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t del
     return KV_OK
 
 
-cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
+cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, int64_t* a,
+                    int64_t* b) noexcept nogil:
     cdef int32_t n, k, cell, moved
+    cdef int code = KV_OK
     if d < 1:
+        a[0] = d
         return KV_DIVISOR
     if d == 1 or p0 == p1:
         return KV_OK
     n = collect_seq(t, seq, p0, p1)
+    for k in range(n):
+        cell = t.scratch[k]
+        if <int64_t>t.shift[cell] + t.pos[cell] - t.pos[cell] // d > INT32_MAX and (code == KV_OK or cell < a[0]):
+            code = KV_SHIFT_RANGE
+            a[0] = cell
+            b[0] = t.shift[cell]
+    if code != KV_OK:
+        return code
     for k in range(n):
         cell = t.scratch[k]
         t.has_shift = True
@@ -807,7 +830,7 @@ cdef class KVCells:
     def n_kv(self, int pad=N_KV_PAD):
         if pad < 1:
             raise E.ArgumentError(f"pad must be >= 1, got {pad}")
-        return min(self.t.size, max(pad, -(-self.t.top // pad) * pad))
+        return min(self.t.size, max(pad, (<int64_t>self.t.top + pad - 1) // pad * pad))
 
     def check(self):
         cdef int64_t where = -1
@@ -912,9 +935,10 @@ cdef class KVCells:
     def seq_div(self, seq, p0, p1, d):
         seq = self.checked_seq(as_int32(seq, "seq_id"))
         lo, hi = self.bounds(p0, p1)
-        d = as_int32(d, "d")
-        if kv_seq_div(&self.t, seq, lo, hi, d) != KV_OK:
-            raise kv_error(CODES["DIVISOR"], d)
+        cdef int64_t a = 0, b = 0
+        code = kv_seq_div(&self.t, seq, lo, hi, as_int32(d, "d"), &a, &b)
+        if code != KV_OK:
+            raise kv_error(code, a, b)
 
     def reset_shift(self):
         kv_reset_shift(&self.t)

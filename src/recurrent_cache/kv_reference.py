@@ -41,6 +41,7 @@ CODES = {
     "SHIFT_POSITION": 7,    # a = cell, b = its position
     "CELL_COUNT": 8,        # a = cells given, b = tokens
     "NO_MEMORY": 9,
+    "SHIFT_RANGE": 11,      # a = cell, b = its pending shift
 }
 
 
@@ -62,6 +63,9 @@ def kv_error(code: int, a: int = 0, b: int = 0) -> Exception:
         return E.PositionError(f"seq_add: cell {a} at position {b} would move to 2**31 - 1 or beyond")
     if code == CODES["CELL_COUNT"]:
         return E.BatchError(f"apply: {a} cells for {b} tokens")
+    if code == CODES["SHIFT_RANGE"]:
+        return E.PositionError(f"cell {a} would pile its pending shift {b} beyond int32: rotate the keys "
+                               "(reset_shift) first")
     if code == CODES["NO_MEMORY"]:
         return MemoryError("out of memory in the KV cell table")
     return E.CoreError(f"KV cell table: unknown failure code {code}")
@@ -387,6 +391,9 @@ class KVCells:
         for i in moved:
             if self.pos[i] + delta >= POS_MAX:
                 raise kv_error(CODES["SHIFT_POSITION"], i, self.pos[i])
+        for i in moved:
+            if not -(2**31) <= self.shift[i] + delta < 2**31:
+                raise kv_error(CODES["SHIFT_RANGE"], i, self.shift[i])
         freed = []
         for i in moved:
             self.has_shift = True
@@ -406,7 +413,11 @@ class KVCells:
             raise kv_error(CODES["DIVISOR"], d)
         if d == 1 or lo == hi:
             return
-        for i in self._moved(seq, lo, hi):
+        moved = self._moved(seq, lo, hi)
+        for i in moved:
+            if self.shift[i] + self.pos[i] - self.pos[i] // d >= 2**31:
+                raise kv_error(CODES["SHIFT_RANGE"], i, self.shift[i])
+        for i in moved:
             self.has_shift = True
             new = self.pos[i] // d
             self.shift[i] += self.pos[i] - new
