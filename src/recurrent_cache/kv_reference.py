@@ -15,7 +15,6 @@ no slot (they return ``None``) — changes nothing.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +81,17 @@ def as_int32(value: Any, what: str) -> int:
     return number
 
 
+def _integers(values: Any) -> np.ndarray:
+    """Seq ids as int64 (``BatchError`` for anything but integers)."""
+    try:
+        array = np.asarray(values)
+    except OverflowError as exc:
+        raise E.BatchError(f"seq ids must fit in int64: {exc}") from None
+    if array.dtype.kind not in "iu" or array.ndim != 1:
+        raise E.BatchError(f"seq ids must be integers, got {array.dtype} of shape {array.shape}")
+    return array.astype(np.int64)
+
+
 def token_arrays(pos: Any, seq_ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A ubatch's tokens as int32 arrays: positions ``[n]``, every token's seq ids one after the
     other, and their offsets ``[n + 1]``.  ``seq_ids`` is one id per token (a 1-D integer array or
@@ -94,27 +104,27 @@ def token_arrays(pos: Any, seq_ids: Any) -> tuple[np.ndarray, np.ndarray, np.nda
     n = pos_values.size
     if len(seq_ids) != n:
         raise E.BatchError(f"{n} positions but {len(seq_ids)} seq id entries")
-    if isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 1 or all(np.ndim(ids) == 0 for ids in seq_ids):
-        lists: Sequence[Any] = [[ids] for ids in seq_ids]
+    lengths: Any
+    one_each = isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 1
+    if one_each or all(isinstance(ids, (int, np.integer)) for ids in seq_ids):
+        flat = _integers(seq_ids)                 # one seq id per token
+        lengths = np.ones(n, dtype=np.int32)
     else:
         lists = [list(ids) if np.ndim(ids) == 1 else [ids] for ids in seq_ids]
-    for token, ids in enumerate(lists):
-        if not ids:
-            raise E.BatchError(f"token {token} has no seq id")
-    try:
-        seqs = [operator.index(seq) for ids in lists for seq in ids]
-    except TypeError as exc:
-        raise E.BatchError(f"seq ids must be integers: {exc}") from None
-    for seq in seqs:
-        if not -(2**31) <= seq < 2**31:
-            raise kv_error(CODES["SEQ_RANGE"], seq, 2**31)
-    flat = np.asarray(seqs, dtype=np.int64)
+        for token, ids in enumerate(lists):
+            if not ids:
+                raise E.BatchError(f"token {token} has no seq id")
+        flat = _integers([seq for ids in lists for seq in ids])
+        lengths = [len(ids) for ids in lists]
+    outside_ids = np.flatnonzero((flat < -(2**31)) | (flat >= 2**31))
+    if outside_ids.size:
+        raise kv_error(CODES["SEQ_RANGE"], int(flat[outside_ids[0]]), 2**31)
     wide = pos_values.astype(np.int64)
     outside = np.flatnonzero((wide < 0) | (wide >= POS_MAX))
     if outside.size:
         raise kv_error(CODES["POSITION"], int(outside[0]), int(wide[outside[0]]))
     offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum([len(ids) for ids in lists], out=offsets[1:])
+    np.cumsum(lengths, out=offsets[1:])
     return wide.astype(np.int32), flat.astype(np.int32), offsets
 
 
