@@ -32,6 +32,12 @@ cdef enum:
     SWA_CHUNKED = 2
     SWA_SYMMETRIC = 3
 
+cdef struct PairNode:        # one (position, cell) pair of a sequence's treap: one cache line per visit
+    int64_t key               # pos << 32 | cell
+    int32_t left              # (the free list's link for a free node)
+    int32_t right
+    uint32_t prio
+
 cdef struct KvTable:
     int32_t size
     int32_t n_seq_max
@@ -54,10 +60,7 @@ cdef struct KvTable:
     # per sequence, its (position, cell) pairs ordered: a treap over the node pool below
     int32_t* root             # [n_seq_max] root node, -1 = the sequence holds no cell
     int32_t* count            # [n_seq_max] cells of the sequence
-    int64_t* key              # [node_cap] pos << 32 | cell
-    int32_t* left             # [node_cap] (the free list's link for a free node)
-    int32_t* right            # [node_cap]
-    uint32_t* prio            # [node_cap]
+    PairNode* nodes           # [node_cap]
     int32_t node_cap
     int32_t node_top          # nodes [0, node_top) were handed out once
     int32_t node_free         # free list head, -1 = empty

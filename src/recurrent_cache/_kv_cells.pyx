@@ -19,8 +19,8 @@ from libc.string cimport memset
 import numpy as np
 
 from . import errors as E
-from .kv_reference import (CODES, N_KV_PAD, SWA_TYPES, as_int32, cell_array, check_config, check_mask_out, kv_error,
-                           token_arrays)
+from . import kv_reference
+from .kv_reference import as_int32, cell_array, check_config, check_mask_out, kv_error, token_arrays
 
 cdef extern from "rc_bits.h":
     int rc_ctz64(uint64_t x) noexcept nogil
@@ -39,10 +39,7 @@ cdef int reserve_nodes(KvTable* t, int64_t extra) noexcept nogil:
     """Make room for ``extra`` more live nodes, so that the inserts that follow cannot fail."""
     cdef int64_t need = t.nodes_live + extra
     cdef int64_t cap = t.node_cap
-    cdef int64_t* key
-    cdef int32_t* left
-    cdef int32_t* right
-    cdef uint32_t* prio
+    cdef PairNode* nodes
     if need <= cap:
         return KV_OK
     if need >= INT32_MAX:
@@ -51,22 +48,10 @@ cdef int reserve_nodes(KvTable* t, int64_t extra) noexcept nogil:
         cap = cap * 2 if cap else 1024
     if cap >= INT32_MAX:
         cap = INT32_MAX - 1
-    key = <int64_t*>realloc(t.key, <size_t>cap * sizeof(int64_t))
-    if key == NULL:
+    nodes = <PairNode*>realloc(t.nodes, <size_t>cap * sizeof(PairNode))
+    if nodes == NULL:
         return KV_NO_MEMORY
-    t.key = key
-    left = <int32_t*>realloc(t.left, <size_t>cap * sizeof(int32_t))
-    if left == NULL:
-        return KV_NO_MEMORY
-    t.left = left
-    right = <int32_t*>realloc(t.right, <size_t>cap * sizeof(int32_t))
-    if right == NULL:
-        return KV_NO_MEMORY
-    t.right = right
-    prio = <uint32_t*>realloc(t.prio, <size_t>cap * sizeof(uint32_t))
-    if prio == NULL:
-        return KV_NO_MEMORY
-    t.prio = prio
+    t.nodes = nodes
     t.node_cap = <int32_t>cap
     return KV_OK
 
@@ -76,17 +61,17 @@ cdef int32_t new_node(KvTable* t, int64_t key) noexcept nogil:
     cdef int32_t node
     if t.node_free >= 0:
         node = t.node_free
-        t.node_free = t.left[node]
+        t.node_free = t.nodes[node].left
     else:
         node = t.node_top
         t.node_top += 1
     t.rng ^= t.rng << 13          # xorshift32: the treap's random priorities
     t.rng ^= t.rng >> 17
     t.rng ^= t.rng << 5
-    t.key[node] = key
-    t.prio[node] = t.rng
-    t.left[node] = -1
-    t.right[node] = -1
+    t.nodes[node].key = key
+    t.nodes[node].prio = t.rng
+    t.nodes[node].left = -1
+    t.nodes[node].right = -1
     t.nodes_live += 1
     return node
 
@@ -96,11 +81,11 @@ cdef void split(KvTable* t, int32_t node, int64_t key, int32_t* lower, int32_t* 
     if node < 0:
         lower[0] = -1
         upper[0] = -1
-    elif t.key[node] < key:
-        split(t, t.right[node], key, &t.right[node], upper)
+    elif t.nodes[node].key < key:
+        split(t, t.nodes[node].right, key, &t.nodes[node].right, upper)
         lower[0] = node
     else:
-        split(t, t.left[node], key, lower, &t.left[node])
+        split(t, t.nodes[node].left, key, lower, &t.nodes[node].left)
         upper[0] = node
 
 
@@ -110,10 +95,10 @@ cdef int32_t merge(KvTable* t, int32_t a, int32_t b) noexcept nogil:
         return b
     if b < 0:
         return a
-    if t.prio[a] > t.prio[b]:
-        t.right[a] = merge(t, t.right[a], b)
+    if t.nodes[a].prio > t.nodes[b].prio:
+        t.nodes[a].right = merge(t, t.nodes[a].right, b)
         return a
-    t.left[b] = merge(t, a, t.left[b])
+    t.nodes[b].left = merge(t, a, t.nodes[b].left)
     return b
 
 
@@ -132,7 +117,7 @@ cdef void pair_erase(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcep
     split(t, t.root[seq], key, &lower, &rest)
     split(t, rest, key + 1, &middle, &upper)
     if middle >= 0:                 # the one node with this key
-        t.left[middle] = t.node_free
+        t.nodes[middle].left = t.node_free
         t.node_free = middle
         t.nodes_live -= 1
         t.count[seq] -= 1
@@ -142,15 +127,15 @@ cdef void pair_erase(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcep
 cdef int32_t collect(const KvTable* t, int32_t node, int64_t lo, int64_t hi, int32_t n) noexcept nogil:
     """Append to scratch the cells of the pairs with lo <= key < hi, in key order; the new length."""
     while node >= 0:
-        if t.key[node] < lo:
-            node = t.right[node]
-        elif t.key[node] >= hi:
-            node = t.left[node]
+        if t.nodes[node].key < lo:
+            node = t.nodes[node].right
+        elif t.nodes[node].key >= hi:
+            node = t.nodes[node].left
         else:
-            n = collect(t, t.left[node], lo, hi, n)
-            t.scratch[n] = <int32_t>(t.key[node] & CELL_BITS)
+            n = collect(t, t.nodes[node].left, lo, hi, n)
+            t.scratch[n] = <int32_t>(t.nodes[node].key & CELL_BITS)
             n += 1
-            node = t.right[node]
+            node = t.nodes[node].right
     return n
 
 
@@ -291,10 +276,7 @@ cdef void kv_release(KvTable* t) noexcept nogil:
     free(t.free_bits)
     free(t.mark)
     free(t.root)
-    free(t.key)
-    free(t.left)
-    free(t.right)
-    free(t.prio)
+    free(t.nodes)
     memset(t, 0, sizeof(KvTable))
 
 
@@ -606,18 +588,18 @@ cdef int32_t kv_seq_pos_min(const KvTable* t, int32_t seq) noexcept nogil:
     cdef int32_t node = t.root[seq]
     if node < 0:
         return -1
-    while t.left[node] >= 0:
-        node = t.left[node]
-    return <int32_t>(t.key[node] >> 32)
+    while t.nodes[node].left >= 0:
+        node = t.nodes[node].left
+    return <int32_t>(t.nodes[node].key >> 32)
 
 
 cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil:
     cdef int32_t node = t.root[seq]
     if node < 0:
         return -1
-    while t.right[node] >= 0:
-        node = t.right[node]
-    return <int32_t>(t.key[node] >> 32)
+    while t.nodes[node].right >= 0:
+        node = t.nodes[node].right
+    return <int32_t>(t.nodes[node].key >> 32)
 
 
 cdef void kv_reset_shift(KvTable* t) noexcept nogil:
@@ -685,22 +667,22 @@ cdef int check_tree(const KvTable* t, int32_t seq, int32_t node, int64_t* last, 
     cdef int32_t cell, child
     if node < 0:
         return 0
-    child = t.left[node]
-    if child >= 0 and t.prio[child] > t.prio[node]:
+    child = t.nodes[node].left
+    if child >= 0 and t.nodes[child].prio > t.nodes[node].prio:
         return 1
-    child = t.right[node]
-    if child >= 0 and t.prio[child] > t.prio[node]:
+    child = t.nodes[node].right
+    if child >= 0 and t.nodes[child].prio > t.nodes[node].prio:
         return 1
-    if check_tree(t, seq, t.left[node], last, n):
+    if check_tree(t, seq, t.nodes[node].left, last, n):
         return 1
-    if t.key[node] <= last[0]:
+    if t.nodes[node].key <= last[0]:
         return 1
-    last[0] = t.key[node]
+    last[0] = t.nodes[node].key
     n[0] += 1
-    cell = <int32_t>(t.key[node] & CELL_BITS)
-    if cell < 0 or cell >= t.size or t.pos[cell] != <int32_t>(t.key[node] >> 32) or not kv_seq_has(t, cell, seq):
+    cell = <int32_t>(t.nodes[node].key & CELL_BITS)
+    if cell < 0 or cell >= t.size or t.pos[cell] != <int32_t>(t.nodes[node].key >> 32) or not kv_seq_has(t, cell, seq):
         return 1
-    return check_tree(t, seq, t.right[node], last, n)
+    return check_tree(t, seq, t.nodes[node].right, last, n)
 
 
 cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
@@ -768,7 +750,7 @@ cdef class KVCells:
 
     def __cinit__(self, size, n_seq_max=1, n_swa=0, swa_type="none"):
         check_config(size, n_seq_max, n_swa, swa_type)
-        if kv_init(&self.t, size, n_seq_max, n_swa, SWA_TYPES.index(swa_type)) != KV_OK:
+        if kv_init(&self.t, size, n_seq_max, n_swa, kv_reference.SWA_TYPES.index(swa_type)) != KV_OK:
             raise MemoryError(f"out of memory for {size} KV cells")
         self.swa_type = swa_type
 
@@ -805,7 +787,7 @@ cdef class KVCells:
 
     def cell(self, Py_ssize_t i):
         if not 0 <= i < self.t.size:
-            raise kv_error(CODES["CELL_INDEX"], i, self.t.size)
+            raise kv_error(kv_reference.CODES["CELL_INDEX"], i, self.t.size)
         if self.t.pos[i] < 0:
             return None
         return self.t.pos[i], tuple(s for s in range(self.t.n_seq_max) if kv_seq_has(&self.t, <int32_t>i, s))
@@ -818,7 +800,7 @@ cdef class KVCells:
 
     cdef int32_t checked_seq(self, seq) except -2:
         if not 0 <= seq < self.t.n_seq_max:
-            raise kv_error(CODES["SEQ_RANGE"], seq, self.t.n_seq_max)
+            raise kv_error(kv_reference.CODES["SEQ_RANGE"], seq, self.t.n_seq_max)
         return seq
 
     def seq_pos_min(self, seq):
@@ -827,7 +809,7 @@ cdef class KVCells:
     def seq_pos_max(self, seq):
         return kv_seq_pos_max(&self.t, self.checked_seq(seq))
 
-    def n_kv(self, int pad=N_KV_PAD):
+    def n_kv(self, int pad=kv_reference.N_KV_PAD):
         if pad < 1:
             raise E.ArgumentError(f"pad must be >= 1, got {pad}")
         return min(self.t.size, max(pad, (<int64_t>self.t.top + pad - 1) // pad * pad))
@@ -919,7 +901,7 @@ cdef class KVCells:
         dst = self.checked_seq(as_int32(dst, "seq_id"))
         lo, hi = self.bounds(p0, p1)
         if kv_seq_cp(&self.t, src, dst, lo, hi) != KV_OK:
-            raise kv_error(CODES["NO_MEMORY"])
+            raise kv_error(kv_reference.CODES["NO_MEMORY"])
 
     def seq_keep(self, seq):
         kv_seq_keep(&self.t, self.checked_seq(as_int32(seq, "seq_id")))
