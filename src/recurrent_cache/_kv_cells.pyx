@@ -211,8 +211,9 @@ cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     return False
 
 
-cdef void unlist_cell(KvTable* t, int32_t cell) noexcept nogil:
-    """Take the cell's pairs out of its sequences' trees (before its position changes or it empties)."""
+cdef void list_cell(KvTable* t, int32_t cell, bint listed) noexcept nogil:
+    """Put the cell's pairs into its sequences' trees (``listed``) or take them out (before its
+    position changes or it empties)."""
     cdef int32_t w, s
     cdef uint64_t word
     for w in range(t.seq_words):
@@ -220,23 +221,15 @@ cdef void unlist_cell(KvTable* t, int32_t cell) noexcept nogil:
         while word:
             s = w * 64 + rc_ctz64(word)
             word &= word - 1
-            pair_erase(t, s, t.pos[cell], cell)
-
-
-cdef void relist_cell(KvTable* t, int32_t cell) noexcept nogil:
-    cdef int32_t w, s
-    cdef uint64_t word
-    for w in range(t.seq_words):
-        word = t.seq_bits[<int64_t>cell * t.seq_words + w]
-        while word:
-            s = w * 64 + rc_ctz64(word)
-            word &= word - 1
-            pair_insert(t, s, t.pos[cell], cell)
+            if listed:
+                pair_insert(t, s, t.pos[cell], cell)
+            else:
+                pair_erase(t, s, t.pos[cell], cell)
 
 
 cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
     """Every sequence leaves a used cell."""
-    unlist_cell(t, cell)
+    list_cell(t, cell, False)
     memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
     t.n_seq[cell] = 0
     empty_cell(t, cell)
@@ -499,7 +492,7 @@ cdef int kv_seq_keep(KvTable* t, int32_t seq) noexcept nogil:
             continue
         if kv_seq_has(t, cell, seq):
             if t.n_seq[cell] > 1:
-                unlist_cell(t, cell)
+                list_cell(t, cell, False)
                 memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
                 t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] = <uint64_t>1 << (seq & 63)
                 t.n_seq[cell] = 1
@@ -540,7 +533,7 @@ cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t del
     for k in range(n):
         cell = t.scratch[k]
         t.has_shift = True
-        unlist_cell(t, cell)
+        list_cell(t, cell, False)
         t.pos[cell] += delta
         t.shift[cell] += delta
         if t.pos[cell] < 0:
@@ -550,7 +543,7 @@ cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t del
             if cell < first_freed:
                 first_freed = cell
         else:
-            relist_cell(t, cell)
+            list_cell(t, cell, True)
     t.head = first_freed if first_freed < t.size else 0
     return KV_OK
 
@@ -576,11 +569,11 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
     for k in range(n):
         cell = t.scratch[k]
         t.has_shift = True
-        unlist_cell(t, cell)
+        list_cell(t, cell, False)
         moved = t.pos[cell] // d
         t.shift[cell] += t.pos[cell] - moved
         t.pos[cell] = moved
-        relist_cell(t, cell)
+        list_cell(t, cell, True)
     return KV_OK
 
 

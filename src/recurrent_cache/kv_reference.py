@@ -44,30 +44,26 @@ CODES = {
 }
 
 
+_MESSAGES: dict[int, tuple[type[Exception], str]] = {
+    CODES["SEQ_RANGE"]: (E.SeqIdError, "seq_id {a} is out of range [0, {b}) (n_seq_max = {b})"),
+    CODES["POSITION"]: (E.PositionError, "token {a} has position {b}: positions lie in [0, 2**31 - 1)"),
+    CODES["DUPLICATE_SEQ"]: (E.BatchError, "token {a} lists seq_id {b} twice"),
+    CODES["CELL_INDEX"]: (E.OutOfRangeError, "cell index {a} is out of range [0, {b})"),
+    CODES["CELL_TAKEN"]: (E.ArgumentError, "cell {a} cannot take a token: it is listed twice or holds several "
+                                           "sequences"),
+    CODES["DIVISOR"]: (E.ArgumentError, "seq_div: d must be >= 1, got {a}"),
+    CODES["SHIFT_POSITION"]: (E.PositionError, "seq_add: cell {a} at position {b} would move to 2**31 - 1 or beyond"),
+    CODES["CELL_COUNT"]: (E.BatchError, "apply: {a} cells for {b} tokens"),
+    CODES["NO_MEMORY"]: (MemoryError, "out of memory in the KV cell table"),
+    CODES["SHIFT_RANGE"]: (E.PositionError, "cell {a} would pile its pending shift {b} beyond int32: rotate the "
+                                            "keys (reset_shift) first"),
+}
+
+
 def kv_error(code: int, a: int = 0, b: int = 0) -> Exception:
     """The exception for a failure code of either table (the one wording of each)."""
-    if code == CODES["SEQ_RANGE"]:
-        return E.SeqIdError(f"seq_id {a} is out of range [0, {b}) (n_seq_max = {b})")
-    if code == CODES["POSITION"]:
-        return E.PositionError(f"token {a} has position {b}: positions lie in [0, 2**31 - 1)")
-    if code == CODES["DUPLICATE_SEQ"]:
-        return E.BatchError(f"token {a} lists seq_id {b} twice")
-    if code == CODES["CELL_INDEX"]:
-        return E.OutOfRangeError(f"cell index {a} is out of range [0, {b})")
-    if code == CODES["CELL_TAKEN"]:
-        return E.ArgumentError(f"cell {a} cannot take a token: it is listed twice or holds several sequences")
-    if code == CODES["DIVISOR"]:
-        return E.ArgumentError(f"seq_div: d must be >= 1, got {a}")
-    if code == CODES["SHIFT_POSITION"]:
-        return E.PositionError(f"seq_add: cell {a} at position {b} would move to 2**31 - 1 or beyond")
-    if code == CODES["CELL_COUNT"]:
-        return E.BatchError(f"apply: {a} cells for {b} tokens")
-    if code == CODES["SHIFT_RANGE"]:
-        return E.PositionError(f"cell {a} would pile its pending shift {b} beyond int32: rotate the keys "
-                               "(reset_shift) first")
-    if code == CODES["NO_MEMORY"]:
-        return MemoryError("out of memory in the KV cell table")
-    return E.CoreError(f"KV cell table: unknown failure code {code}")
+    kind, message = _MESSAGES.get(code, (E.CoreError, "KV cell table: unknown failure code {code}"))
+    return kind(message.format(a=a, b=b, code=code))
 
 
 def as_int32(value: Any, what: str) -> int:
