@@ -792,6 +792,7 @@ cdef class KVCells:
         return np.asarray(<int32_t[:self.t.size]>self.t.shift).copy()
 
     cdef int32_t checked_seq(self, seq) except -2:
+        seq = as_int32(seq, "seq_id")
         if not 0 <= seq < self.t.n_seq_max:
             raise kv_error(kv_reference.CODES["SEQ_RANGE"], seq, self.t.n_seq_max)
         return seq
@@ -838,8 +839,12 @@ cdef class KVCells:
         cdef int32_t n = <int32_t>pos.shape[0]
         cdef int64_t a = 0, b = 0
         cdef int code
+        cdef int32_t token
         if n < 1 or offsets.shape[0] != n + 1 or offsets[0] != 0 or offsets[n] != flat.shape[0]:
             raise E.BatchError("place_arrays: offsets must be [n + 1], from 0 to len(flat), for n >= 1 tokens")
+        for token in range(n):    # every token lists at least one seq id, and no read leaves flat
+            if offsets[token + 1] <= offsets[token]:
+                raise E.BatchError(f"place_arrays: token {token} has no seq id (offsets must grow strictly)")
         slot = np.empty(n, dtype=np.int32)
         cdef int32_t[::1] slot_view = slot
         with nogil:

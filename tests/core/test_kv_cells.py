@@ -169,6 +169,7 @@ BAD_CALLS = [
     ("seq_add", (0, 0, -1, 2**31), E.ArgumentError, "delta"),
     ("seq_div", (0, 0, -1, 0), E.ArgumentError, "d must be >= 1, got 0"),
     ("seq_pos_max", (3,), E.SeqIdError, "seq_id 3"),
+    ("seq_pos_min", (1.5,), E.ArgumentError, "seq_id must be an integer"),
     ("cell", (8,), E.OutOfRangeError, "cell index 8"),
 ]
 
@@ -192,3 +193,14 @@ def test_a_bad_argument_is_refused_by_name_with_nothing_changed(table_class, nam
 def test_a_table_llamacpp_could_not_hold_is_refused(table_class, size, n_seq_max, n_swa, swa_type):
     with pytest.raises(E.ConfigError):
         table_class(size, n_seq_max, n_swa, swa_type)
+
+
+@pytest.mark.parametrize(("flat", "offsets"), [([0, 1], [0, 2, 1, 2]), ([0, 1], [0, 0, 1, 2]), ([0], [0, 1, 1, 1]),
+                                               ([0, 1, 1], [0, 1, 2, 2]), ([0, 1, 0], [0, 1, 2])])
+def test_place_arrays_refuses_offsets_that_would_read_outside_the_ids(flat, offsets):
+    """Every token needs an id and no read may leave ``flat``: the compiled table reads them in C."""
+    table = CompiledCells(8, 2)
+    before = snapshot(table)
+    with pytest.raises(E.BatchError):
+        table.place_arrays(np.zeros(3, np.int32), np.asarray(flat, np.int32), np.asarray(offsets, np.int32))
+    assert snapshot(table) == before
