@@ -36,6 +36,7 @@ cdef struct PairNode:        # one (position, cell) pair of a sequence's treap: 
     int64_t key               # pos << 32 | cell
     int32_t left              # (the free list's link for a free node)
     int32_t right
+    int32_t parent            # -1 at the root
     uint32_t prio
 
 cdef struct KvTable:
@@ -60,6 +61,8 @@ cdef struct KvTable:
     # per sequence, its (position, cell) pairs ordered: a treap over the node pool below
     int32_t* root             # [n_seq_max] root node, -1 = the sequence holds no cell
     int32_t* count            # [n_seq_max] cells of the sequence
+    int32_t* lowest           # [n_seq_max] the node of the smallest pair, -1 = none
+    int32_t* highest          # [n_seq_max] the node of the largest pair, -1 = none
     PairNode* nodes           # [node_cap]
     int32_t node_cap
     int32_t node_top          # nodes [0, node_top) were handed out once

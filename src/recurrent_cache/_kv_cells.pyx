@@ -72,56 +72,121 @@ cdef int32_t new_node(KvTable* t, int64_t key) noexcept nogil:
     t.nodes[node].prio = t.rng
     t.nodes[node].left = -1
     t.nodes[node].right = -1
+    t.nodes[node].parent = -1
     t.nodes_live += 1
     return node
 
 
-cdef void split(KvTable* t, int32_t node, int64_t key, int32_t* lower, int32_t* upper) noexcept nogil:
-    """Split a tree into the keys < key and the keys >= key."""
-    if node < 0:
-        lower[0] = -1
-        upper[0] = -1
-    elif t.nodes[node].key < key:
-        split(t, t.nodes[node].right, key, &t.nodes[node].right, upper)
-        lower[0] = node
+cdef inline void set_child(KvTable* t, int32_t seq, int32_t parent, int32_t old, int32_t new) noexcept nogil:
+    """``new`` takes ``old``'s place under ``parent`` (as the root when parent is -1)."""
+    if parent < 0:
+        t.root[seq] = new
+    elif t.nodes[parent].left == old:
+        t.nodes[parent].left = new
     else:
-        split(t, t.nodes[node].left, key, lower, &t.nodes[node].left)
-        upper[0] = node
+        t.nodes[parent].right = new
+    if new >= 0:
+        t.nodes[new].parent = parent
 
 
-cdef int32_t merge(KvTable* t, int32_t a, int32_t b) noexcept nogil:
-    """Join two trees, every key of ``a`` below every key of ``b``."""
-    if a < 0:
-        return b
-    if b < 0:
-        return a
-    if t.nodes[a].prio > t.nodes[b].prio:
-        t.nodes[a].right = merge(t, t.nodes[a].right, b)
-        return a
-    t.nodes[b].left = merge(t, a, t.nodes[b].left)
-    return b
+cdef void rotate_up(KvTable* t, int32_t seq, int32_t x) noexcept nogil:
+    """``x`` takes its parent's place, the parent becomes its child (the key order stays)."""
+    cdef int32_t p = t.nodes[x].parent
+    cdef int32_t moved
+    if t.nodes[p].left == x:
+        moved = t.nodes[x].right
+        t.nodes[p].left = moved
+        t.nodes[x].right = p
+    else:
+        moved = t.nodes[x].left
+        t.nodes[p].right = moved
+        t.nodes[x].left = p
+    if moved >= 0:
+        t.nodes[moved].parent = p
+    set_child(t, seq, t.nodes[p].parent, p, x)
+    t.nodes[p].parent = x
 
 
 cdef void pair_insert(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcept nogil:
+    """Add the pair as a leaf, then rotate it up to its priority's place.  A pair past either end —
+    what decoding adds — hangs under that end's node: expected O(1), the tree's height not walked."""
     cdef int64_t key = pair_key(pos, cell)
     cdef int32_t node = new_node(t, key)
-    cdef int32_t lower, upper
-    split(t, t.root[seq], key, &lower, &upper)
-    t.root[seq] = merge(t, merge(t, lower, node), upper)
+    cdef int32_t parent = t.highest[seq]
     t.count[seq] += 1
+    if parent < 0:
+        t.root[seq] = node
+        t.lowest[seq] = node
+        t.highest[seq] = node
+        return
+    if key > t.nodes[parent].key:
+        t.nodes[parent].right = node
+        t.highest[seq] = node
+    elif key < t.nodes[t.lowest[seq]].key:
+        parent = t.lowest[seq]
+        t.nodes[parent].left = node
+        t.lowest[seq] = node
+    else:
+        parent = t.root[seq]
+        while True:
+            if key < t.nodes[parent].key:
+                if t.nodes[parent].left < 0:
+                    t.nodes[parent].left = node
+                    break
+                parent = t.nodes[parent].left
+            else:
+                if t.nodes[parent].right < 0:
+                    t.nodes[parent].right = node
+                    break
+                parent = t.nodes[parent].right
+    t.nodes[node].parent = parent
+    while t.nodes[node].parent >= 0 and t.nodes[node].prio > t.nodes[t.nodes[node].parent].prio:
+        rotate_up(t, seq, node)
 
 
 cdef void pair_erase(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcept nogil:
+    """Rotate the pair's node down until it has at most one child, then splice it out."""
     cdef int64_t key = pair_key(pos, cell)
-    cdef int32_t lower, middle, upper, rest
-    split(t, t.root[seq], key, &lower, &rest)
-    split(t, rest, key + 1, &middle, &upper)
-    if middle >= 0:                 # the one node with this key
-        t.nodes[middle].left = t.node_free
-        t.node_free = middle
-        t.nodes_live -= 1
-        t.count[seq] -= 1
-    t.root[seq] = merge(t, lower, upper)
+    cdef int32_t node, child, end
+    if t.root[seq] < 0:
+        return
+    if key == t.nodes[t.highest[seq]].key:
+        node = t.highest[seq]
+    elif key == t.nodes[t.lowest[seq]].key:
+        node = t.lowest[seq]
+    else:
+        node = t.root[seq]
+        while node >= 0 and t.nodes[node].key != key:
+            node = t.nodes[node].left if key < t.nodes[node].key else t.nodes[node].right
+        if node < 0:
+            return
+    while t.nodes[node].left >= 0 and t.nodes[node].right >= 0:
+        child = t.nodes[node].left
+        if t.nodes[t.nodes[node].right].prio > t.nodes[child].prio:
+            child = t.nodes[node].right
+        rotate_up(t, seq, child)
+    child = t.nodes[node].left if t.nodes[node].left >= 0 else t.nodes[node].right
+    if node == t.highest[seq]:       # the new largest: the last of its left subtree, else its parent
+        end = child
+        if end >= 0:
+            while t.nodes[end].right >= 0:
+                end = t.nodes[end].right
+        else:
+            end = t.nodes[node].parent
+        t.highest[seq] = end
+    if node == t.lowest[seq]:        # the new smallest: the first of its right subtree, else its parent
+        end = child
+        if end >= 0:
+            while t.nodes[end].left >= 0:
+                end = t.nodes[end].left
+        else:
+            end = t.nodes[node].parent
+        t.lowest[seq] = end
+    set_child(t, seq, t.nodes[node].parent, node, child)
+    t.nodes[node].left = t.node_free
+    t.node_free = node
+    t.nodes_live -= 1
+    t.count[seq] -= 1
 
 
 cdef int32_t collect(const KvTable* t, int32_t node, int64_t lo, int64_t hi, int32_t n) noexcept nogil:
@@ -249,7 +314,7 @@ cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int
     t.seq_bits = <uint64_t*>malloc(<size_t>size * <size_t>t.seq_words * sizeof(uint64_t))
     t.free_bits = <uint64_t*>malloc(<size_t>t.free_words * sizeof(uint64_t))
     t.mark = <uint8_t*>malloc(<size_t>size)
-    t.root = <int32_t*>malloc(<size_t>3 * <size_t>n_seq_max * sizeof(int32_t))
+    t.root = <int32_t*>malloc(<size_t>5 * <size_t>n_seq_max * sizeof(int32_t))
     if t.pos == NULL or t.seq_bits == NULL or t.free_bits == NULL or t.mark == NULL or t.root == NULL:
         kv_release(t)
         return KV_NO_MEMORY
@@ -258,6 +323,8 @@ cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int
     t.scratch = t.pos + 3 * size
     t.count = t.root + n_seq_max
     t.max_rm = t.root + 2 * n_seq_max
+    t.lowest = t.root + 3 * n_seq_max
+    t.highest = t.root + 4 * n_seq_max
     memset(t.mark, 0, <size_t>size)
     kv_clear(t)
     return KV_OK
@@ -283,6 +350,8 @@ cdef void kv_clear(KvTable* t) noexcept nogil:
         t.free_bits[t.free_words - 1] = (<uint64_t>1 << (t.size & 63)) - 1
     for i in range(t.n_seq_max):
         t.root[i] = -1
+        t.lowest[i] = -1
+        t.highest[i] = -1
         t.count[i] = 0
     t.head = 0
     t.used = 0
@@ -578,21 +647,11 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
 
 
 cdef int32_t kv_seq_pos_min(const KvTable* t, int32_t seq) noexcept nogil:
-    cdef int32_t node = t.root[seq]
-    if node < 0:
-        return -1
-    while t.nodes[node].left >= 0:
-        node = t.nodes[node].left
-    return <int32_t>(t.nodes[node].key >> 32)
+    return -1 if t.lowest[seq] < 0 else <int32_t>(t.nodes[t.lowest[seq]].key >> 32)
 
 
 cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil:
-    cdef int32_t node = t.root[seq]
-    if node < 0:
-        return -1
-    while t.nodes[node].right >= 0:
-        node = t.nodes[node].right
-    return <int32_t>(t.nodes[node].key >> 32)
+    return -1 if t.highest[seq] < 0 else <int32_t>(t.nodes[t.highest[seq]].key >> 32)
 
 
 cdef void kv_reset_shift(KvTable* t) noexcept nogil:
@@ -661,10 +720,10 @@ cdef int check_tree(const KvTable* t, int32_t seq, int32_t node, int64_t* last, 
     if node < 0:
         return 0
     child = t.nodes[node].left
-    if child >= 0 and t.nodes[child].prio > t.nodes[node].prio:
+    if child >= 0 and (t.nodes[child].prio > t.nodes[node].prio or t.nodes[child].parent != node):
         return 1
     child = t.nodes[node].right
-    if child >= 0 and t.nodes[child].prio > t.nodes[node].prio:
+    if child >= 0 and (t.nodes[child].prio > t.nodes[node].prio or t.nodes[child].parent != node):
         return 1
     if check_tree(t, seq, t.nodes[node].left, last, n):
         return 1
@@ -676,6 +735,18 @@ cdef int check_tree(const KvTable* t, int32_t seq, int32_t node, int64_t* last, 
     if cell < 0 or cell >= t.size or t.pos[cell] != <int32_t>(t.nodes[node].key >> 32) or not kv_seq_has(t, cell, seq):
         return 1
     return check_tree(t, seq, t.nodes[node].right, last, n)
+
+
+cdef bint ends_agree(const KvTable* t, int32_t seq, int64_t last) noexcept nogil:
+    """The root has no parent; lowest / highest are the tree's first and last nodes."""
+    cdef int32_t node = t.root[seq]
+    if node < 0:
+        return t.lowest[seq] < 0 and t.highest[seq] < 0
+    if t.nodes[node].parent != -1 or t.highest[seq] < 0 or t.nodes[t.highest[seq]].key != last:
+        return False
+    while t.nodes[node].left >= 0:
+        node = t.nodes[node].left
+    return node == t.lowest[seq]
 
 
 cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
@@ -715,6 +786,8 @@ cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
         last = -1
         n = 0
         if check_tree(t, s, t.root[s], &last, &n) or n != t.count[s]:
+            return KV_CHECK_TREE
+        if not ends_agree(t, s, last):
             return KV_CHECK_TREE
         members -= n
     where[0] = -1
