@@ -144,10 +144,20 @@ cdef void pair_insert(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexce
         rotate_up(t, seq, node)
 
 
+cdef int32_t next_end(const KvTable* t, int32_t node, int32_t child, bint largest) noexcept nogil:
+    """The tree's new last (``largest``) or first node once ``node``, that end with at most the one
+    ``child``, leaves: the extreme of the child's subtree, else the node's parent."""
+    if child < 0:
+        return t.nodes[node].parent
+    while (t.nodes[child].right if largest else t.nodes[child].left) >= 0:
+        child = t.nodes[child].right if largest else t.nodes[child].left
+    return child
+
+
 cdef void pair_erase(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcept nogil:
     """Rotate the pair's node down until it has at most one child, then splice it out."""
     cdef int64_t key = pair_key(pos, cell)
-    cdef int32_t node, child, end
+    cdef int32_t node, child
     if t.root[seq] < 0:
         return
     if key == t.nodes[t.highest[seq]].key:
@@ -166,22 +176,10 @@ cdef void pair_erase(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcep
             child = t.nodes[node].right
         rotate_up(t, seq, child)
     child = t.nodes[node].left if t.nodes[node].left >= 0 else t.nodes[node].right
-    if node == t.highest[seq]:       # the new largest: the last of its left subtree, else its parent
-        end = child
-        if end >= 0:
-            while t.nodes[end].right >= 0:
-                end = t.nodes[end].right
-        else:
-            end = t.nodes[node].parent
-        t.highest[seq] = end
-    if node == t.lowest[seq]:        # the new smallest: the first of its right subtree, else its parent
-        end = child
-        if end >= 0:
-            while t.nodes[end].left >= 0:
-                end = t.nodes[end].left
-        else:
-            end = t.nodes[node].parent
-        t.lowest[seq] = end
+    if node == t.highest[seq]:
+        t.highest[seq] = next_end(t, node, child, True)
+    if node == t.lowest[seq]:
+        t.lowest[seq] = next_end(t, node, child, False)
     set_child(t, seq, t.nodes[node].parent, node, child)
     t.nodes[node].left = t.node_free
     t.node_free = node
@@ -575,6 +573,31 @@ cdef int kv_seq_keep(KvTable* t, int32_t seq) noexcept nogil:
     return KV_OK
 
 
+cdef int refused_move(const KvTable* t, int32_t n, int32_t delta, int32_t d, int64_t* a,
+                      int64_t* b) noexcept nogil:
+    """Whether moving the cells scratch[:n] by ``delta`` (``d == 0``) or dividing their positions by
+    ``d`` is refused: a position reaching 2**31 - 1, then a pending shift leaving int32.  Names the
+    lowest cell at fault, as a scan of the cells in index order would."""
+    cdef int32_t k, cell, check
+    cdef int64_t moved, shift
+    cdef bint fault
+    cdef int code = KV_OK
+    for check in range(2):
+        for k in range(n):
+            cell = t.scratch[k]
+            moved = <int64_t>t.pos[cell] + delta if d == 0 else t.pos[cell] // d
+            # llama.cpp adds delta to an added cell's shift, and old - new to a divided one's
+            shift = t.shift[cell] + (delta if d == 0 else t.pos[cell] - moved)
+            fault = moved >= POS_END if check == 0 else not INT32_MIN <= shift <= INT32_MAX
+            if fault and (code == KV_OK or cell < a[0]):
+                code = KV_SHIFT_POSITION if check == 0 else KV_SHIFT_RANGE
+                a[0] = cell
+                b[0] = t.pos[cell] if check == 0 else t.shift[cell]
+        if code != KV_OK:
+            return code
+    return KV_OK
+
+
 cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t delta, int64_t* a,
                     int64_t* b) noexcept nogil:
     cdef int32_t n, k, cell, first_freed = t.size
@@ -582,21 +605,7 @@ cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t del
     if delta == 0 or p0 == p1:
         return KV_OK
     n = collect_seq(t, seq, p0, p1)
-    # refusals name the lowest cell at fault, as a scan of the cells in order would
-    for k in range(n):
-        cell = t.scratch[k]
-        if <int64_t>t.pos[cell] + delta >= POS_END and (code == KV_OK or cell < a[0]):
-            code = KV_SHIFT_POSITION
-            a[0] = cell
-            b[0] = t.pos[cell]
-    if code != KV_OK:
-        return code
-    for k in range(n):
-        cell = t.scratch[k]
-        if not INT32_MIN <= <int64_t>t.shift[cell] + delta <= INT32_MAX and (code == KV_OK or cell < a[0]):
-            code = KV_SHIFT_RANGE
-            a[0] = cell
-            b[0] = t.shift[cell]
+    code = refused_move(t, n, delta, 0, a, b)
     if code != KV_OK:
         return code
     for k in range(n):
@@ -627,12 +636,7 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
     if d == 1 or p0 == p1:
         return KV_OK
     n = collect_seq(t, seq, p0, p1)
-    for k in range(n):
-        cell = t.scratch[k]
-        if <int64_t>t.shift[cell] + t.pos[cell] - t.pos[cell] // d > INT32_MAX and (code == KV_OK or cell < a[0]):
-            code = KV_SHIFT_RANGE
-            a[0] = cell
-            b[0] = t.shift[cell]
+    code = refused_move(t, n, 0, d, a, b)
     if code != KV_OK:
         return code
     for k in range(n):
