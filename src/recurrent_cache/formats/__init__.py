@@ -7,6 +7,8 @@
 - ``messages``: the wording of every blob defect, and the blob error codes' exceptions;
 - ``geometry``: ``Geometry``, the one shape of a cache's state;
 - ``blob``: a memory section parsed (``parse_blob``) and the header builders;
+- ``kv``: a hybrid's attention KV section as data (``parse_kv_section``, ``compose_kv_section``),
+  the one reader the framings step over it with;
 - ``streams``: binary files and buffers (``FileReader``, ``write_all``, ``target_view``);
 - ``framings``: the framings around a memory section found from the bytes (``read_framing``);
 - ``files``: a state read whole from a file (``read_file``, ``read_rest``).

@@ -19,16 +19,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, StateError
-from .blob import MemoryReader, blob_view, charge_skip, parse_any_filter, parse_section
+from .blob import MemoryReader, blob_view, parse_any_filter, parse_section
 from .geometry import Geometry
-from .layouts import (ARCH_CHARS, ARCH_LENGTH, BARE, CELL, CELL_COUNT, CONTEXT_BLOB, CONTEXT_BLOB_V9, FILE_FORMATS,
-                      FILE_HEADER, GGSN, GGSN_V9, GGSQ, GGSQ_V2, KV_CELL_EXT, KV_DATA_HEADER, KV_STREAMS,
-                      KV_V_TRANS_HEADER, MAX_ARCH, MAX_TOKENS, MIN_ARCH, OUTPUT_BUFFER, OUTPUT_COUNT, READ_FRAMINGS,
-                      SEQ_BLOB, SEQ_BLOB_HEADER, SEQ_BLOB_MAGIC, TENSOR_HEADER, SeqFileFormat)
-from .messages import (arch_mismatch, arch_not_a_name, file_header_truncated, file_version, kv_count_too_large,
-                       kv_sequence_n_seq_id, kv_v_trans, negative_output_position, negative_outputs, not_a_state_file,
-                       output_buffer_size, seq_blob_magic, stream_goes_on, tokens_truncated, too_many_outputs,
-                       too_many_tokens, trailing, wrong_seq_id_for_framing)
+from .kv import read_kv_section
+from .layouts import (ARCH_CHARS, ARCH_LENGTH, BARE, CONTEXT_BLOB, CONTEXT_BLOB_V9, FILE_FORMATS, FILE_HEADER, GGSN,
+                      GGSN_V9, GGSQ, GGSQ_V2, MAX_ARCH, MAX_TOKENS, MIN_ARCH, OUTPUT_BUFFER, OUTPUT_COUNT,
+                      READ_FRAMINGS, SEQ_BLOB, SEQ_BLOB_HEADER, SEQ_BLOB_MAGIC, SeqFileFormat)
+from .messages import (arch_mismatch, arch_not_a_name, file_header_truncated, file_version, negative_output_position,
+                       negative_outputs, not_a_state_file, output_buffer_size, seq_blob_magic, stream_goes_on,
+                       tokens_truncated, too_many_outputs, too_many_tokens, trailing, wrong_seq_id_for_framing)
 from .streams import FileReader, truncation
 
 __all__ = ["read_seq_file_header", "file_magic", "Outputs", "Framing", "read_framing", "Unframed", "unframe",
@@ -182,58 +181,6 @@ def _read_prefix(reader: Any, prefix: str, arch: str | None,
     return None, None, None
 
 
-def _kv_count_bound(where: str, field: str, value: int, at: int, bound: int, bound_name: str) -> None:
-    if value > bound:
-        raise kv_count_too_large(where, field, value, at, bound, bound_name)
-
-
-def _skip_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry | None, max_tokens: int) -> None:
-    """Step over llama.cpp's attention KV section (docs/llamacpp_formats.md), checking that it
-    is whole and, for a sequence (``seq_id >= 0``), that every cell lists exactly one seq id.
-    ``ext``: every cell carries ``KV_CELL_EXT`` after its n_seq_id.
-
-    Every count is bounded before what it counts is read: streams and seq ids by the cache's
-    sequences (``cache.size``; llama.cpp's KV cache has one stream per sequence at most), layers
-    by the model's (``cache.n_layer``), cells by ``max_tokens`` (a KV cell holds a token of the
-    context), and the seq ids and rows it steps over by ``MAX_SKIPPED_BYTES``."""
-    (n_stream,), at = reader.unpack(KV_STREAMS, "KV section n_stream")
-    if cache is not None:
-        _kv_count_bound("KV section", "n_stream", n_stream, at, cache.size, "the cache's sequences")
-    for stream in range(n_stream):
-        where = f"KV section stream {stream}"
-        (cell_count,), at = reader.unpack(CELL_COUNT, f"{where} cell_count")
-        if cell_count == 0:
-            continue
-        _kv_count_bound(where, "cell_count", cell_count, at, max_tokens, "max_tokens")
-        for i in range(cell_count):
-            (_, n_seq_id), at = reader.unpack(CELL, f"{where} cell {i} pos and n_seq_id")
-            if seq_id is not None and seq_id >= 0 and n_seq_id != 1:
-                raise kv_sequence_n_seq_id(where, i, n_seq_id, at + 4)
-            if cache is not None:
-                _kv_count_bound(where, f"cell {i} n_seq_id", n_seq_id, at + 4, cache.size, "the cache's sequences")
-            if ext:
-                reader.unpack(KV_CELL_EXT, f"{where} cell {i} extended position (x, y, token)")
-            field = f"{where} cell {i} seq ids"
-            reader.skipped = charge_skip(reader.skipped, 4 * n_seq_id, field, reader.offset)
-            reader.ids(n_seq_id, field)
-        (v_trans, n_layer), at = reader.unpack(KV_DATA_HEADER, f"{where} v_trans and n_layer")
-        if v_trans not in (0, 1):
-            raise kv_v_trans(where, v_trans, at)
-        if cache is not None:
-            _kv_count_bound(where, "n_layer", n_layer, at + 4, cache.n_layer, "the model's layers")
-        for il in range(n_layer):
-            (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} K type and row size")
-            reader.step_over(cell_count * row_bytes, f"{where} layer {il} K rows")
-        for il in range(n_layer):
-            if v_trans:
-                (_, element_bytes, n_embd), _ = reader.unpack(
-                    KV_V_TRANS_HEADER, f"{where} layer {il} V type, element size and width")
-                reader.step_over(n_embd * cell_count * element_bytes, f"{where} layer {il} V rows")
-            else:
-                (_, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} V type and row size")
-                reader.step_over(cell_count * row_bytes, f"{where} layer {il} V rows")
-
-
 # -- telling framings apart: every candidate parsed whole --------------------------------
 
 class _Recording:
@@ -303,7 +250,7 @@ def _attempt(reader: Any, prefix: str, ext: bool | None, arch: str | None, seq_i
         _read_prefix(trial, prefix, arch, max_tokens)
         framing_parsed = True
         if ext is not None:
-            _skip_kv_section(trial, seq_id, ext, cache, max_tokens)
+            read_kv_section(trial, seq_id, ext, cache, max_tokens)
         section_at = trial.offset
         trial_watch = None if watch is None else watch.trial()
         if cache is None and layers is None:   # which layers hold state is not known: any filter fits
@@ -441,7 +388,7 @@ def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_se
     kv_at = None
     if ext is not None:
         kv_at = reader.offset
-        _skip_kv_section(reader, seq_id, ext, cache, max_tokens)
+        read_kv_section(reader, seq_id, ext, cache, max_tokens)
     return Framing(label, tokens, source, name, kv_at, reader.offset, outputs, ext, others)
 
 

@@ -31,6 +31,8 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
 
 def astype(xp: Any, array: Any, dtype: Any, copy: bool = True) -> Any:
     """``array`` as ``dtype`` (numpy 2.0's namespace has no ``astype`` function: the method serves)."""
+    if not copy and array.dtype == dtype:   # a state read or written in its own dtype: no library call at all
+        return array
     if xp is np:
         return array.astype(dtype, copy=copy)
     return xp.astype(array, dtype, copy=copy)
@@ -60,11 +62,12 @@ class StateStorage:
         return cls(STATE_TYPES[name].numpy)
 
     def encode(self, values: Any) -> Any:
-        """``values`` as this storage holds them (a new array of the storage dtype)."""
+        """``values`` as this storage holds them: an array of the storage dtype (``values`` itself when it has
+        that dtype: a state is written to its rows right after, so a copy here would only be a second one)."""
         as_f32 = astype(self.xp, values, self.xp.float32, copy=False)
         if self.raw_bf16:
             return _bf16_bits(as_f32)
-        return astype(self.xp, as_f32, self.dtype)
+        return astype(self.xp, as_f32, self.dtype, copy=False)
 
     def decode(self, stored: Any, dtype: Any) -> Any:
         """Stored values as floats of ``dtype`` (``stored`` itself when it has that dtype: never written to)."""

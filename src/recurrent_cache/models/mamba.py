@@ -118,6 +118,10 @@ LAYER_TENSORS = {
 }
 
 
+# The weights ``linear`` multiplies by (kept in its layout).
+PRODUCTS = frozenset({"ssm_in", "ssm_x", "ssm_dt", "ssm_out"})
+
+
 def layer_shapes(p: MambaHParams) -> dict[str, tuple[int, ...]]:
     """The numpy shape of each ``MambaLayer`` field (as llama.cpp's GGUF stores it)."""
     return {
@@ -149,7 +153,7 @@ class MambaModel(RecurrentModel):
                  vocab: Vocabulary | None = None) -> None:
         super().__init__(hparams, token_embd, output_norm, output, dtype, vocab)
         self.layers = checked_layers(layers, hparams.n_layer, MambaLayer, LAYER_TENSORS, layer_shapes(hparams),
-                                     self.dtype)
+                                     self.dtype, PRODUCTS)
 
     def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
               storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:

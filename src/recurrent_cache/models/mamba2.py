@@ -139,6 +139,10 @@ LAYER_TENSORS = {
 }
 
 
+# The weights ``linear`` multiplies by (kept in its layout).
+PRODUCTS = frozenset({"ssm_in", "ssm_out"})
+
+
 def layer_shapes(p: Mamba2HParams) -> dict[str, tuple[int, ...]]:
     """The numpy shape of each ``Mamba2Layer`` field."""
     return {
@@ -171,7 +175,7 @@ class Mamba2Model(RecurrentModel):
                  vocab: Vocabulary | None = None) -> None:
         super().__init__(hparams, token_embd, output_norm, output, dtype, vocab)
         self.layers = checked_layers(layers, hparams.n_layer, Mamba2Layer, LAYER_TENSORS, layer_shapes(hparams),
-                                     self.dtype)
+                                     self.dtype, PRODUCTS)
 
     def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
               storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:

@@ -34,7 +34,7 @@ from ..errors import ModelError
 from ..memory_state import MemoryStatus
 from ..storage import Storage
 from ._arrays import NUMPY, Array, Backend, ModelWeights
-from ._ssm import linear, rms_norm
+from ._ssm import linear, product_weight, rms_norm
 from ._storage import StateStorage
 from .vocab import Vocabulary
 
@@ -108,19 +108,23 @@ def check_sizes(hparams: Any, names: Sequence[str]) -> None:
 
 
 def checked_layers(layers: Sequence[Any], n_layer: int, make: Callable[..., Layer], tensors: dict[str, str],
-                   shapes: dict[str, tuple[int, ...]], dtype: np.dtype[Any]) -> list[Layer]:
+                   shapes: dict[str, tuple[int, ...]], dtype: np.dtype[Any],
+                   products: frozenset[str] = frozenset()) -> list[Layer]:
     """``n_layer`` layers built by ``make`` from ``layers``' weights (attribute -> GGUF tensor name in
-    ``tensors``), each checked by ``checked_tensor`` as ``blk.{il}.{tensor}``; ``ModelError`` otherwise."""
+    ``tensors``), each checked by ``checked_tensor`` as ``blk.{il}.{tensor}``; ``ModelError`` otherwise.
+    The weights named in ``products`` (those ``_ssm.linear`` multiplies by) are kept in its layout."""
     if len(layers) != n_layer:
         raise ModelError(f"{len(layers)} layers for a model of n_layer = {n_layer}")
-    return [make(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", dtype)
+    return [make(**{name: checked_tensor(getattr(layer, name), shapes[name], f"blk.{il}.{tensor}", dtype,
+                                         product=name in products)
                     for name, tensor in tensors.items()})
             for il, layer in enumerate(layers)]
 
 
-def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype[Any] | type) -> np.ndarray:
-    """``array`` as a C-contiguous ``dtype`` array, or ``ModelError`` naming ``name``: wrong shape, not numbers,
-    NaN or inf."""
+def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype[Any] | type,
+                   product: bool = False) -> np.ndarray:
+    """``array`` as a C-contiguous ``dtype`` array (``product``: a weight of ``_ssm.linear``, in its layout:
+    ``_ssm.product_weight``), or ``ModelError`` naming ``name``: wrong shape, not numbers, NaN or inf."""
     array = np.asarray(array)
     if array.shape != shape:
         raise ModelError(f"tensor {name} has shape {array.shape}, expected {shape}")
@@ -132,7 +136,7 @@ def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtyp
         # NaN or inf weights would make every logit NaN: refuse them with the tensor's name
         raise ModelError(f"tensor {name} holds {np.size(converted) - np.isfinite(converted).sum()} "
                          f"values that are NaN or infinite (as {np.dtype(dtype).name})")
-    return converted
+    return product_weight(converted) if product else converted
 
 
 class RecurrentModel(ABC):
@@ -163,8 +167,9 @@ class RecurrentModel(ABC):
             raise ModelError(f"a model computes in float32 or float64, not {self.dtype}")
         self.token_embd = checked_tensor(token_embd, (p.n_vocab, p.n_embd), "token_embd.weight", self.dtype)
         self.output_norm = checked_tensor(output_norm, (p.n_embd,), "output_norm.weight", self.dtype)
+        # a tied output keeps token_embd's rows, which the embedding gathers; an own one is in linear's layout
         self.output = (self.token_embd if output is None
-                       else checked_tensor(output, (p.n_vocab, p.n_embd), "output.weight", self.dtype))
+                       else checked_tensor(output, (p.n_vocab, p.n_embd), "output.weight", self.dtype, product=True))
 
     @property
     def tied(self) -> bool:

@@ -31,7 +31,7 @@ from ..errors import ModelError
 from ._arrays import ModelWeights
 from ._storage import StateStorage
 
-__all__ = ["TORCH", "TorchBackend", "TorchStateStorage", "device_weights"]
+__all__ = ["TORCH", "TORCH_XP", "TorchBackend", "TorchNamespace", "TorchStateStorage", "device_weights"]
 
 Tensor = torch.Tensor
 
@@ -44,7 +44,7 @@ class TorchStateStorage(StateStorage):
     def __init__(self, dtype: torch.dtype) -> None:
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ModelError(f"state rows of dtype {dtype}: a torch cache stores float32, float16 or bfloat16")
-        super().__init__(dtype, torch_xp)
+        super().__init__(dtype, TORCH_XP)
 
 
 # model -> device -> its weights there: converted once, dropped with the model
@@ -74,10 +74,28 @@ def device_weights(model: Any, device: torch.device) -> ModelWeights:
     return weights
 
 
+class TorchNamespace:
+    """array-api-compat's torch namespace, handing out torch's own function where it is the same one for every
+    call the math makes (torch takes ``axis`` / ``keepdims`` too): each compat wrapper is one more Python call
+    per op, and a decoded token makes some 200 of them."""
+
+    concat = staticmethod(torch.cat)
+    mean = staticmethod(torch.mean)
+    permute_dims = staticmethod(torch.permute)
+    repeat = staticmethod(torch.repeat_interleave)
+    vecdot = staticmethod(torch.linalg.vecdot)   # compat's moves axes and broadcasts first (real inputs here)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch_xp, name)
+
+
+TORCH_XP = TorchNamespace()
+
+
 class TorchBackend:
     """torch tensors on any device (``_arrays.Backend``)."""
 
-    xp = torch_xp
+    xp = TORCH_XP
 
     def device_of(self, rows: Any) -> torch.device:
         """The device of state rows ``rows``; ``ModelError`` when they are no torch tensor."""

@@ -1,0 +1,79 @@
+"""The selective scan's one-token step in one pass over the state, on host memory.
+
+``_ssm.selective_scan`` (the array-API math, the reference this is tested
+against in tests/models/test_scan_kernel.py) makes several passes over a state of
+``[n, d_inner, d_state]`` for one token: the decayed state, the input's outer
+product, their sum, the output's product.  Decoding a token is one such step
+per layer, and at 130m shapes those passes, not the arithmetic, are what the
+step costs (Mamba-2 with 8 sequences: 6 MB a pass, 24 layers).  This kernel
+reads the state once and writes the new one once.  It is the one
+implementation both backends run where the arrays are in host memory (numpy,
+torch on the CPU: ``_ssm`` hands it views through DLPack); elsewhere, for more
+than one token and for f16/bf16 states the array-API math runs.
+"""
+
+cimport cython
+
+ctypedef fused real:
+    float
+    double
+
+
+cdef extern from "_scan_row.h" nogil:
+    float rc_scan_row_f32(const float* state, const float* decay, int per_state, float x, const float* b,
+                          const float* c, float* out, Py_ssize_t d_state, int round_f32)
+    double rc_scan_row_f64(const double* state, const double* decay, int per_state, double x, const double* b,
+                           const double* c, double* out, Py_ssize_t d_state, int round_f32)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real[:, ::1] x,
+              const real[:, :, :] b, const real[:, :, :] c, real[:, :, ::1] out, real[:, ::1] y,
+              bint round_f32):
+    """One token: ``h = state * decay + x ⊗ b``, ``y = h @ c``, ``out = h`` (rounded through float32 when
+    ``round_f32``: the state as its storage keeps it; ``y`` is of ``h`` unrounded, as in ``_ssm.scan_tokens``).
+
+    Shapes, for ``n`` sequences of ``H`` heads of ``P`` channels and ``N`` =
+    d_state: ``state`` / ``out`` [n, H*P, N]; ``decay`` [n, H, N or 1] (the
+    same for every channel of a head, and for every ``N`` when its last axis
+    is 1); ``x`` [n, H*P]; ``b`` / ``c`` [n, H or 1, N] (contiguous over ``N``;
+    1: every head reads the same); ``y`` [n, H*P]; ``state``,
+    ``x``, ``out`` and ``y`` C-contiguous.  Any other
+    shape is a ``ValueError`` before anything is written.
+    """
+    cdef Py_ssize_t n = state.shape[0], channels = state.shape[1], d_state = state.shape[2]
+    cdef Py_ssize_t n_head = decay.shape[1], per_state = decay.shape[2]
+    if n_head < 1 or channels % n_head or per_state not in (1, d_state):
+        raise ValueError(f"decay of shape {(decay.shape[0], n_head, per_state)} for a state of "
+                         f"{(n, channels, d_state)}")
+    cdef Py_ssize_t shared_bc = 1 if b.shape[1] == 1 else n_head   # one B and C for every head, or one each
+    for name, view_shape, wanted in (("decay", (decay.shape[0],), (n,)),
+                                     ("x", (x.shape[0], x.shape[1]), (n, channels)),
+                                     ("b", (b.shape[0], b.shape[1], b.shape[2]), (n, shared_bc, d_state)),
+                                     ("c", (c.shape[0], c.shape[1], c.shape[2]), (n, shared_bc, d_state)),
+                                     ("out", (out.shape[0], out.shape[1], out.shape[2]), (n, channels, d_state)),
+                                     ("y", (y.shape[0], y.shape[1]), (n, channels))):
+        if view_shape != wanted:
+            raise ValueError(f"{name} of shape {view_shape}, expected {wanted}")
+    # b, c and a decay per state are read as rows over d_state: their last axis must be contiguous
+    for name, last_stride in (("b", b.strides[2]), ("c", c.strides[2]),
+                              ("decay", decay.strides[2] if per_state > 1 else sizeof(real))):
+        if last_stride != sizeof(real) and d_state > 1:
+            raise ValueError(f"{name} is not contiguous over d_state (stride {last_stride} bytes)")
+    if n == 0 or channels == 0 or d_state == 0:
+        return
+    cdef Py_ssize_t per_head = channels // n_head
+    cdef Py_ssize_t s, h, hb, ch
+    cdef int per_state_decay = per_state > 1
+    with nogil:
+        for s in range(n):
+            for ch in range(channels):
+                h = ch // per_head
+                hb = h if shared_bc > 1 else 0
+                if real is float:
+                    y[s, ch] = rc_scan_row_f32(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
+                                               &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0], d_state, round_f32)
+                else:
+                    y[s, ch] = rc_scan_row_f64(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
+                                               &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0], d_state, round_f32)
