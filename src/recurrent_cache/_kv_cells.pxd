@@ -10,7 +10,9 @@ A token's sequences are given as ``flat[offsets[t]:offsets[t + 1]]`` (offsets
 ``[n + 1]``), positions as ``pos[n]``.
 """
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
+from ._kv_seq_pos cimport SeqPositions
 
 cdef enum:
     KV_OK = 0
@@ -32,13 +34,6 @@ cdef enum:
     SWA_CHUNKED = 2
     SWA_SYMMETRIC = 3
 
-cdef struct PairNode:        # one (position, cell) pair of a sequence's treap: one cache line per visit
-    int64_t key               # pos << 32 | cell
-    int32_t left              # (the free list's link for a free node)
-    int32_t right
-    int32_t parent            # -1 at the root
-    uint32_t prio
-
 cdef struct KvTable:
     int32_t size
     int32_t n_seq_max
@@ -58,17 +53,7 @@ cdef struct KvTable:
     uint8_t* mark             # [size] scratch marks, all 0 between calls
     int32_t* scratch          # [size] cells collected by an operation
     int32_t* max_rm           # [n_seq_max] apply: the largest position overwritten per sequence
-    # per sequence, its (position, cell) pairs ordered: a treap over the node pool below
-    int32_t* root             # [n_seq_max] root node, -1 = the sequence holds no cell
-    int32_t* count            # [n_seq_max] cells of the sequence
-    int32_t* lowest           # [n_seq_max] the node of the smallest pair, -1 = none
-    int32_t* highest          # [n_seq_max] the node of the largest pair, -1 = none
-    PairNode* nodes           # [node_cap]
-    int32_t node_cap
-    int32_t node_top          # nodes [0, node_top) were handed out once
-    int32_t node_free         # free list head, -1 = empty
-    int32_t nodes_live
-    uint32_t rng
+    SeqPositions seqs         # per sequence, its (position, cell) pairs ordered
 
 cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int32_t swa_type) noexcept nogil
 cdef void kv_release(KvTable* t) noexcept nogil

@@ -3,7 +3,7 @@
 
 Semantics are ``kv_reference`` (llama.cpp's ``llama_kv_cache``, one stream);
 the costs are not: a sequence's positions are a treap of (position, cell)
-pairs, so ``seq_pos_min`` / ``seq_pos_max`` and every ranged operation of one
+pairs (``_kv_seq_pos``), so ``seq_pos_min`` / ``seq_pos_max`` and every ranged operation of one
 sequence reach its cells in O(log n) per cell instead of scanning the table;
 empty cells are a bitset that ``find_slot`` walks 64 cells at a time (without a
 sliding window, where only empty cells are usable).  Only ``clear``,
@@ -12,8 +12,8 @@ the thin Python class over it, with ``kv_reference.KVCells``'s interface.
 """
 
 from libc.math cimport INFINITY
-from libc.stdint cimport INT32_MAX, INT32_MIN
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdint cimport INT32_MAX, INT32_MIN, uint32_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 import numpy as np
@@ -22,189 +22,13 @@ from . import errors as E
 from . import kv_reference
 from .kv_reference import as_int32, cell_array, check_config, check_mask_out, kv_error, token_arrays
 
+from ._kv_seq_pos cimport (sp_check, sp_clear, sp_collect, sp_erase, sp_init, sp_insert, sp_max, sp_min, sp_release,
+                          sp_reserve)
+
 cdef extern from "rc_bits.h":
     int rc_ctz64(uint64_t x) noexcept nogil
 
 cdef int32_t POS_END = INT32_MAX       # positions lie in [0, POS_END); a range to POS_END runs to the end
-cdef int64_t CELL_BITS = 0xFFFFFFFF     # the low half of a pair key: the cell
-
-
-# -- the per-sequence treaps ---------------------------------------------------------------------------
-
-cdef inline int64_t pair_key(int32_t pos, int32_t cell) noexcept nogil:
-    return (<int64_t>pos << 32) | <int64_t>cell
-
-
-cdef int reserve_nodes(KvTable* t, int64_t extra) noexcept nogil:
-    """Make room for ``extra`` more live nodes, so that the inserts that follow cannot fail."""
-    cdef int64_t need = t.nodes_live + extra
-    cdef int64_t cap = t.node_cap
-    cdef PairNode* nodes
-    if need <= cap:
-        return KV_OK
-    if need >= INT32_MAX:
-        return KV_NO_MEMORY
-    while cap < need:
-        cap = cap * 2 if cap else 1024
-    if cap >= INT32_MAX:
-        cap = INT32_MAX - 1
-    nodes = <PairNode*>realloc(t.nodes, <size_t>cap * sizeof(PairNode))
-    if nodes == NULL:
-        return KV_NO_MEMORY
-    t.nodes = nodes
-    t.node_cap = <int32_t>cap
-    return KV_OK
-
-
-cdef int32_t new_node(KvTable* t, int64_t key) noexcept nogil:
-    """A node from the free list or the pool (reserve_nodes made room)."""
-    cdef int32_t node
-    if t.node_free >= 0:
-        node = t.node_free
-        t.node_free = t.nodes[node].left
-    else:
-        node = t.node_top
-        t.node_top += 1
-    t.rng ^= t.rng << 13          # xorshift32: the treap's random priorities
-    t.rng ^= t.rng >> 17
-    t.rng ^= t.rng << 5
-    t.nodes[node].key = key
-    t.nodes[node].prio = t.rng
-    t.nodes[node].left = -1
-    t.nodes[node].right = -1
-    t.nodes[node].parent = -1
-    t.nodes_live += 1
-    return node
-
-
-cdef inline void set_child(KvTable* t, int32_t seq, int32_t parent, int32_t old, int32_t new) noexcept nogil:
-    """``new`` takes ``old``'s place under ``parent`` (as the root when parent is -1)."""
-    if parent < 0:
-        t.root[seq] = new
-    elif t.nodes[parent].left == old:
-        t.nodes[parent].left = new
-    else:
-        t.nodes[parent].right = new
-    if new >= 0:
-        t.nodes[new].parent = parent
-
-
-cdef void rotate_up(KvTable* t, int32_t seq, int32_t x) noexcept nogil:
-    """``x`` takes its parent's place, the parent becomes its child (the key order stays)."""
-    cdef int32_t p = t.nodes[x].parent
-    cdef int32_t moved
-    if t.nodes[p].left == x:
-        moved = t.nodes[x].right
-        t.nodes[p].left = moved
-        t.nodes[x].right = p
-    else:
-        moved = t.nodes[x].left
-        t.nodes[p].right = moved
-        t.nodes[x].left = p
-    if moved >= 0:
-        t.nodes[moved].parent = p
-    set_child(t, seq, t.nodes[p].parent, p, x)
-    t.nodes[p].parent = x
-
-
-cdef void pair_insert(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcept nogil:
-    """Add the pair as a leaf, then rotate it up to its priority's place.  A pair past either end —
-    what decoding adds — hangs under that end's node: expected O(1), the tree's height not walked."""
-    cdef int64_t key = pair_key(pos, cell)
-    cdef int32_t node = new_node(t, key)
-    cdef int32_t parent = t.highest[seq]
-    t.count[seq] += 1
-    if parent < 0:
-        t.root[seq] = node
-        t.lowest[seq] = node
-        t.highest[seq] = node
-        return
-    if key > t.nodes[parent].key:
-        t.nodes[parent].right = node
-        t.highest[seq] = node
-    elif key < t.nodes[t.lowest[seq]].key:
-        parent = t.lowest[seq]
-        t.nodes[parent].left = node
-        t.lowest[seq] = node
-    else:
-        parent = t.root[seq]
-        while True:
-            if key < t.nodes[parent].key:
-                if t.nodes[parent].left < 0:
-                    t.nodes[parent].left = node
-                    break
-                parent = t.nodes[parent].left
-            else:
-                if t.nodes[parent].right < 0:
-                    t.nodes[parent].right = node
-                    break
-                parent = t.nodes[parent].right
-    t.nodes[node].parent = parent
-    while t.nodes[node].parent >= 0 and t.nodes[node].prio > t.nodes[t.nodes[node].parent].prio:
-        rotate_up(t, seq, node)
-
-
-cdef int32_t next_end(const KvTable* t, int32_t node, int32_t child, bint largest) noexcept nogil:
-    """The tree's new last (``largest``) or first node once ``node``, that end with at most the one
-    ``child``, leaves: the extreme of the child's subtree, else the node's parent."""
-    if child < 0:
-        return t.nodes[node].parent
-    while (t.nodes[child].right if largest else t.nodes[child].left) >= 0:
-        child = t.nodes[child].right if largest else t.nodes[child].left
-    return child
-
-
-cdef void pair_erase(KvTable* t, int32_t seq, int32_t pos, int32_t cell) noexcept nogil:
-    """Rotate the pair's node down until it has at most one child, then splice it out."""
-    cdef int64_t key = pair_key(pos, cell)
-    cdef int32_t node, child
-    if t.root[seq] < 0:
-        return
-    if key == t.nodes[t.highest[seq]].key:
-        node = t.highest[seq]
-    elif key == t.nodes[t.lowest[seq]].key:
-        node = t.lowest[seq]
-    else:
-        node = t.root[seq]
-        while node >= 0 and t.nodes[node].key != key:
-            node = t.nodes[node].left if key < t.nodes[node].key else t.nodes[node].right
-        if node < 0:
-            return
-    while t.nodes[node].left >= 0 and t.nodes[node].right >= 0:
-        child = t.nodes[node].left
-        if t.nodes[t.nodes[node].right].prio > t.nodes[child].prio:
-            child = t.nodes[node].right
-        rotate_up(t, seq, child)
-    child = t.nodes[node].left if t.nodes[node].left >= 0 else t.nodes[node].right
-    if node == t.highest[seq]:
-        t.highest[seq] = next_end(t, node, child, True)
-    if node == t.lowest[seq]:
-        t.lowest[seq] = next_end(t, node, child, False)
-    set_child(t, seq, t.nodes[node].parent, node, child)
-    t.nodes[node].left = t.node_free
-    t.node_free = node
-    t.nodes_live -= 1
-    t.count[seq] -= 1
-
-
-cdef int32_t collect(const KvTable* t, int32_t node, int64_t lo, int64_t hi, int32_t n) noexcept nogil:
-    """Append to scratch the cells of the pairs with lo <= key < hi, in key order; the new length."""
-    while node >= 0:
-        if t.nodes[node].key < lo:
-            node = t.nodes[node].right
-        elif t.nodes[node].key >= hi:
-            node = t.nodes[node].left
-        else:
-            n = collect(t, t.nodes[node].left, lo, hi, n)
-            t.scratch[n] = <int32_t>(t.nodes[node].key & CELL_BITS)
-            n += 1
-            node = t.nodes[node].right
-    return n
-
-
-cdef inline int32_t collect_seq(const KvTable* t, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
-    """scratch[:n] = the cells of ``seq`` with positions in [p0, p1), by position."""
-    return collect(t, t.root[seq], pair_key(p0, 0), pair_key(p1, 0), 0)
 
 
 # -- cells -------------------------------------------------------------------------------------------------
@@ -250,7 +74,7 @@ cdef void take_cell(KvTable* t, int32_t cell, int32_t pos) noexcept nogil:
 cdef void join(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] |= <uint64_t>1 << (seq & 63)
     t.n_seq[cell] += 1
-    pair_insert(t, seq, t.pos[cell], cell)
+    sp_insert(&t.seqs, seq, t.pos[cell], cell)
 
 
 cdef void empty_cell(KvTable* t, int32_t cell) noexcept nogil:
@@ -267,7 +91,7 @@ cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     """``seq`` leaves ``cell``; whether that emptied it."""
     t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] &= ~(<uint64_t>1 << (seq & 63))
     t.n_seq[cell] -= 1
-    pair_erase(t, seq, t.pos[cell], cell)
+    sp_erase(&t.seqs, seq, t.pos[cell], cell)
     if t.n_seq[cell] == 0:
         empty_cell(t, cell)
         return True
@@ -285,9 +109,9 @@ cdef void list_cell(KvTable* t, int32_t cell, bint listed) noexcept nogil:
             s = w * 64 + rc_ctz64(word)
             word &= word - 1
             if listed:
-                pair_insert(t, s, t.pos[cell], cell)
+                sp_insert(&t.seqs, s, t.pos[cell], cell)
             else:
-                pair_erase(t, s, t.pos[cell], cell)
+                sp_erase(&t.seqs, s, t.pos[cell], cell)
 
 
 cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
@@ -312,17 +136,14 @@ cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int
     t.seq_bits = <uint64_t*>malloc(<size_t>size * <size_t>t.seq_words * sizeof(uint64_t))
     t.free_bits = <uint64_t*>malloc(<size_t>t.free_words * sizeof(uint64_t))
     t.mark = <uint8_t*>malloc(<size_t>size)
-    t.root = <int32_t*>malloc(<size_t>5 * <size_t>n_seq_max * sizeof(int32_t))
-    if t.pos == NULL or t.seq_bits == NULL or t.free_bits == NULL or t.mark == NULL or t.root == NULL:
+    t.max_rm = <int32_t*>malloc(<size_t>n_seq_max * sizeof(int32_t))
+    if (t.pos == NULL or t.seq_bits == NULL or t.free_bits == NULL or t.mark == NULL or t.max_rm == NULL
+            or not sp_init(&t.seqs, n_seq_max)):
         kv_release(t)
         return KV_NO_MEMORY
     t.shift = t.pos + size         # one block, four [size] arrays
     t.n_seq = t.pos + 2 * size
     t.scratch = t.pos + 3 * size
-    t.count = t.root + n_seq_max
-    t.max_rm = t.root + 2 * n_seq_max
-    t.lowest = t.root + 3 * n_seq_max
-    t.highest = t.root + 4 * n_seq_max
     memset(t.mark, 0, <size_t>size)
     kv_clear(t)
     return KV_OK
@@ -333,8 +154,8 @@ cdef void kv_release(KvTable* t) noexcept nogil:
     free(t.seq_bits)
     free(t.free_bits)
     free(t.mark)
-    free(t.root)
-    free(t.nodes)
+    free(t.max_rm)
+    sp_release(&t.seqs)
     memset(t, 0, sizeof(KvTable))
 
 
@@ -346,19 +167,11 @@ cdef void kv_clear(KvTable* t) noexcept nogil:
     memset(t.free_bits, 0xFF, <size_t>t.free_words * sizeof(uint64_t))
     if t.size & 63:   # bits past the last cell stay clear, so a full word reads as "no free cell"
         t.free_bits[t.free_words - 1] = (<uint64_t>1 << (t.size & 63)) - 1
-    for i in range(t.n_seq_max):
-        t.root[i] = -1
-        t.lowest[i] = -1
-        t.highest[i] = -1
-        t.count[i] = 0
+    sp_clear(&t.seqs)
     t.head = 0
     t.used = 0
     t.top = 0
     t.has_shift = False
-    t.node_top = 0
-    t.node_free = -1
-    t.nodes_live = 0
-    t.rng = 2463534242
 
 
 # -- placing a ubatch --------------------------------------------------------------------------------------
@@ -493,7 +306,7 @@ cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos
         t.mark[slot[k]] = 0
     if code != KV_OK:
         return code
-    if reserve_nodes(t, offsets[n]) != KV_OK:
+    if not sp_reserve(&t.seqs, offsets[n]):
         return KV_NO_MEMORY
     for k in range(t.n_seq_max):
         t.max_rm[k] = -1
@@ -522,7 +335,7 @@ cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos
 cdef int kv_seq_rm(KvTable* t, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
     cdef int32_t n, k, cell, first_freed = t.size
     if seq >= 0:
-        n = collect_seq(t, seq, p0, p1)
+        n = sp_collect(&t.seqs, seq, p0, p1, t.scratch)
         for k in range(n):
             cell = t.scratch[k]
             if leave(t, cell, seq) and cell < first_freed:
@@ -542,8 +355,8 @@ cdef int kv_seq_cp(KvTable* t, int32_t src, int32_t dst, int32_t p0, int32_t p1)
     cdef int32_t n, k, cell
     if src == dst:
         return KV_OK
-    n = collect_seq(t, src, p0, p1)
-    if reserve_nodes(t, n) != KV_OK:
+    n = sp_collect(&t.seqs, src, p0, p1, t.scratch)
+    if not sp_reserve(&t.seqs, n):
         return KV_NO_MEMORY
     for k in range(n):
         cell = t.scratch[k]
@@ -563,7 +376,7 @@ cdef int kv_seq_keep(KvTable* t, int32_t seq) noexcept nogil:
                 memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
                 t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] = <uint64_t>1 << (seq & 63)
                 t.n_seq[cell] = 1
-                pair_insert(t, seq, t.pos[cell], cell)
+                sp_insert(&t.seqs, seq, t.pos[cell], cell)
         else:
             free_cell(t, cell)
             if cell < first_freed:
@@ -604,7 +417,7 @@ cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t del
     cdef int code = KV_OK
     if delta == 0 or p0 == p1:
         return KV_OK
-    n = collect_seq(t, seq, p0, p1)
+    n = sp_collect(&t.seqs, seq, p0, p1, t.scratch)
     code = refused_move(t, n, delta, 0, a, b)
     if code != KV_OK:
         return code
@@ -635,7 +448,7 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
         return KV_DIVISOR
     if d == 1 or p0 == p1:
         return KV_OK
-    n = collect_seq(t, seq, p0, p1)
+    n = sp_collect(&t.seqs, seq, p0, p1, t.scratch)
     code = refused_move(t, n, 0, d, a, b)
     if code != KV_OK:
         return code
@@ -651,11 +464,11 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
 
 
 cdef int32_t kv_seq_pos_min(const KvTable* t, int32_t seq) noexcept nogil:
-    return -1 if t.lowest[seq] < 0 else <int32_t>(t.nodes[t.lowest[seq]].key >> 32)
+    return sp_min(&t.seqs, seq)
 
 
 cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil:
-    return -1 if t.highest[seq] < 0 else <int32_t>(t.nodes[t.highest[seq]].key >> 32)
+    return sp_max(&t.seqs, seq)
 
 
 cdef void kv_reset_shift(KvTable* t) noexcept nogil:
@@ -718,44 +531,9 @@ cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t*
 
 # -- the invariants ----------------------------------------------------------------------------------------
 
-cdef int check_tree(const KvTable* t, int32_t seq, int32_t node, int64_t* last, int64_t* n) noexcept nogil:
-    """In order: keys increasing, heap order of priorities, each pair a cell of the sequence."""
-    cdef int32_t cell, child
-    if node < 0:
-        return 0
-    child = t.nodes[node].left
-    if child >= 0 and (t.nodes[child].prio > t.nodes[node].prio or t.nodes[child].parent != node):
-        return 1
-    child = t.nodes[node].right
-    if child >= 0 and (t.nodes[child].prio > t.nodes[node].prio or t.nodes[child].parent != node):
-        return 1
-    if check_tree(t, seq, t.nodes[node].left, last, n):
-        return 1
-    if t.nodes[node].key <= last[0]:
-        return 1
-    last[0] = t.nodes[node].key
-    n[0] += 1
-    cell = <int32_t>(t.nodes[node].key & CELL_BITS)
-    if cell < 0 or cell >= t.size or t.pos[cell] != <int32_t>(t.nodes[node].key >> 32) or not kv_seq_has(t, cell, seq):
-        return 1
-    return check_tree(t, seq, t.nodes[node].right, last, n)
-
-
-cdef bint ends_agree(const KvTable* t, int32_t seq, int64_t last) noexcept nogil:
-    """The root has no parent; lowest / highest are the tree's first and last nodes."""
-    cdef int32_t node = t.root[seq]
-    if node < 0:
-        return t.lowest[seq] < 0 and t.highest[seq] < 0
-    if t.nodes[node].parent != -1 or t.highest[seq] < 0 or t.nodes[t.highest[seq]].key != last:
-        return False
-    while t.nodes[node].left >= 0:
-        node = t.nodes[node].left
-    return node == t.lowest[seq]
-
-
 cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
-    cdef int32_t cell, w, s, used = 0, top = 0, bits
-    cdef int64_t members = 0, total, last, n
+    cdef int32_t cell, w, s, k, n, used = 0, top = 0, bits
+    cdef int64_t members = 0, total
     cdef uint64_t word
     cdef bint empty
     for cell in range(t.size):
@@ -787,15 +565,15 @@ cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
         return KV_CHECK_HEAD
     for s in range(t.n_seq_max):
         where[0] = s
-        last = -1
-        n = 0
-        if check_tree(t, s, t.root[s], &last, &n) or n != t.count[s]:
+        if sp_check(&t.seqs, s, t.pos, t.size):
             return KV_CHECK_TREE
-        if not ends_agree(t, s, last):
-            return KV_CHECK_TREE
+        n = sp_collect(&t.seqs, s, 0, POS_END, t.scratch)
+        for k in range(n):
+            if not kv_seq_has(t, t.scratch[k], s):
+                return KV_CHECK_TREE
         members -= n
     where[0] = -1
-    if members != 0 or t.nodes_live != total:
+    if members != 0 or t.seqs.nodes_live != total:
         return KV_CHECK_TREE
     return 0
 
