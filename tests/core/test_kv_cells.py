@@ -35,6 +35,23 @@ def test_the_search_restarts_at_cell_0_when_head_lies_past_twice_the_ubatch_of_f
     assert table.find_slot(list(range(1, 19)), [0] * 18).tolist() == [36, 37, 38, 39] + list(range(14))
 
 
+@pytest.mark.parametrize(("taken", "n_tokens", "restarts"), [
+    ([0, 35], 16, True),     # head 36 > 2 + 2 * 16
+    ([0, 35], 17, False),    # head 36 = 2 + 2 * 17: not past it
+    ([35], 17, True),        # head 36 = 1 + 2 * 17 + 1: one past it
+    ([35], 18, False),
+])
+def test_the_search_restarts_exactly_when_head_lies_past_used_plus_twice_the_ubatch(table_class, taken, n_tokens,
+                                                                                     restarts):
+    table = table_class(40, 2)
+    table.apply(taken, list(range(len(taken))), [1] * len(taken))
+    assert table.head == 36
+    free = [cell for cell in range(40) if cell not in taken]
+    start = 0 if restarts else table.head
+    in_search_order = [cell for cell in free if cell >= start] + [cell for cell in free if cell < start]
+    assert table.find_slot(list(range(n_tokens)), [0] * n_tokens).tolist() == in_search_order[:n_tokens]
+
+
 def test_continuous_slots_skip_a_run_that_a_used_cell_breaks(table_class):
     table = table_class(8, 2)
     table.apply([2], [0], [1])                       # cell 2 taken, head 3
@@ -55,6 +72,26 @@ def test_a_sliding_window_reuses_cells_its_sequence_no_longer_sees_and_purges_ol
     assert table.place([4], [0]).tolist() == [2]
     assert table.cells() == [(2, (0,)), (3, (0,)), (4, (0,)), None]
     assert table.head == 3 and table.seq_pos_min(0) == 2
+
+
+def test_a_cell_just_outside_the_window_is_reused_and_one_just_inside_is_not(table_class):
+    table = table_class(4, 1, 2, "standard")
+    table.apply([2, 0, 1, 3], [0, 3, 2, 1], [0, 0, 0, 0])   # head 4: the search wraps to cell 0
+    # the next token, at 4, sees position 3 (cell 0) but not 2 (cell 1: 4 - 2 >= n_swa), the first it may take
+    assert table.find_slot([4], [0]).tolist() == [1]
+
+
+def test_reusing_a_window_cell_purges_every_position_up_to_it_including_a_second_copy(table_class):
+    table = table_class(5, 2, 2, "standard")
+    table.apply([2, 3, 0, 1], [0, 1, 2, 3], [0, 0, 0, 0])
+    table.apply([4], [2], [1])
+    table.seq_cp(1, 0)
+    table.seq_rm(1)                                   # sequence 0 holds position 2 twice: cells 0 and 4
+    assert table.place([4], [0]).tolist() == [0]      # search wraps to 0: position 2 is outside the window
+    # the purge removes [0, 2 + 1): cells 2, 3 and the other copy of position 2, cell 4
+    assert table.cells() == [(4, (0,)), (3, (0,)), None, None, None]
+    assert table.seq_pos_min(0) == 3 and table.used == 2
+    table.check()
 
 
 def test_shared_cells_partial_removal_keep_and_shift(table_class):
