@@ -1,0 +1,797 @@
+# cython: language_level=3
+"""The attention KV cell table in C: find_slot, apply, the sequence operations, the mask.
+
+Semantics are ``kv_reference`` (llama.cpp's ``llama_kv_cache``, one stream);
+the costs are not: a sequence's positions are a treap of (position, cell)
+pairs (``_kv_seq_pos``), so ``seq_pos_min`` / ``seq_pos_max`` and every ranged operation of one
+sequence reach its cells in O(log n) per cell instead of scanning the table;
+empty cells are a bitset that ``find_slot`` walks 64 cells at a time (without a
+sliding window, where only empty cells are usable).  Only ``clear``,
+``seq_keep`` and ``seq_rm`` of every sequence touch every cell.  ``KVCells`` is
+the thin Python class over it, with ``kv_reference.KVCells``'s interface.
+"""
+
+from libc.math cimport INFINITY
+from libc.stdint cimport INT32_MAX, INT32_MIN, uint32_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+import numpy as np
+
+from . import errors as E
+from . import kv_reference
+from .kv_reference import as_int32, cell_array, check_config, check_mask_out, kv_error, token_arrays
+
+from ._kv_seq_pos cimport (sp_check, sp_clear, sp_collect, sp_erase, sp_init, sp_insert, sp_max, sp_min, sp_release,
+                          sp_reserve)
+
+cdef extern from "rc_bits.h":
+    int rc_ctz64(uint64_t x) noexcept nogil
+
+cdef int32_t POS_END = INT32_MAX       # positions lie in [0, POS_END); a range to POS_END runs to the end
+
+
+# -- cells -------------------------------------------------------------------------------------------------
+
+cdef bint kv_seq_has(const KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
+    return (t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] >> (seq & 63)) & 1
+
+
+cdef inline int32_t only_seq(const KvTable* t, int32_t cell) noexcept nogil:
+    """The sequence of a cell holding exactly one."""
+    cdef int32_t w
+    cdef uint64_t word
+    for w in range(t.seq_words):
+        word = t.seq_bits[<int64_t>cell * t.seq_words + w]
+        if word:
+            return w * 64 + rc_ctz64(word)
+    return -1
+
+
+cdef void lower_top(KvTable* t) noexcept nogil:
+    """Cell top - 1 was freed: walk down to the last used cell."""
+    cdef int32_t i = t.top - 1
+    cdef uint64_t word
+    while i >= 0:
+        word = t.free_bits[i >> 6]
+        if word == <uint64_t>0xFFFFFFFFFFFFFFFF and (i & 63) == 63:
+            i -= 64
+            continue
+        if not ((word >> (i & 63)) & 1):
+            break
+        i -= 1
+    t.top = i + 1
+
+
+cdef void take_cell(KvTable* t, int32_t cell, int32_t pos) noexcept nogil:
+    t.pos[cell] = pos
+    t.free_bits[cell >> 6] &= ~(<uint64_t>1 << (cell & 63))
+    t.used += 1
+    if cell + 1 > t.top:
+        t.top = cell + 1
+
+
+cdef void join(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
+    t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] |= <uint64_t>1 << (seq & 63)
+    t.n_seq[cell] += 1
+    sp_insert(&t.seqs, seq, t.pos[cell], cell)
+
+
+cdef void empty_cell(KvTable* t, int32_t cell) noexcept nogil:
+    """A cell whose last sequence left: free."""
+    t.pos[cell] = -1
+    t.shift[cell] = 0
+    t.free_bits[cell >> 6] |= <uint64_t>1 << (cell & 63)
+    t.used -= 1
+    if cell + 1 == t.top:
+        lower_top(t)
+
+
+cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
+    """``seq`` leaves ``cell``; whether that emptied it."""
+    t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] &= ~(<uint64_t>1 << (seq & 63))
+    t.n_seq[cell] -= 1
+    sp_erase(&t.seqs, seq, t.pos[cell], cell)
+    if t.n_seq[cell] == 0:
+        empty_cell(t, cell)
+        return True
+    return False
+
+
+cdef void list_cell(KvTable* t, int32_t cell, bint listed) noexcept nogil:
+    """Put the cell's pairs into its sequences' trees (``listed``) or take them out (before its
+    position changes or it empties)."""
+    cdef int32_t w, s
+    cdef uint64_t word
+    for w in range(t.seq_words):
+        word = t.seq_bits[<int64_t>cell * t.seq_words + w]
+        while word:
+            s = w * 64 + rc_ctz64(word)
+            word &= word - 1
+            if listed:
+                sp_insert(&t.seqs, s, t.pos[cell], cell)
+            else:
+                sp_erase(&t.seqs, s, t.pos[cell], cell)
+
+
+cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
+    """Every sequence leaves a used cell."""
+    list_cell(t, cell, False)
+    memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
+    t.n_seq[cell] = 0
+    empty_cell(t, cell)
+
+
+# -- lifecycle ---------------------------------------------------------------------------------------------
+
+cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int32_t swa_type) noexcept nogil:
+    memset(t, 0, sizeof(KvTable))
+    t.size = size
+    t.n_seq_max = n_seq_max
+    t.n_swa = n_swa
+    t.swa_type = swa_type
+    t.seq_words = (n_seq_max + 63) // 64
+    t.free_words = (size + 63) // 64
+    t.pos = <int32_t*>malloc(<size_t>4 * <size_t>size * sizeof(int32_t))
+    t.seq_bits = <uint64_t*>malloc(<size_t>size * <size_t>t.seq_words * sizeof(uint64_t))
+    t.free_bits = <uint64_t*>malloc(<size_t>t.free_words * sizeof(uint64_t))
+    t.mark = <uint8_t*>malloc(<size_t>size)
+    t.max_rm = <int32_t*>malloc(<size_t>n_seq_max * sizeof(int32_t))
+    if (t.pos == NULL or t.seq_bits == NULL or t.free_bits == NULL or t.mark == NULL or t.max_rm == NULL
+            or not sp_init(&t.seqs, n_seq_max)):
+        kv_release(t)
+        return KV_NO_MEMORY
+    t.shift = t.pos + size         # one block, four [size] arrays
+    t.n_seq = t.pos + 2 * size
+    t.scratch = t.pos + 3 * size
+    memset(t.mark, 0, <size_t>size)
+    kv_clear(t)
+    return KV_OK
+
+
+cdef void kv_release(KvTable* t) noexcept nogil:
+    free(t.pos)
+    free(t.seq_bits)
+    free(t.free_bits)
+    free(t.mark)
+    free(t.max_rm)
+    sp_release(&t.seqs)
+    memset(t, 0, sizeof(KvTable))
+
+
+cdef void kv_clear(KvTable* t) noexcept nogil:
+    cdef int32_t i
+    memset(t.pos, 0xFF, <size_t>t.size * sizeof(int32_t))          # -1: empty
+    memset(t.shift, 0, <size_t>2 * <size_t>t.size * sizeof(int32_t))   # shift and n_seq
+    memset(t.seq_bits, 0, <size_t>t.size * <size_t>t.seq_words * sizeof(uint64_t))
+    memset(t.free_bits, 0xFF, <size_t>t.free_words * sizeof(uint64_t))
+    if t.size & 63:   # bits past the last cell stay clear, so a full word reads as "no free cell"
+        t.free_bits[t.free_words - 1] = (<uint64_t>1 << (t.size & 63)) - 1
+    sp_clear(&t.seqs)
+    t.head = 0
+    t.used = 0
+    t.top = 0
+    t.has_shift = False
+
+
+# -- placing a ubatch --------------------------------------------------------------------------------------
+
+cdef int kv_check_tokens(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat,
+                         const int32_t* offsets, int64_t* a, int64_t* b) noexcept nogil:
+    cdef int32_t token, k, k2, seq
+    for token in range(n):
+        if pos[token] < 0 or pos[token] >= POS_END:
+            a[0] = token
+            b[0] = pos[token]
+            return KV_POSITION
+        for k in range(offsets[token], offsets[token + 1]):
+            seq = flat[k]
+            if seq < 0 or seq >= t.n_seq_max:
+                a[0] = seq
+                b[0] = t.n_seq_max
+                return KV_SEQ_RANGE
+            for k2 in range(offsets[token], k):
+                if flat[k2] == seq:
+                    a[0] = token
+                    b[0] = seq
+                    return KV_DUPLICATE_SEQ
+    return KV_OK
+
+
+cdef inline bint masked_swa(int32_t n_swa, int32_t swa_type, int32_t p0, int32_t p1) noexcept nogil:
+    """kv_reference.is_masked_swa."""
+    cdef int32_t diff
+    if swa_type == SWA_STANDARD:
+        return <int64_t>p1 - p0 >= n_swa
+    if swa_type == SWA_CHUNKED:
+        return p0 < (p1 // n_swa) * n_swa
+    if swa_type == SWA_SYMMETRIC:
+        diff = p1 - p0
+        return diff > n_swa // 2 or diff < -(n_swa // 2)
+    return False
+
+
+cdef bint usable(const KvTable* t, int32_t cell) noexcept nogil:
+    """Empty, or held by one sequence that no longer sees it through the sliding window."""
+    cdef int32_t owner
+    if t.pos[cell] < 0:
+        return True
+    if t.n_seq[cell] != 1 or t.swa_type == SWA_NONE:
+        return False
+    owner = only_seq(t, cell)
+    return masked_swa(t.n_swa, t.swa_type, t.pos[cell], kv_seq_pos_max(t, owner) + 1)
+
+
+cdef int32_t next_free(const KvTable* t, int32_t start, int32_t end) noexcept nogil:
+    """The first empty cell in [start, end), or end."""
+    cdef int32_t w
+    cdef uint64_t word
+    if start >= end:
+        return end
+    w = start >> 6
+    word = t.free_bits[w] & (~<uint64_t>0 << (start & 63))
+    while True:
+        if word:
+            start = w * 64 + rc_ctz64(word)
+            return start if start < end else end
+        w += 1
+        if w * 64 >= end:
+            return end
+        word = t.free_bits[w]
+
+
+cdef int kv_find_slot(const KvTable* t, int32_t n, bint cont, int32_t* slot) noexcept nogil:
+    cdef int32_t head = t.head
+    cdef int32_t found = 0, cell, k
+    cdef int64_t tested = 0
+    cdef int32_t n_test = n if cont else 1
+    if head > t.used + 2 * <int64_t>n:
+        head = 0
+    if n > t.size:
+        return KV_NO_SLOT
+    if not cont and t.swa_type == SWA_NONE:
+        # only empty cells are usable: the first n of them from head on, wrapping around once
+        if t.size - t.used < n:
+            return KV_NO_SLOT
+        cell = next_free(t, head, t.size)
+        while found < n and cell < t.size:
+            slot[found] = cell
+            found += 1
+            cell = next_free(t, cell + 1, t.size)
+        cell = next_free(t, 0, head)
+        while found < n:
+            slot[found] = cell
+            found += 1
+            cell = next_free(t, cell + 1, head)
+        return KV_OK
+    # llama.cpp's search, cell by cell
+    while True:
+        if head + n_test > t.size:
+            tested += t.size - head
+            head = 0
+            continue
+        for k in range(n_test):
+            cell = head
+            head += 1
+            tested += 1
+            if usable(t, cell):
+                slot[found] = cell
+                found += 1
+            elif cont:
+                break
+        if found == n:
+            return KV_OK
+        if cont:
+            found = 0
+        if tested >= t.size:
+            return KV_NO_SLOT
+
+
+cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos, const int32_t* flat,
+                  const int32_t* offsets, int64_t* a, int64_t* b) noexcept nogil:
+    cdef int32_t token, cell, k, owner, lowest, code = KV_OK
+    for token in range(n):
+        cell = slot[token]
+        if cell < 0 or cell >= t.size:
+            code = KV_CELL_INDEX
+            a[0] = cell
+            b[0] = t.size
+            break
+        if t.mark[cell] or t.n_seq[cell] > 1:
+            code = KV_CELL_TAKEN
+            a[0] = cell
+            break
+        t.mark[cell] = 1
+    for k in range(token if code != KV_OK else n):
+        t.mark[slot[k]] = 0
+    if code != KV_OK:
+        return code
+    if not sp_reserve(&t.seqs, offsets[n]):
+        return KV_NO_MEMORY
+    for k in range(t.n_seq_max):
+        t.max_rm[k] = -1
+    for token in range(n):
+        cell = slot[token]
+        if t.pos[cell] >= 0:      # reused under the sliding window
+            owner = only_seq(t, cell)
+            if t.pos[cell] > t.max_rm[owner]:
+                t.max_rm[owner] = t.pos[cell]
+            leave(t, cell, owner)
+        take_cell(t, cell, pos[token])
+        for k in range(offsets[token], offsets[token + 1]):
+            join(t, cell, flat[k])
+    # a sequence keeps one unbroken run of positions: it loses every position up to one overwritten
+    for owner in range(t.n_seq_max):
+        if t.max_rm[owner] >= 0:
+            lowest = kv_seq_pos_min(t, owner)
+            if 0 <= lowest <= t.max_rm[owner]:
+                kv_seq_rm(t, owner, lowest, t.max_rm[owner] + 1)
+    t.head = slot[n - 1] + 1
+    return KV_OK
+
+
+# -- sequence operations -----------------------------------------------------------------------------------
+
+cdef int kv_seq_rm(KvTable* t, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
+    cdef int32_t n, k, cell, first_freed = t.size
+    if seq >= 0:
+        n = sp_collect(&t.seqs, seq, p0, p1, t.scratch)
+        for k in range(n):
+            cell = t.scratch[k]
+            if leave(t, cell, seq) and cell < first_freed:
+                first_freed = cell
+    else:
+        for cell in range(t.size):
+            if p0 <= t.pos[cell] < p1:
+                free_cell(t, cell)
+                if cell < first_freed:
+                    first_freed = cell
+    if first_freed < t.head:
+        t.head = first_freed
+    return KV_OK
+
+
+cdef int kv_seq_cp(KvTable* t, int32_t src, int32_t dst, int32_t p0, int32_t p1) noexcept nogil:
+    cdef int32_t n, k, cell
+    if src == dst:
+        return KV_OK
+    n = sp_collect(&t.seqs, src, p0, p1, t.scratch)
+    if not sp_reserve(&t.seqs, n):
+        return KV_NO_MEMORY
+    for k in range(n):
+        cell = t.scratch[k]
+        if not kv_seq_has(t, cell, dst):
+            join(t, cell, dst)
+    return KV_OK
+
+
+cdef int kv_seq_keep(KvTable* t, int32_t seq) noexcept nogil:
+    cdef int32_t cell, first_freed = t.size
+    for cell in range(t.size):
+        if t.pos[cell] < 0:
+            continue
+        if kv_seq_has(t, cell, seq):
+            if t.n_seq[cell] > 1:
+                list_cell(t, cell, False)
+                memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
+                t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] = <uint64_t>1 << (seq & 63)
+                t.n_seq[cell] = 1
+                sp_insert(&t.seqs, seq, t.pos[cell], cell)
+        else:
+            free_cell(t, cell)
+            if cell < first_freed:
+                first_freed = cell
+    if first_freed < t.head:
+        t.head = first_freed
+    return KV_OK
+
+
+cdef int refused_move(const KvTable* t, int32_t n, int32_t delta, int32_t d, int64_t* a,
+                      int64_t* b) noexcept nogil:
+    """Whether moving the cells scratch[:n] by ``delta`` (``d == 0``) or dividing their positions by
+    ``d`` is refused: a position reaching 2**31 - 1, then a pending shift leaving int32.  Names the
+    lowest cell at fault, as a scan of the cells in index order would."""
+    cdef int32_t k, cell, check
+    cdef int64_t moved, shift
+    cdef bint fault
+    cdef int code = KV_OK
+    for check in range(2):
+        for k in range(n):
+            cell = t.scratch[k]
+            moved = <int64_t>t.pos[cell] + delta if d == 0 else t.pos[cell] // d
+            # llama.cpp adds delta to an added cell's shift, and old - new to a divided one's
+            shift = t.shift[cell] + (delta if d == 0 else t.pos[cell] - moved)
+            fault = moved >= POS_END if check == 0 else not INT32_MIN <= shift <= INT32_MAX
+            if fault and (code == KV_OK or cell < a[0]):
+                code = KV_SHIFT_POSITION if check == 0 else KV_SHIFT_RANGE
+                a[0] = cell
+                b[0] = t.pos[cell] if check == 0 else t.shift[cell]
+        if code != KV_OK:
+            return code
+    return KV_OK
+
+
+cdef int kv_seq_add(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t delta, int64_t* a,
+                    int64_t* b) noexcept nogil:
+    cdef int32_t n, k, cell, first_freed = t.size
+    cdef int code = KV_OK
+    if delta == 0 or p0 == p1:
+        return KV_OK
+    n = sp_collect(&t.seqs, seq, p0, p1, t.scratch)
+    code = refused_move(t, n, delta, 0, a, b)
+    if code != KV_OK:
+        return code
+    for k in range(n):
+        cell = t.scratch[k]
+        t.has_shift = True
+        list_cell(t, cell, False)
+        t.pos[cell] += delta
+        t.shift[cell] += delta
+        if t.pos[cell] < 0:
+            memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
+            t.n_seq[cell] = 0
+            empty_cell(t, cell)
+            if cell < first_freed:
+                first_freed = cell
+        else:
+            list_cell(t, cell, True)
+    t.head = first_freed if first_freed < t.size else 0
+    return KV_OK
+
+
+cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, int64_t* a,
+                    int64_t* b) noexcept nogil:
+    cdef int32_t n, k, cell, moved
+    cdef int code = KV_OK
+    if d < 1:
+        a[0] = d
+        return KV_DIVISOR
+    if d == 1 or p0 == p1:
+        return KV_OK
+    n = sp_collect(&t.seqs, seq, p0, p1, t.scratch)
+    code = refused_move(t, n, 0, d, a, b)
+    if code != KV_OK:
+        return code
+    for k in range(n):
+        cell = t.scratch[k]
+        t.has_shift = True
+        list_cell(t, cell, False)
+        moved = t.pos[cell] // d
+        t.shift[cell] += t.pos[cell] - moved
+        t.pos[cell] = moved
+        list_cell(t, cell, True)
+    return KV_OK
+
+
+cdef int32_t kv_seq_pos_min(const KvTable* t, int32_t seq) noexcept nogil:
+    return sp_min(&t.seqs, seq)
+
+
+cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil:
+    return sp_max(&t.seqs, seq)
+
+
+cdef void kv_reset_shift(KvTable* t) noexcept nogil:
+    memset(t.shift, 0, <size_t>t.size * sizeof(int32_t))
+    t.has_shift = False
+
+
+# -- the mask ----------------------------------------------------------------------------------------------
+
+cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
+                 float* out, int32_t n_kv, bint sliding) noexcept nogil:
+    """Per sequence of the ubatch, the position each cell holds for it (-1: none) once; then per
+    token one branch-free pass: visible iff that position lies in the token's window [lo, p]."""
+    cdef int32_t* seen_pos = <int32_t*>malloc(<size_t>n_kv * sizeof(int32_t))
+    cdef int32_t* next_token = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
+    cdef int32_t* first_token = <int32_t*>malloc(<size_t>t.n_seq_max * sizeof(int32_t))
+    cdef int32_t token, seq, j, p, lo, swa_type = t.swa_type if sliding else SWA_NONE
+    cdef uint32_t width
+    cdef int32_t word_index
+    cdef uint64_t bit
+    cdef float* row
+    if seen_pos == NULL or next_token == NULL or first_token == NULL:
+        free(seen_pos)
+        free(next_token)
+        free(first_token)
+        return KV_NO_MEMORY
+    for seq in range(t.n_seq_max):
+        first_token[seq] = -1
+    for token in range(n - 1, -1, -1):    # each sequence's tokens, chained in order
+        seq = flat[offsets[token]]
+        next_token[token] = first_token[seq]
+        first_token[seq] = token
+    for seq in range(t.n_seq_max):
+        if first_token[seq] < 0:
+            continue
+        word_index = seq >> 6
+        bit = <uint64_t>1 << (seq & 63)
+        for j in range(n_kv):
+            seen_pos[j] = t.pos[j] if t.seq_bits[<int64_t>j * t.seq_words + word_index] & bit else -1
+        token = first_token[seq]
+        while token >= 0:
+            p = pos[token]
+            lo = 0
+            if swa_type == SWA_STANDARD:
+                lo = p - t.n_swa + 1 if p >= t.n_swa else 0
+            elif swa_type == SWA_CHUNKED:
+                lo = (p // t.n_swa) * t.n_swa
+            elif swa_type == SWA_SYMMETRIC:
+                lo = p - t.n_swa // 2 if p >= t.n_swa // 2 else 0
+            width = <uint32_t>(p - lo)
+            row = out + <int64_t>token * n_kv
+            for j in range(n_kv):
+                row[j] = 0.0 if <uint32_t>(seen_pos[j] - lo) <= width else -INFINITY
+            token = next_token[token]
+    free(seen_pos)
+    free(next_token)
+    free(first_token)
+    return KV_OK
+
+
+# -- the invariants ----------------------------------------------------------------------------------------
+
+cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
+    cdef int32_t cell, w, s, k, n, used = 0, top = 0, bits
+    cdef int64_t members = 0, total
+    cdef uint64_t word
+    cdef bint empty
+    for cell in range(t.size):
+        where[0] = cell
+        empty = (t.free_bits[cell >> 6] >> (cell & 63)) & 1
+        if (t.pos[cell] < 0) != empty or (t.pos[cell] < 0) != (t.n_seq[cell] == 0) or t.pos[cell] < -1:
+            return KV_CHECK_EMPTY
+        bits = 0
+        for w in range(t.seq_words):
+            word = t.seq_bits[<int64_t>cell * t.seq_words + w]
+            if w == t.seq_words - 1 and (t.n_seq_max & 63) and word >> (t.n_seq_max & 63):
+                return KV_CHECK_COUNT
+            while word:
+                word &= word - 1
+                bits += 1
+        if bits != t.n_seq[cell]:
+            return KV_CHECK_COUNT
+        if empty and t.shift[cell] != 0:
+            return KV_CHECK_SHIFT
+        if not empty:
+            used += 1
+            top = cell + 1
+        members += bits
+    total = members
+    where[0] = -1
+    if used != t.used or top != t.top:
+        return KV_CHECK_USED
+    if t.head < 0 or t.head > t.size:
+        return KV_CHECK_HEAD
+    for s in range(t.n_seq_max):
+        where[0] = s
+        if sp_check(&t.seqs, s, t.pos, t.size):
+            return KV_CHECK_TREE
+        n = sp_collect(&t.seqs, s, 0, POS_END, t.scratch)
+        for k in range(n):
+            if not kv_seq_has(t, t.scratch[k], s):
+                return KV_CHECK_TREE
+        members -= n
+    where[0] = -1
+    if members != 0 or t.seqs.nodes_live != total:
+        return KV_CHECK_TREE
+    return 0
+
+
+# -- the Python class --------------------------------------------------------------------------------------
+
+CHECK_MESSAGES = {
+    KV_CHECK_EMPTY: "KV cell {where}: its position, sequence count and free bit disagree",
+    KV_CHECK_COUNT: "KV cell {where}: its sequence count is not the size of its sequence set",
+    KV_CHECK_SHIFT: "KV cell {where}: empty with a pending shift",
+    KV_CHECK_USED: "the KV table's used count or last used cell is wrong",
+    KV_CHECK_TREE: "sequence {where}: its ordered positions disagree with the cells",
+    KV_CHECK_HEAD: "the KV table's head lies outside [0, size]",
+}
+
+
+cdef class KVCells:
+    """``size`` KV cells of one stream (``kv_reference.KVCells``'s interface and semantics)."""
+
+    cdef KvTable t
+    cdef readonly str swa_type
+
+    def __cinit__(self, size, n_seq_max=1, n_swa=0, swa_type="none"):
+        check_config(size, n_seq_max, n_swa, swa_type)
+        if kv_init(&self.t, size, n_seq_max, n_swa, kv_reference.SWA_TYPES.index(swa_type)) != KV_OK:
+            raise MemoryError(f"out of memory for {size} KV cells")
+        self.swa_type = swa_type
+
+    def __dealloc__(self):
+        kv_release(&self.t)
+
+    @property
+    def size(self) -> int:
+        return self.t.size
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.t.n_seq_max
+
+    @property
+    def n_swa(self) -> int:
+        return self.t.n_swa
+
+    @property
+    def head(self) -> int:
+        return self.t.head
+
+    @property
+    def used(self) -> int:
+        return self.t.used
+
+    @property
+    def used_max_p1(self) -> int:
+        return self.t.top
+
+    @property
+    def has_shift(self) -> bool:
+        return bool(self.t.has_shift)
+
+    def cell(self, Py_ssize_t i):
+        if not 0 <= i < self.t.size:
+            raise kv_error(kv_reference.CODES["CELL_INDEX"], i, self.t.size)
+        if self.t.pos[i] < 0:
+            return None
+        return self.t.pos[i], tuple(s for s in range(self.t.n_seq_max) if kv_seq_has(&self.t, <int32_t>i, s))
+
+    def cells(self):
+        return [self.cell(i) for i in range(self.t.size)]
+
+    def shifts(self):
+        return np.asarray(<int32_t[:self.t.size]>self.t.shift).copy()
+
+    cdef int32_t checked_seq(self, seq) except -2:
+        seq = as_int32(seq, "seq_id")
+        if not 0 <= seq < self.t.n_seq_max:
+            raise kv_error(kv_reference.CODES["SEQ_RANGE"], seq, self.t.n_seq_max)
+        return seq
+
+    def seq_pos_min(self, seq):
+        return kv_seq_pos_min(&self.t, self.checked_seq(seq))
+
+    def seq_pos_max(self, seq):
+        return kv_seq_pos_max(&self.t, self.checked_seq(seq))
+
+    def n_kv(self, int pad=kv_reference.N_KV_PAD):
+        if pad < 1:
+            raise E.ArgumentError(f"pad must be >= 1, got {pad}")
+        return min(self.t.size, max(pad, (<int64_t>self.t.top + pad - 1) // pad * pad))
+
+    def check(self):
+        cdef int64_t where = -1
+        cdef int broken = kv_check(&self.t, &where)
+        if broken:
+            raise E.CoreError(CHECK_MESSAGES[broken].format(where=where))
+
+    # -- placing a ubatch
+
+    def find_slot(self, pos, seq_ids, bint cont=False):
+        positions, flat, offsets = self.tokens(pos, seq_ids)
+        slot = np.empty(positions.shape[0], dtype=np.int32)
+        cdef int32_t[::1] slot_view = slot
+        cdef int code
+        with nogil:
+            code = kv_find_slot(&self.t, <int32_t>slot_view.shape[0], cont, &slot_view[0])
+        return slot if code == KV_OK else None
+
+    def apply(self, cells, pos, seq_ids):
+        positions, flat, offsets = self.tokens(pos, seq_ids)
+        self.apply_arrays(cell_array(cells, positions.shape[0], self.t.size), positions, flat, offsets)
+
+    def place(self, pos, seq_ids, bint cont=False):
+        positions, flat, offsets = self.tokens(pos, seq_ids)
+        return self.place_arrays(positions, flat, offsets, cont)
+
+    def place_arrays(self, const int32_t[::1] pos, const int32_t[::1] flat, const int32_t[::1] offsets,
+                     bint cont=False):
+        """``place`` for tokens already as ``token_arrays`` gives them: the cells, or ``None``."""
+        cdef int32_t n = <int32_t>pos.shape[0]
+        cdef int64_t a = 0, b = 0
+        cdef int code
+        cdef int32_t token
+        if n < 1 or offsets.shape[0] != n + 1 or offsets[0] != 0 or offsets[n] != flat.shape[0]:
+            raise E.BatchError("place_arrays: offsets must be [n + 1], from 0 to len(flat), for n >= 1 tokens")
+        for token in range(n):    # every token lists at least one seq id, and no read leaves flat
+            if offsets[token + 1] <= offsets[token]:
+                raise E.BatchError(f"place_arrays: token {token} has no seq id (offsets must grow strictly)")
+        slot = np.empty(n, dtype=np.int32)
+        cdef int32_t[::1] slot_view = slot
+        with nogil:
+            code = kv_check_tokens(&self.t, n, &pos[0], &flat[0], &offsets[0], &a, &b)
+            if code == KV_OK:
+                code = kv_find_slot(&self.t, n, cont, &slot_view[0])
+                if code == KV_OK:
+                    code = kv_apply(&self.t, n, &slot_view[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+        if code == KV_NO_SLOT:
+            return None
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+        return slot
+
+    cdef apply_arrays(self, const int32_t[::1] slot, const int32_t[::1] pos, const int32_t[::1] flat,
+                      const int32_t[::1] offsets):
+        cdef int64_t a = 0, b = 0
+        cdef int code
+        with nogil:
+            code = kv_apply(&self.t, <int32_t>pos.shape[0], &slot[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+
+    cdef tuple tokens(self, pos, seq_ids):
+        """token_arrays, then the range checks."""
+        positions, flat, offsets = token_arrays(pos, seq_ids)
+        cdef const int32_t[::1] p = positions
+        cdef const int32_t[::1] f = flat
+        cdef const int32_t[::1] o = offsets
+        cdef int64_t a = 0, b = 0
+        cdef int code = kv_check_tokens(&self.t, <int32_t>p.shape[0], &p[0], &f[0], &o[0], &a, &b)
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+        return positions, flat, offsets
+
+    # -- sequence operations
+
+    cdef tuple bounds(self, p0, p1):
+        p0, p1 = as_int32(p0, "p0"), as_int32(p1, "p1")
+        return (0 if p0 < 0 else p0), (POS_END if p1 < 0 else p1)
+
+    def seq_rm(self, seq, p0=-1, p1=-1):
+        seq = as_int32(seq, "seq_id")
+        if seq != -1:
+            self.checked_seq(seq)
+        lo, hi = self.bounds(p0, p1)
+        kv_seq_rm(&self.t, seq, lo, hi)
+        return True
+
+    def seq_cp(self, src, dst, p0=-1, p1=-1):
+        src = self.checked_seq(as_int32(src, "seq_id"))
+        dst = self.checked_seq(as_int32(dst, "seq_id"))
+        lo, hi = self.bounds(p0, p1)
+        if kv_seq_cp(&self.t, src, dst, lo, hi) != KV_OK:
+            raise kv_error(kv_reference.CODES["NO_MEMORY"])
+
+    def seq_keep(self, seq):
+        kv_seq_keep(&self.t, self.checked_seq(as_int32(seq, "seq_id")))
+
+    def seq_add(self, seq, p0, p1, delta):
+        cdef int64_t a = 0, b = 0
+        seq = self.checked_seq(as_int32(seq, "seq_id"))
+        lo, hi = self.bounds(p0, p1)
+        code = kv_seq_add(&self.t, seq, lo, hi, as_int32(delta, "delta"), &a, &b)
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+
+    def seq_div(self, seq, p0, p1, d):
+        seq = self.checked_seq(as_int32(seq, "seq_id"))
+        lo, hi = self.bounds(p0, p1)
+        cdef int64_t a = 0, b = 0
+        code = kv_seq_div(&self.t, seq, lo, hi, as_int32(d, "d"), &a, &b)
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+
+    def reset_shift(self):
+        kv_reset_shift(&self.t)
+
+    def clear(self):
+        kv_clear(&self.t)
+
+    # -- the mask
+
+    def mask(self, pos, seq_ids, out, bint sliding=True):
+        positions, flat, offsets = self.tokens(pos, seq_ids)
+        cdef int32_t n_kv = check_mask_out(out, positions.shape[0], self.t.size)
+        cdef const int32_t[::1] p = positions
+        cdef const int32_t[::1] f = flat
+        cdef const int32_t[::1] o = offsets
+        cdef float[:, ::1] target = out
+        cdef int code
+        with nogil:
+            code = kv_mask(&self.t, <int32_t>p.shape[0], &p[0], &f[0], &o[0], &target[0, 0], n_kv, sliding)
+        if code != KV_OK:
+            raise kv_error(code)

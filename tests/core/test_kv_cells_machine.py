@@ -1,0 +1,206 @@
+"""Model-based test: the compiled KV cell table (``_kv_cells.KVCells``) against ``kv_reference.KVCells``.
+
+A hypothesis ``RuleBasedStateMachine`` builds both tables with one random shape
+(size, n_seq_max, sliding window of every type or none) and drives the same
+random script through them: ubatches of many sequences (tokens shared by
+several sequences, positions that continue a sequence or jump anywhere,
+continuous slots), lone ``find_slot`` calls, every sequence operation with
+partial ranges, ``seq_rm(-1)``, ``reset_shift``, ``clear``, and bad arguments.
+Every call must give the same result or the same exception with the same
+message; a refused call (an exception, or no slot) must leave both tables as
+they were.  After every rule the invariant compares every cell, ``head``,
+``used``, the shifts and each sequence's ``seq_pos_min`` / ``max``, runs both
+``check()``s, and compares the masks of the last ubatch (with and without the
+window, at llama.cpp's padding and at other widths).
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from recurrent_cache import kv_reference
+from recurrent_cache._kv_cells import KVCells as CompiledCells
+
+SIZES = st.one_of(st.integers(1, 8), st.integers(9, 40), st.integers(41, 100))
+N_SEQ_MAX = st.one_of(st.integers(1, 4), st.integers(5, 16), st.integers(64, 70))   # one and two bitset words
+WINDOWS = st.one_of(st.just(("none", 0)), st.tuples(st.sampled_from(["standard", "chunked", "symmetric"]),
+                                                    st.integers(1, 9)))
+BOUND = st.one_of(st.just(-1), st.integers(0, 40), st.integers(-5, -2))
+
+
+def call(fn):
+    """("ok", result) or ("raise", exception)."""
+    try:
+        return "ok", fn()
+    except Exception as exc:  # noqa: BLE001 - every exception must match between the two tables
+        return "raise", exc
+
+
+def state(table):
+    return (table.cells(), table.head, table.used, table.used_max_p1, table.has_shift, table.shifts().tolist(),
+            [(table.seq_pos_min(s), table.seq_pos_max(s)) for s in range(table.n_seq_max)])
+
+
+class KVCellsMachine(RuleBasedStateMachine):
+    @initialize(size=SIZES, n_seq_max=N_SEQ_MAX, window=WINDOWS)
+    def build(self, size, n_seq_max, window):
+        swa_type, n_swa = window
+        self.compiled = CompiledCells(size, n_seq_max, n_swa, swa_type)
+        self.reference = kv_reference.KVCells(size, n_seq_max, n_swa, swa_type)
+        self.last_ubatch = None
+
+    def both(self, name, *args, refused_if_none=False):
+        """Call ``name`` on both tables: the same outcome, and a refused call changes nothing."""
+        before = state(self.reference)
+        outcomes = [call(lambda table=table: getattr(table, name)(*args)) for table in (self.compiled,
+                                                                                     self.reference)]
+        (kind_c, got_c), (kind_r, got_r) = outcomes
+        assert kind_c == kind_r, (name, args, outcomes)
+        if kind_c == "raise":
+            assert type(got_c) is type(got_r) and str(got_c) == str(got_r), (name, args, outcomes)
+        elif isinstance(got_r, np.ndarray) or isinstance(got_c, np.ndarray):
+            assert got_c is not None and got_r is not None, (name, args, outcomes)
+            assert got_c.dtype == got_r.dtype == np.int32 and got_c.tolist() == got_r.tolist(), (name, args)
+        else:
+            assert got_c == got_r, (name, args, outcomes)
+        if kind_c == "raise" or (refused_if_none and got_r is None):
+            assert state(self.reference) == before == state(self.compiled), (name, args)
+        return kind_r, got_r
+
+    def seq(self, data, valid=True):
+        n = self.reference.n_seq_max
+        if valid:
+            return data.draw(st.integers(0, n - 1), label="seq")
+        return data.draw(st.one_of(st.integers(0, n - 1), st.integers(-3, -1), st.integers(n, n + 3),
+                                   st.just(2**31)), label="seq")
+
+    def tokens(self, data):
+        """A ubatch: per token its position and seq ids (first the one whose row it is)."""
+        n_seq_max = self.reference.n_seq_max
+        n_tokens = data.draw(st.integers(1, min(12, self.reference.size + 2)), label="n_tokens")
+        next_pos = {}
+        pos, seq_ids = [], []
+        for _ in range(n_tokens):
+            owner = self.seq(data)
+            if owner not in next_pos:
+                next_pos[owner] = self.reference.seq_pos_max(owner) + 1
+            if data.draw(st.integers(0, 9), label="jump") == 0:
+                next_pos[owner] = data.draw(st.integers(0, 60), label="pos")
+            ids = [owner]
+            if n_seq_max > 1 and data.draw(st.integers(0, 5), label="shared") == 0:
+                ids += [s for s in data.draw(st.sets(st.integers(0, n_seq_max - 1), max_size=3)) if s != owner]
+            pos.append(next_pos[owner])
+            seq_ids.append(ids)
+            next_pos[owner] += 1
+        return pos, seq_ids
+
+    @rule(data=st.data())
+    def decode(self, data):
+        pos, seq_ids = self.tokens(data)
+        cont = data.draw(st.integers(0, 7), label="cont") == 0
+        self.placed(self.both("place", pos, seq_ids, cont, refused_if_none=True), pos, seq_ids)
+
+    @rule(data=st.data())
+    def decode_one_token_per_sequence(self, data):
+        seqs = data.draw(st.lists(st.integers(0, self.reference.n_seq_max - 1), min_size=1, max_size=8,
+                                  unique=True), label="seqs")
+        pos = [self.reference.seq_pos_max(s) + 1 for s in seqs]
+        outcome = self.both("place", np.asarray(pos, np.int32), np.asarray(seqs, np.int32), refused_if_none=True)
+        self.placed(outcome, pos, seqs)
+
+    def placed(self, outcome, pos, seq_ids):
+        """Remember a placed ubatch: the mask invariant checks its mask from now on."""
+        if outcome[0] == "ok" and outcome[1] is not None:
+            self.last_ubatch = (pos, seq_ids)
+
+    @rule(data=st.data())
+    def find_slot_alone(self, data):
+        pos, seq_ids = self.tokens(data)
+        self.both("find_slot", pos, seq_ids, data.draw(st.booleans(), label="cont"), refused_if_none=True)
+
+    @rule(data=st.data())
+    def apply_chosen_cells(self, data):
+        """apply with cells the caller picked: refused when a cell is out of range, repeated or shared."""
+        pos, seq_ids = self.tokens(data)
+        size = self.reference.size
+        cells = data.draw(st.lists(st.integers(-1, size), min_size=len(pos), max_size=len(pos) + 1), label="cells")
+        self.both("apply", cells, pos, seq_ids)
+
+    @rule(data=st.data(), p0=BOUND, p1=BOUND)
+    def seq_rm(self, data, p0, p1):
+        seq = data.draw(st.sampled_from([-1, -2]), label="seq") if data.draw(st.booleans()) else self.seq(data, False)
+        self.both("seq_rm", seq, p0, p1)
+
+    @rule(data=st.data(), p0=BOUND, p1=BOUND)
+    def seq_cp(self, data, p0, p1):
+        self.both("seq_cp", self.seq(data, valid=False), self.seq(data), p0, p1)
+
+    @rule(data=st.data())
+    def seq_keep(self, data):
+        self.both("seq_keep", self.seq(data, valid=False))
+
+    @rule(data=st.data(), p0=BOUND, p1=BOUND,
+          delta=st.one_of(st.integers(-12, 12), st.just(2**31 - 2), st.just(-(2**31)), st.just(2**31)))
+    def seq_add(self, data, p0, p1, delta):
+        self.both("seq_add", self.seq(data, valid=False), p0, p1, delta)
+
+    @rule(data=st.data(), p0=BOUND, p1=BOUND, d=st.integers(-1, 5))
+    def seq_div(self, data, p0, p1, d):
+        self.both("seq_div", self.seq(data, valid=False), p0, p1, d)
+
+    @rule(data=st.data())
+    def bad_ubatch(self, data):
+        """Positions out of range, a seq id listed twice or out of range, an empty token, mismatched lengths."""
+        pos, seq_ids = self.tokens(data)
+        which = data.draw(st.integers(0, 4), label="defect")
+        token = data.draw(st.integers(0, len(pos) - 1), label="token")
+        if which == 0:
+            pos[token] = data.draw(st.sampled_from([-1, 2**31 - 1, 2**31, -(2**40)]))
+        elif which == 1:
+            seq_ids[token] = seq_ids[token] + [seq_ids[token][0]]
+        elif which == 2:
+            seq_ids[token] = [self.seq(data, valid=False)]
+        elif which == 3:
+            seq_ids[token] = []
+        else:
+            pos = pos + [0]
+        self.both(data.draw(st.sampled_from(["place", "find_slot"])), pos, seq_ids)
+
+    @rule()
+    def reset_shift(self):
+        self.both("reset_shift")
+
+    @precondition(lambda self: self.reference.used > 0)
+    @rule(data=st.data())
+    def clear(self, data):
+        if data.draw(st.integers(0, 5), label="clear") == 0:
+            self.both("clear")
+
+    @invariant()
+    def tables_agree(self):
+        assert state(self.compiled) == state(self.reference)
+        self.compiled.check()
+        self.reference.check()
+        for pad in (1, 7, 256):
+            assert self.compiled.n_kv(pad) == self.reference.n_kv(pad)
+
+    @invariant()
+    def masks_agree(self):
+        if self.last_ubatch is None:
+            return
+        pos, seq_ids = self.last_ubatch
+        for n_kv in {self.reference.n_kv(), self.reference.size}:
+            for sliding in (True, False):
+                got = np.full((len(pos), n_kv), 7.0, np.float32)
+                want = got.copy()
+                self.compiled.mask(pos, seq_ids, got, sliding)
+                self.reference.mask(pos, seq_ids, want, sliding)
+                assert np.array_equal(got, want), (n_kv, sliding)
+
+
+TestKVCellsMachine = KVCellsMachine.TestCase
+TestKVCellsMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
