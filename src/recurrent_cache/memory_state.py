@@ -366,12 +366,19 @@ class MemoryState:
     @property
     def ubatch(self) -> Ubatch:
         """The current ubatch (see ``Ubatch``)."""
+        if self._ubatch is None:
+            self._ubatch = self.planned(self._u)
+        return self._ubatch
+
+    def planned(self, u: int) -> Ubatch:
+        """Ubatch ``u`` as the split made it — its tokens, positions and seq ids, readable before it
+        is applied (a hybrid memory places every ubatch's attention tokens up front); its rows are
+        ``r(il)`` / ``s(il)`` once it is the applied one."""
         if self._placement is None or self.status != MemoryStatus.SUCCESS:
             raise UsageError("this state has no ubatches")
-        if self._ubatch is None:
-            assert self._batch is not None and self._pos is not None
-            self._ubatch = Ubatch(self._placement, self._u, self._batch, self._pos)
-        return self._ubatch
+        u = index(u, "ubatch index", int(self._placement.n_ubatches), OutOfRangeError)
+        assert self._batch is not None and self._pos is not None
+        return Ubatch(self._placement, u, self._batch, self._pos)
 
     def _rows(self, tensors: tuple[Tensor | None, ...], il: int, kind: int) -> Tensor:
         if type(il) is not int or not 0 <= il < len(tensors):   # the common case skips the general check
