@@ -19,13 +19,19 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _args, _engines
-from ._args import as_flag, as_int
+from ._args import as_flag, as_int, state_seq_id
 from .batch import Batch
 from .cache import RecurrentCache
-from .errors import POS_MAX, SEQ_RANGE, ConfigError, CoreError, OutOfRangeError, UsageError, engine_error
+from .errors import (POS_MAX, SEQ_RANGE, ConfigError, CoreError, NoFreeCellError, OutOfRangeError, StateError,
+                     UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
 from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
 from .memory_state import MemoryState, MemoryStatus, ThreadGuard, Ubatch
+from .formats.blob import blob_view, framing_prefix, parse_blob
+from .formats.framings import in_section, unframe
+from .formats.geometry import Geometry
+from .formats.kv import compose_kv_section, parse_kv_section
+from .kv_state import KvLoad, KvRows, checked_load, kv_section
 from .storage import Storage, Tensor, allocating, storage_for
 
 __all__ = ["HybridCache", "HybridState"]
@@ -106,6 +112,10 @@ class HybridCache:
             placed_k[il], placed_v[il] = self._kv_tensors[0][j], self._kv_tensors[1][j]
         self.k: tuple[Any, ...] = tuple(placed_k)
         self.v: tuple[Any, ...] = tuple(placed_v)
+        k_tensor, v_tensor = self._kv_tensors
+        self._kv_rows = KvRows(self._storage, k_tensor, v_tensor.swapaxes(1, 2) if self._v_trans else v_tensor,
+                               self._type_k, self._type_v, self._n_embd_k, self._n_embd_v, self._v_trans, n_swa,
+                               swa_type)
         self._generation = 0
         self._guard = ThreadGuard()
 
@@ -424,6 +434,88 @@ class HybridCache:
         out = np.empty((pos.size, n_kv), dtype=np.float32)
         self._kv.mask(pos, _seq_lists(flat, offsets), out, sliding)
         return out
+
+    # -- state bytes (docs/hybrid.md, "State bytes") ----------------------------------------------
+
+    def state_write(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
+                    partial_only: bool = False) -> bytes:
+        """The state of the whole memory (``seq_id = -1``) or of one sequence, as llama.cpp's hybrid
+        memory writes it: the attention KV section, then the recurrent section.  ``framing`` and
+        ``arch`` as ``RecurrentCache.state_write``.  ``partial_only``: the recurrent section alone
+        (llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, what its context checkpoints keep)."""
+        seq_id = state_seq_id(seq_id, self._n_seq_max, "state_write")
+        partial = as_flag(partial_only, "state_write: partial_only")
+        prefix = framing_prefix(framing, seq_id, arch)
+        self._enter()
+        try:
+            kv = b"" if partial else compose_kv_section(kv_section(self._kv, self._kv_rows, seq_id))
+            recurrent = self._recurrent.state_write(seq_id)
+        finally:
+            self._leave()
+        return prefix + kv + recurrent
+
+    def state_size(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
+                   partial_only: bool = False) -> int:
+        """Length in bytes of ``state_write`` with the same arguments."""
+        return len(self.state_write(seq_id, framing, arch, partial_only=partial_only))
+
+    def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
+                   partial_only: bool = False, kv_cell_ext: bool | None = None) -> int:
+        """Restore a hybrid state in any framing llama.cpp or this package writes (found from the
+        bytes, as ``RecurrentCache.state_read``); returns its length.  The KV section is found
+        without being told: a hybrid memory's state has one (``partial_only``: none, the recurrent
+        section alone, which leaves the KV half as it is).  Either V layout is read.
+
+        ``seq_id = -1`` replaces the whole memory; ``seq_id >= 0`` replaces that sequence in both
+        halves (its KV cells go where a ubatch of them would).  Everything is checked before either
+        half changes: a ``StateError`` (or ``NoFreeCellError`` when the sequence's cells fit nowhere)
+        leaves both exactly as they were."""
+        seq_id = state_seq_id(seq_id, self._n_seq_max, "state_read")
+        partial = as_flag(partial_only, "state_read: partial_only")
+        geometry = Geometry.of(self._recurrent)
+        unframed = unframe(data, seq_id, arch, not partial, framing=framing, cache=geometry, kv_cell_ext=kv_cell_ext)
+        found = unframed.framing
+        load = None
+        try:
+            if not partial:
+                assert found.kv_offset is not None
+                if found.kv_cell_ext:
+                    raise StateError("the KV section's cells carry extended positions (M-RoPE or n-gram models): "
+                                     "a HybridCache does not keep them")
+                section = parse_kv_section(blob_view(data)[found.kv_offset:found.section_offset], seq_id, False,
+                                           geometry)
+                load = checked_load(section, self._kv_rows, self._kv.size, self._n_seq_max, seq_id)
+            parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before anything changes
+        except StateError as exc:
+            raise in_section(exc, found) from None
+        self._enter()
+        try:
+            if load is not None:
+                self._load_kv(load, seq_id)
+            self._recurrent.state_read(unframed.section, seq_id, framing="bare")
+            self._generation += 1
+        finally:
+            self._leave()
+        return found.section_offset + len(unframed.section)
+
+    def _load_kv(self, load: KvLoad, seq_id: int) -> None:
+        """A checked section into the KV half: its cells (where llama.cpp puts them), then their rows."""
+        if seq_id < 0:
+            self._kv.load(load.pos, load.flat, load.offsets)
+            cells = np.arange(load.n_cells, dtype=np.int64)
+        elif load.n_cells == 0:
+            self._kv.seq_rm(seq_id, -1, -1)
+            return
+        else:
+            slot = self._kv.load_seq(seq_id, load.pos)
+            if slot is None:
+                raise NoFreeCellError(f"state_read: the {load.n_cells} KV cells of sequence {seq_id} fit nowhere "
+                                      f"in the KV cache ({self._kv.used} of {self._kv.size} cells used)")
+            cells = slot.astype(np.int64)
+        if cells.size:
+            rows, storage = self._kv_rows, self._storage
+            storage.put(rows.k_by_cell, cells, storage.from_host(load.k, self._type_k))
+            storage.put(rows.v_by_cell, cells, storage.from_host(load.v, self._type_v))
 
     def __repr__(self) -> str:
         return (f"HybridCache(n_layer={self.n_layer}, attn_layers={self._attn_layers}, "

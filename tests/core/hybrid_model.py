@@ -45,6 +45,11 @@ class Histories:
         self.of_seq[dst], self.positions[dst], self.kv_lost[dst] = \
             self.of_seq[src], list(self.positions[src]), self.kv_lost[src]
 
+    def adopt(self, other: Histories, seq: int) -> None:
+        """``seq`` now holds what it held in ``other`` (a state read across memories; one numbering)."""
+        self.of_seq[seq], self.positions[seq], self.kv_lost[seq] = \
+            other.of_seq[seq], list(other.positions[seq]), other.kv_lost[seq]
+
     def keep_before(self, seq: int, p0: int) -> None:
         """A rollback to the state after ``p0 - 1``: the tokens at ``p0`` and after are gone."""
         kept = sum(p < p0 for p in self.positions[seq]) if p0 > 0 else 0   # (tokens below 0 go with the rest)
