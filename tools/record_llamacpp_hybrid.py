@@ -5,15 +5,16 @@ it uses), run under a Python with ``llama-cpp-python`` 0.3.36, ``gguf`` and this
 
     python tools/record_llamacpp_hybrid.py [--out DIR]      # default tests/data/llamacpp_hybrid
 
-It writes a tiny random Jamba (``DIR/tiny_jamba4.gguf``: Mamba-1 layers 0, 1, 3 and an attention
-layer 2) and runs one script in a context of 3 sequences and one KV stream of 256 cells, once
-with flash attention off (V stored transposed) and once on (``DIR/fa_off/``, ``DIR/fa_on/``):
-prompts for sequences 0 and 1 in one batch, a step of both, a ``seq_cp`` fork of 0 into 2 (the
-KV cells of 0 then list both), a step of all three and a last step of sequence 2.  Then it takes
-from llama.cpp ``llama_state_get_data`` (``context.blob``), ``llama_state_seq_get_data`` of each
-sequence with flags 0 and ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``seq<i>.blob``,
-``seq<i>.partial.blob``), ``llama_state_seq_save_file`` (``seq<i>.ggsq``) and
-``llama_state_save_file`` (``session.ggsn``).
+It writes two tiny random hybrids with ``gguf``: a Jamba (``DIR/tiny_jamba4.gguf``: Mamba-1 layers
+0, 1, 3 and an attention layer 2) and a Granite-4 hybrid (``DIR/tiny_granitehybrid.gguf``: Mamba-2
+layers 0, 2, 3 and an attention layer 1 with RoPE).  For each it runs one script in a context of
+3 sequences and one KV stream of 256 cells, once with flash attention off (V stored transposed)
+and once on (``DIR/<model>_fa_off/``, ``DIR/<model>_fa_on/``): prompts for sequences 0 and 1 in
+one batch, a step of both, a ``seq_cp`` fork of 0 into 2 (the KV cells of 0 then list both), a
+step of all three and a last step of sequence 2.  Then it takes from llama.cpp
+``llama_state_get_data`` (``context.blob``), ``llama_state_seq_get_data`` of each sequence with
+flags 0 and ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (``seq<i>.blob``, ``seq<i>.partial.blob``),
+``llama_state_seq_save_file`` (``seq<i>.ggsq``) and ``llama_state_save_file`` (``session.ggsn``).
 
 Each blob and file is restored into a fresh context and the next token decoded; its logits are
 recorded (``DIR/<recording>/record.json``), beside those of the context that wrote them: the
@@ -50,8 +51,6 @@ from recurrent_cache.formats.kv import read_kv_section  # noqa: E402
 REPO = recorder.REPO
 DEFAULT_DIR = REPO / "tests" / "data" / "llamacpp_hybrid"
 RECORD = "record.json"
-GGUF_NAME = "tiny_jamba4.gguf"
-SHAPE = recorder.JambaShape(head_count_kv=(0, 0, 1, 0), seed=29)
 N_SEQ_MAX = 3
 PARTIAL_ONLY = recorder.PARTIAL_ONLY
 
@@ -63,17 +62,133 @@ NEXT_TOKEN = {0: 8, 1: 24, 2: 40}   # the continuation decoded after each restor
 
 
 @dataclass(frozen=True)
+class GraniteHybridShape:
+    """A tiny Granite-4 hybrid (``granitehybrid``): Mamba-2 layers where head_count_kv is 0,
+    attention with RoPE elsewhere, a gated FFN in every layer; seeded random f32 weights."""
+
+    n_vocab: int = 64
+    n_embd: int = 16             # llama.cpp requires d_inner == 2 * n_embd
+    n_ff: int = 32
+    n_head: int = 2
+    head_count_kv: tuple[int, ...] = (0, 1, 0, 0)   # per layer: 0 = recurrent
+    d_conv: int = 4
+    d_state: int = 8
+    n_ssm_head: int = 4          # ssm.time_step_rank: Mamba-2 heads of d_inner / n_ssm_head
+    n_group: int = 2
+    rms_eps: float = 1e-5
+    seed: int = 31
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.head_count_kv)
+
+    @property
+    def d_inner(self) -> int:
+        return 2 * self.n_embd
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [il for il, n_kv in enumerate(self.head_count_kv) if n_kv == 0]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [il for il, n_kv in enumerate(self.head_count_kv) if n_kv > 0]
+
+    @property
+    def conv_channels(self) -> int:
+        return self.d_inner + 2 * self.n_group * self.d_state
+
+    def record(self) -> dict[str, Any]:
+        """The shape as a recording states it."""
+        head = self.n_embd // self.n_head
+        return {"n_layer": self.n_layer, "recurrent_layers": self.recurrent_layers,
+                "attention_layers": self.attention_layers, "head_count_kv": list(self.head_count_kv),
+                "recurrent_kind": "mamba2", "n_embd_r": (self.d_conv - 1) * self.conv_channels,
+                "n_embd_s": self.d_state * self.d_inner, "dtype_r": "f32", "dtype_s": "f32", "d_conv": self.d_conv,
+                "d_inner": self.d_inner, "d_state": self.d_state, "n_ssm_head": self.n_ssm_head,
+                "n_group": self.n_group, "n_embd": self.n_embd, "n_head": self.n_head, "n_ff": self.n_ff,
+                "n_vocab": self.n_vocab, "rms_eps": self.rms_eps, "seed": self.seed,
+                "n_embd_k_gqa": [n_kv * head for n_kv in self.head_count_kv],
+                "n_embd_v_gqa": [n_kv * head for n_kv in self.head_count_kv], "kv_cell_ext": False}
+
+    def write_gguf(self, path: Path) -> None:
+        """Every tensor llama.cpp's granitehybrid loader requires (no MoE, no scales: their defaults)."""
+        import gguf
+
+        rng = np.random.default_rng(self.seed)
+
+        def normal(*numpy_shape: int, scale: float = 0.3) -> np.ndarray:
+            return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
+
+        e, di, ds, nh, dc = self.n_embd, self.d_inner, self.d_state, self.n_ssm_head, self.d_conv
+        head = e // self.n_head
+        arch = "granitehybrid"
+        writer: Any = gguf.GGUFWriter(str(path), arch)
+        writer.add_name("recurrent-cache-tiny-granitehybrid")
+        writer.add_uint32(f"{arch}.context_length", 4096)
+        writer.add_uint32(f"{arch}.embedding_length", e)
+        writer.add_uint32(f"{arch}.feed_forward_length", self.n_ff)
+        writer.add_uint32(f"{arch}.block_count", self.n_layer)
+        writer.add_uint32(f"{arch}.attention.head_count", self.n_head)
+        writer.add_array(f"{arch}.attention.head_count_kv", list(self.head_count_kv))
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", self.rms_eps)
+        writer.add_uint32(f"{arch}.rope.dimension_count", head)
+        writer.add_uint32(f"{arch}.ssm.conv_kernel", dc)
+        writer.add_uint32(f"{arch}.ssm.inner_size", di)
+        writer.add_uint32(f"{arch}.ssm.state_size", ds)
+        writer.add_uint32(f"{arch}.ssm.time_step_rank", nh)
+        writer.add_uint32(f"{arch}.ssm.group_count", self.n_group)
+        writer.add_uint32(f"{arch}.vocab_size", self.n_vocab)
+        # numpy shapes are ggml's {ne0, ne1} reversed
+        recorder.add_vocab_and_output(writer, self.n_vocab, e, normal)
+        for il in range(self.n_layer):
+            blk = f"blk.{il}."
+            writer.add_tensor(blk + "attn_norm.weight", np.ones(e, dtype=np.float32))
+            if il in self.recurrent_layers:
+                writer.add_tensor(blk + "ssm_in.weight", normal(2 * di + 2 * self.n_group * ds + nh, e))
+                writer.add_tensor(blk + "ssm_conv1d.weight", normal(self.conv_channels, dc))
+                writer.add_tensor(blk + "ssm_conv1d.bias", normal(self.conv_channels, scale=0.1))
+                writer.add_tensor(blk + "ssm_dt.bias", normal(nh, scale=0.1) - 2.0)
+                writer.add_tensor(blk + "ssm_a", -np.exp(normal(nh, 1, scale=0.5)))
+                writer.add_tensor(blk + "ssm_d", np.ones((nh, 1), dtype=np.float32))
+                writer.add_tensor(blk + "ssm_norm.weight", np.ones((self.n_group, di // self.n_group),
+                                                                   dtype=np.float32))
+                writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
+            else:
+                recorder.add_attention_tensors(writer, blk, e, self.head_count_kv[il] * head, normal)
+            recorder.add_gated_ffn(writer, blk, e, self.n_ff, normal)
+        recorder.finish_gguf(writer)
+
+
+@dataclass(frozen=True)
+class HybridModel:
+    """A tiny hybrid GGUF written here: its architecture name, file name and shape."""
+
+    arch: str
+    gguf_name: str
+    shape: Any       # recorder.JambaShape or GraniteHybridShape: record() and write_gguf(path)
+
+
+MODELS = {
+    "jamba": HybridModel("jamba", "tiny_jamba4.gguf", recorder.JambaShape(head_count_kv=(0, 0, 1, 0), seed=29)),
+    "granitehybrid": HybridModel("granitehybrid", "tiny_granitehybrid.gguf", GraniteHybridShape()),
+}
+
+
+@dataclass(frozen=True)
 class Recording:
-    """One context setting: what ``recorder.Context`` reads of a scenario."""
+    """One model and context setting: what ``recorder.Context`` reads of a scenario."""
 
     name: str
+    model: str                   # a key of MODELS
     flash_attn: bool
     kv_unified: bool = True      # one KV stream: a fork's cells list both sequences at once
     n_seq_max: int = N_SEQ_MAX
     n_ctx: int = 256             # llama.cpp's smallest KV cache (n_ctx is padded to 256)
 
 
-RECORDINGS = (Recording("fa_off", flash_attn=False), Recording("fa_on", flash_attn=True))
+RECORDINGS = tuple(Recording(f"{model}_fa_{'on' if flash_attn else 'off'}", model, flash_attn)
+                   for model in MODELS for flash_attn in (False, True))
 
 
 def _floats(logits: list[float]) -> list[float]:
@@ -197,31 +312,35 @@ def record_one(model: Any, setting: Recording, out: Path) -> dict[str, Any]:
                 item["alone_accepted"] = ctx.state_seq_set_data(data, item["seq_id"], PARTIAL_ONLY) == len(data)
                 item["alone_positions"] = _seq_positions(ctx)[str(item["seq_id"])]
                 item["alone_logits"] = _continue(ctx, script, [item["seq_id"]])
-    return {"recording": setting.name, "flash_attn": setting.flash_attn, "kv_unified": setting.kv_unified,
-            "n_seq_max": setting.n_seq_max, "n_ctx": setting.n_ctx, "tokens": {str(s): t for s, t in
-                                                                                script.tokens.items()},
+    return {"recording": setting.name, "model_key": setting.model, "flash_attn": setting.flash_attn,
+            "kv_unified": setting.kv_unified, "n_seq_max": setting.n_seq_max, "n_ctx": setting.n_ctx,
+            "tokens": {str(s): t for s, t in script.tokens.items()},
             "next_token": {str(s): t for s, t in NEXT_TOKEN.items()}, "seq_positions": positions,
             "kv_cells": _kv_cells(context_blob), "reference_logits": reference, "files": files}
 
 
 def record(out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    gguf_path = out / GGUF_NAME
-    SHAPE.write_gguf(gguf_path)
     recorder.quiet_logs()
-    model = recorder.Model(gguf_path)
-    try:
-        shape = {**SHAPE.record(), "kv_type": "f16"}
-        common = {"llama_cpp": recorder.llama_version(), "arch": "jamba", "model": GGUF_NAME, "shape": shape,
-                  "command": "python " + " ".join(shlex.quote(arg) for arg in sys.argv)}
-        records = {}
-        for setting in RECORDINGS:
-            print(f"recording {setting.name}", file=sys.stderr)
-            item = {**common, **record_one(model, setting, out / setting.name)}
-            (out / setting.name / RECORD).write_text(json.dumps(item, indent=1) + "\n")
-            records[setting.name] = item
-    finally:
-        model.close()
+    version = recorder.llama_version()
+    command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
+    records = {}
+    for key, hybrid in MODELS.items():
+        gguf_path = out / hybrid.gguf_name
+        hybrid.shape.write_gguf(gguf_path)
+        model = recorder.Model(gguf_path)
+        try:
+            common = {"llama_cpp": version, "arch": hybrid.arch, "model": hybrid.gguf_name,
+                      "shape": {**hybrid.shape.record(), "kv_type": "f16"}, "command": command}
+            for setting in RECORDINGS:
+                if setting.model != key:
+                    continue
+                print(f"recording {setting.name}", file=sys.stderr)
+                item = {**common, **record_one(model, setting, out / setting.name)}
+                (out / setting.name / RECORD).write_text(json.dumps(item, indent=1) + "\n")
+                records[setting.name] = item
+        finally:
+            model.close()
     return records
 
 

@@ -1,7 +1,7 @@
 """``inspect`` of a hybrid's state describes its attention KV section and its recurrent section.
 
-On the llama.cpp recordings of ``tests/data/llamacpp_hybrid`` (a Jamba, flash attention off and
-on): the report's KV streams hold the recorded cells, the attention layers' K and V types and
+On the llama.cpp recordings of ``tests/data/llamacpp_hybrid`` (a Jamba and a Granite-4 hybrid,
+flash attention off and on): the report's KV streams hold the recorded cells, the attention layers' K and V types and
 widths and the recorded V layout, and the recurrent section after it its cells and layers; the
 text report says the same; read from a pipe it is the same report; a damaged KV section is one
 line on stderr naming the field.
@@ -22,11 +22,16 @@ import pytest
 
 from recurrent_cache.blob_report import describe_file
 from recurrent_cache.cli import inspect as inspect_command
+from recurrent_cache.formats.framings import unframe
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp_hybrid"
 RECORDINGS = {path.parent.name: json.loads(path.read_text()) for path in sorted(DATA.glob("*/record.json"))}
 FILES = [pytest.param(name, file, id=f"{name}/{file}") for name, record in RECORDINGS.items()
          for file, item in record["files"].items() if not item.get("flags")]
+
+
+def _layers(name):
+    return ",".join(map(str, RECORDINGS[name]["shape"]["recurrent_layers"]))
 
 
 def _report(name, file):
@@ -80,7 +85,7 @@ def test_the_report_gives_the_kv_streams_cells_layers_and_v_layout(name, file):
 
 
 def test_a_report_without_a_kv_section_has_no_kv_streams():
-    with open(DATA / "fa_off" / "seq0.partial.blob", "rb") as handle:   # PARTIAL_ONLY: the recurrent half alone
+    with open(DATA / "jamba_fa_off" / "seq0.partial.blob", "rb") as handle:   # PARTIAL_ONLY: the recurrent half
         report = describe_file(handle, layers=(0, 1, 3))
     assert report["cells"] == [{"pos": 4, "seq_ids": []}]
     assert report["kv_section"] is None and report["kv_streams"] is None
@@ -88,12 +93,15 @@ def test_a_report_without_a_kv_section_has_no_kv_streams():
 
 @pytest.mark.parametrize("name", RECORDINGS)
 def test_the_text_report_describes_both_sections(name):
-    status, out, err = run([str(DATA / name / "context.blob"), "--kv-section", "--layers", "0,1,3",
+    status, out, err = run([str(DATA / name / "context.blob"), "--kv-section", "--layers", _layers(name),
                             "--max-cells", "0"])
+    framing = unframe((DATA / name / "context.blob").read_bytes(), -1, kv_section=True).framing
+    size = (DATA / name / "context.blob").stat().st_size
     assert status == 0 and not err
     lines = out.splitlines()
     kv_at = lines.index(next(line for line in lines if line.startswith("attention KV section:")))
-    assert lines[kv_at].startswith("attention KV section: 672 bytes at byte 9, 1 stream")
+    assert lines[kv_at] == (f"attention KV section: {framing.section_offset - framing.kv_offset} bytes at byte "
+                            f"{framing.kv_offset}, 1 stream")
     layout = "V transposed (v_trans 1" if not RECORDINGS[name]["flash_attn"] else "V by cell (v_trans 0"
     assert lines[kv_at + 1].startswith(f"  stream 0: 14 cells, 1 attention layer, {layout}")
     cells = [line.split() for line in lines[kv_at + 2:kv_at + 16]]
@@ -102,17 +110,19 @@ def test_the_text_report_describes_both_sections(name):
     v_line = ("8 runs of 2-byte elements, one per cell" if not RECORDINGS[name]["flash_attn"]
               else "row bytes 16, n_embd 8")
     assert lines[kv_at + 17] == f"    attention layer 0 V  f16    {v_line}"
-    assert lines[kv_at + 18] == "recurrent section: 8184 bytes at byte 681, whole-cache"
+    assert lines[kv_at + 18] == (f"recurrent section: {size - framing.section_offset} bytes at byte "
+                                 f"{framing.section_offset}, whole-cache")
 
 
 def test_the_text_report_cuts_a_streams_cells_short_unless_asked():
-    _, out, _ = run([str(DATA / "fa_on" / "seq1.blob"), "--kv-section", "--layers", "0,1,3", "--max-cells", "3"])
+    _, out, _ = run([str(DATA / "jamba_fa_on" / "seq1.blob"), "--kv-section", "--layers", "0,1,3",
+                     "--max-cells", "3"])
     assert "    ... 4 more (--max-cells 0 lists all)" in out.splitlines()
 
 
 def test_a_pipe_gives_the_same_report():
     """Read from a pipe (no seeking back), the KV streams are seen as the bytes go by."""
-    data = (DATA / "fa_off" / "context.blob").read_bytes()
+    data = (DATA / "granitehybrid_fa_off" / "context.blob").read_bytes()
     read_end, write_end = os.pipe()
 
     def feed():
@@ -122,15 +132,15 @@ def test_a_pipe_gives_the_same_report():
     writer = threading.Thread(target=feed)
     writer.start()
     with os.fdopen(read_end, "rb", buffering=0) as pipe:
-        report = describe_file(pipe, kv_section=True, layers=(0, 1, 3))
+        report = describe_file(pipe, kv_section=True, layers=(0, 2, 3))
     writer.join()
-    assert report == _report("fa_off", "context.blob")
+    assert report == _report("granitehybrid_fa_off", "context.blob")
 
 
 def _v_trans_offset():
-    """Where the stream's v_trans is in fa_off/context.blob: after the arch string, n_stream,
+    """Where the stream's v_trans is in jamba_fa_off/context.blob: after the arch string, n_stream,
     cell_count and the cells."""
-    return 9 + 4 + 4 + sum(8 + 4 * len(ids) for _, ids in RECORDINGS["fa_off"]["kv_cells"])
+    return 9 + 4 + 4 + sum(8 + 4 * len(ids) for _, ids in RECORDINGS["jamba_fa_off"]["kv_cells"])
 
 
 @pytest.mark.parametrize("offset,value,message", [
@@ -138,7 +148,7 @@ def _v_trans_offset():
     (9 + 4, 2**31, "KV section stream 0 cell_count 2147483648 at byte 13 is more than max_tokens"),
 ])
 def test_a_damaged_kv_section_is_one_line_naming_the_field(tmp_path, offset, value, message):
-    data = bytearray((DATA / "fa_off" / "context.blob").read_bytes())
+    data = bytearray((DATA / "jamba_fa_off" / "context.blob").read_bytes())
     struct.pack_into("<I", data, offset, value)
     path = tmp_path / "damaged.blob"
     path.write_bytes(bytes(data))

@@ -1,7 +1,7 @@
 """A hybrid model's state bytes from llama.cpp (``tests/data/llamacpp_hybrid``) read at the formats level.
 
-Every blob and file a tiny Jamba (Mamba-1 layers 0, 1, 3, attention layer 2) wrote with flash
-attention off and on: its framing is found from the bytes alone, its attention KV section parses
+Every blob and file a tiny Jamba (Mamba-1 layers 0, 1, 3, attention layer 2) and a tiny Granite-4
+hybrid (Mamba-2 layers 0, 2, 3, attention layer 1) wrote with flash attention off and on: its framing is found from the bytes alone, its attention KV section parses
 to the cells the recording holds (which agree with the positions llama.cpp's memory reported and
 the script's tokens) with K and V rows of the recorded shapes and V layout, the recurrent section
 after it parses with the geometry of the recurrent layers, and the framing's bytes, the composed
@@ -76,11 +76,14 @@ def _expected_kv_cells(record, seq_id):
 
 # -- the recording agrees with itself -------------------------------------------------------
 
-def test_the_directory_is_small_and_holds_both_v_layouts():
+def test_the_directory_is_small_and_holds_both_v_layouts_of_each_model():
     assert sum(path.stat().st_size for path in DATA.rglob("*") if path.is_file()) < 1_500_000
-    assert (DATA / "tiny_jamba4.gguf").stat().st_size < 200_000
-    assert {name: record["flash_attn"] for name, record in RECORDINGS.items()} == {"fa_off": False, "fa_on": True}
+    assert {record["arch"] for record in RECORDINGS.values()} == {"jamba", "granitehybrid"}
+    assert {name: record["flash_attn"] for name, record in RECORDINGS.items()} == {
+        f"{record['model_key']}_fa_{state}": flash for record in RECORDINGS.values()
+        for state, flash in (("off", False), ("on", True))}
     for record in RECORDINGS.values():
+        assert (DATA / record["model"]).stat().st_size < 200_000
         assert record["llama_cpp"]["llama_cpp_python"] == "0.3.36"
         assert all(item["accepted"] for item in record["files"].values())
 
@@ -126,7 +129,8 @@ def test_the_framing_is_found_from_the_bytes(name, file):
         assert split.framing.source_seq_id == item["seq_id"]
     if item["kind"] in ("context_blob", "session_file"):
         assert split.framing.arch == split.record["arch"]
-        assert split.prefix.endswith(struct.pack("<I", 5) + b"jamba")
+        arch = split.record["arch"].encode()
+        assert split.prefix.endswith(struct.pack("<I", len(arch)) + arch)
     if "tokens" in item:
         assert split.framing.tokens.tolist() == item["tokens"]
     # read as if it had no KV section, a full blob's KV section is no recurrent section
@@ -186,10 +190,10 @@ def test_a_sequences_kv_rows_are_the_whole_contexts_rows_of_its_cells(name):
             np.testing.assert_array_equal(ours.by_cell(), theirs.by_cell()[cells])
 
 
-@pytest.mark.parametrize("name", RECORDINGS)
-def test_the_two_v_layouts_hold_the_same_cells(name):
+@pytest.mark.parametrize("model", sorted({record["model_key"] for record in RECORDINGS.values()}))
+def test_the_two_v_layouts_hold_the_same_cells(model):
     """Flash attention changes where V's bytes go (and, by a rounding or two, their values), not the cells."""
-    off, on = (Split(recording, "context.blob").kv.streams[0] for recording in ("fa_off", "fa_on"))
+    off, on = (Split(f"{model}_fa_{state}", "context.blob").kv.streams[0] for state in ("off", "on"))
     assert off.cells == on.cells
     assert off.v[0].by_cell().shape == on.v[0].by_cell().shape
     np.testing.assert_allclose(off.v[0].by_cell().view(np.float16), on.v[0].by_cell().view(np.float16), atol=2e-2)
@@ -351,7 +355,7 @@ def _layer_count_at(split):
 
 
 def test_a_sequence_kv_cell_listing_two_sequences_is_refused():
-    split = Split("fa_off", "seq0.blob")
+    split = Split("jamba_fa_off", "seq0.blob")
     damaged = _with(split.data, split.framing.kv_offset + 12, "<I", 2)
     with pytest.raises(StateError, match="KV section stream 0 cell 0 has n_seq_id 2 at byte 12"):
         parse_kv_section(damaged[split.framing.kv_offset:], 0)
