@@ -1,13 +1,14 @@
 """A hybrid model's state bytes from llama.cpp (``tests/data/llamacpp_hybrid``) read at the formats level.
 
 Every blob and file a tiny Jamba (Mamba-1 layers 0, 1, 3, attention layer 2) and a tiny Granite-4
-hybrid (Mamba-2 layers 0, 2, 3, attention layer 1) wrote with flash attention off and on: its framing is found from the bytes alone, its attention KV section parses
-to the cells the recording holds (which agree with the positions llama.cpp's memory reported and
-the script's tokens) with K and V rows of the recorded shapes and V layout, the recurrent section
-after it parses with the geometry of the recurrent layers, and the framing's bytes, the composed
-KV section and the recurrent bytes give the blob back byte for byte.  A PARTIAL_ONLY blob is the
-recurrent section alone.  A blob cut at any field boundary, or with a count too large, is refused
-with a ``StateError`` naming the field.
+hybrid (Mamba-2 layers 0, 2, 3, attention layer 1) wrote with flash attention off and on: its
+framing is found from the bytes alone, its attention KV section parses to the cells the recording
+holds (which agree with the positions llama.cpp's memory reported and the script's tokens) with K
+and V rows of the recorded shapes and V layout, the recurrent section after it parses with the
+geometry of the recurrent layers, and the framing's bytes, the composed KV section and the
+recurrent bytes give the blob back byte for byte.  A PARTIAL_ONLY blob is the recurrent section
+alone.  A blob cut at any field boundary, or with a count too large, is refused with a
+``StateError`` naming the field.
 """
 
 from __future__ import annotations
