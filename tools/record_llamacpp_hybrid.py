@@ -62,7 +62,7 @@ NEXT_TOKEN = {0: 8, 1: 24, 2: 40}   # the continuation decoded after each restor
 
 
 @dataclass(frozen=True)
-class GraniteHybridShape:
+class GraniteHybridShape(recorder.HeadCountKvLayers):
     """A tiny Granite-4 hybrid (``granitehybrid``): Mamba-2 layers where head_count_kv is 0,
     attention with RoPE elsewhere, a gated FFN in every layer; seeded random f32 weights."""
 
@@ -79,48 +79,23 @@ class GraniteHybridShape:
     seed: int = 31
 
     @property
-    def n_layer(self) -> int:
-        return len(self.head_count_kv)
-
-    @property
-    def d_inner(self) -> int:
-        return 2 * self.n_embd
-
-    @property
-    def recurrent_layers(self) -> list[int]:
-        return [il for il, n_kv in enumerate(self.head_count_kv) if n_kv == 0]
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [il for il, n_kv in enumerate(self.head_count_kv) if n_kv > 0]
-
-    @property
     def conv_channels(self) -> int:
         return self.d_inner + 2 * self.n_group * self.d_state
 
     def record(self) -> dict[str, Any]:
         """The shape as a recording states it."""
-        head = self.n_embd // self.n_head
-        return {"n_layer": self.n_layer, "recurrent_layers": self.recurrent_layers,
-                "attention_layers": self.attention_layers, "head_count_kv": list(self.head_count_kv),
-                "recurrent_kind": "mamba2", "n_embd_r": (self.d_conv - 1) * self.conv_channels,
+        return {**self.layer_record(), "recurrent_kind": "mamba2", "n_embd_r": (self.d_conv - 1) * self.conv_channels,
                 "n_embd_s": self.d_state * self.d_inner, "dtype_r": "f32", "dtype_s": "f32", "d_conv": self.d_conv,
                 "d_inner": self.d_inner, "d_state": self.d_state, "n_ssm_head": self.n_ssm_head,
                 "n_group": self.n_group, "n_embd": self.n_embd, "n_head": self.n_head, "n_ff": self.n_ff,
-                "n_vocab": self.n_vocab, "rms_eps": self.rms_eps, "seed": self.seed,
-                "n_embd_k_gqa": [n_kv * head for n_kv in self.head_count_kv],
-                "n_embd_v_gqa": [n_kv * head for n_kv in self.head_count_kv], "kv_cell_ext": False}
+                "n_vocab": self.n_vocab, "rms_eps": self.rms_eps, "seed": self.seed}
 
     def write_gguf(self, path: Path) -> None:
         """Every tensor llama.cpp's granitehybrid loader requires (no MoE, no scales: their defaults)."""
         import gguf
 
-        rng = np.random.default_rng(self.seed)
-
-        def normal(*numpy_shape: int, scale: float = 0.3) -> np.ndarray:
-            return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
-
-        e, di, ds, nh, dc = self.n_embd, self.d_inner, self.d_state, self.n_ssm_head, self.d_conv
+        normal = recorder.seeded_normal(self.seed)
+        e = self.n_embd
         head = e // self.n_head
         arch = "granitehybrid"
         writer: Any = gguf.GGUFWriter(str(path), arch)
@@ -133,11 +108,7 @@ class GraniteHybridShape:
         writer.add_array(f"{arch}.attention.head_count_kv", list(self.head_count_kv))
         writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", self.rms_eps)
         writer.add_uint32(f"{arch}.rope.dimension_count", head)
-        writer.add_uint32(f"{arch}.ssm.conv_kernel", dc)
-        writer.add_uint32(f"{arch}.ssm.inner_size", di)
-        writer.add_uint32(f"{arch}.ssm.state_size", ds)
-        writer.add_uint32(f"{arch}.ssm.time_step_rank", nh)
-        writer.add_uint32(f"{arch}.ssm.group_count", self.n_group)
+        recorder.add_mamba2_keys(writer, arch, self)
         writer.add_uint32(f"{arch}.vocab_size", self.n_vocab)
         # numpy shapes are ggml's {ne0, ne1} reversed
         recorder.add_vocab_and_output(writer, self.n_vocab, e, normal)
@@ -145,15 +116,7 @@ class GraniteHybridShape:
             blk = f"blk.{il}."
             writer.add_tensor(blk + "attn_norm.weight", np.ones(e, dtype=np.float32))
             if il in self.recurrent_layers:
-                writer.add_tensor(blk + "ssm_in.weight", normal(2 * di + 2 * self.n_group * ds + nh, e))
-                writer.add_tensor(blk + "ssm_conv1d.weight", normal(self.conv_channels, dc))
-                writer.add_tensor(blk + "ssm_conv1d.bias", normal(self.conv_channels, scale=0.1))
-                writer.add_tensor(blk + "ssm_dt.bias", normal(nh, scale=0.1) - 2.0)
-                writer.add_tensor(blk + "ssm_a", -np.exp(normal(nh, 1, scale=0.5)))
-                writer.add_tensor(blk + "ssm_d", np.ones((nh, 1), dtype=np.float32))
-                writer.add_tensor(blk + "ssm_norm.weight", np.ones((self.n_group, di // self.n_group),
-                                                                   dtype=np.float32))
-                writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
+                recorder.add_mamba2_tensors(writer, blk, self, normal)
             else:
                 recorder.add_attention_tensors(writer, blk, e, self.head_count_kv[il] * head, normal)
             recorder.add_gated_ffn(writer, blk, e, self.n_ff, normal)
