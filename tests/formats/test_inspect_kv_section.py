@@ -16,6 +16,7 @@ import os
 import re
 import struct
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from recurrent_cache.blob_report import describe_file
 from recurrent_cache.cli import inspect as inspect_command
 from recurrent_cache.formats.framings import unframe
+from recurrent_cache.formats.kv import KvCell, KvSection, compose_kv_section, parse_kv_section
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp_hybrid"
 RECORDINGS = {path.parent.name: json.loads(path.read_text()) for path in sorted(DATA.glob("*/record.json"))}
@@ -156,3 +158,39 @@ def test_a_damaged_kv_section_is_one_line_naming_the_field(tmp_path, offset, val
     assert status == 1 and not out
     assert err.count("\n") == 1 and err.startswith(f"inspect: {path}: not a valid state blob")
     assert re.search(message, err)
+
+
+def test_a_stream_per_sequence_is_reported_stream_by_stream():
+    """llama.cpp's KV cache without kv_unified (tests/data/llamacpp_current's jamba): a sequence's
+    section visits every stream, the others writing 0 cells."""
+    path = DATA.parent / "llamacpp_current" / "jamba" / "seq1.blob"
+    with open(path, "rb") as handle:
+        report = describe_file(handle, kv_section=True, layers=(0, 2, 3))
+    assert [stream["cell_count"] for stream in report["kv_streams"]] == [0, 7, 0, 0]
+    assert report["kv_streams"][0] == {"cell_count": 0, "v_trans": False, "n_layer": 0, "cells": [], "k": [], "v": []}
+    assert {seq for cell in report["kv_streams"][1]["cells"] for seq in cell["seq_ids"]} == {1}
+    status, out, _ = run([str(path), "--kv-section", "--layers", "0,2,3"])
+    assert status == 0
+    assert "attention KV section: " in out and ", 4 streams\n" in out
+    assert "  stream 0: 0 cells\n  stream 1: 7 cells, 2 attention layers, V transposed" in out
+
+
+def test_cells_with_the_extended_position_are_reported_with_it(tmp_path):
+    """A model with M-RoPE writes (x, y, token) after each KV cell's n_seq_id: the section here
+    is the recorded one with such positions added (composed by ``formats.kv``)."""
+    split_at = unframe((DATA / "jamba_fa_off" / "seq0.blob").read_bytes(), 0, kv_section=True).framing
+    data = (DATA / "jamba_fa_off" / "seq0.blob").read_bytes()
+    section = parse_kv_section(data[split_at.kv_offset:split_at.section_offset], 0)
+    (stream,) = section.streams
+    cells = tuple(KvCell(cell.pos, cell.seq_ids, (cell.pos, 2 * cell.pos, 7 + i))
+                  for i, cell in enumerate(stream.cells))
+    with_ext = compose_kv_section(KvSection((replace(stream, cells=cells),), True, 0))
+    path = tmp_path / "ext.blob"
+    path.write_bytes(data[:split_at.kv_offset] + with_ext + data[split_at.section_offset:])
+    with open(path, "rb") as handle:
+        report = describe_file(handle, kv_section=True, layers=(0, 1, 3))
+    assert report["kv_cell_ext"] is True
+    assert [cell["ext"] for cell in report["kv_streams"][0]["cells"]] == [list(cell.ext) for cell in cells]
+    _, out, _ = run([str(path), "--kv-section", "--layers", "0,1,3"])
+    assert ", cells with the extended position\n" in out
+    assert "    cell     1  pos          1  seq ids 0  ext (x, y, token) 1, 2, 8\n" in out
