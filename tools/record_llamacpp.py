@@ -88,20 +88,13 @@ CELL_EXT_BYTES = 12                  # llama_kv_cell_ext {i32 x, i32 y, i32 tok}
 
 # -- the hybrid model ------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class JambaShape:
-    """A tiny Jamba: Mamba-1 layers where head_count_kv is 0, attention (no RoPE) elsewhere."""
+class HeadCountKvLayers:
+    """The layers of a hybrid whose recurrent layers are those of head_count_kv 0 (Jamba,
+    Granite-4), with llama.cpp's expansion factor 2 (``d_inner == 2 * n_embd``)."""
 
-    n_vocab: int = 64
-    n_embd: int = 16             # Jamba requires d_inner == 2 * n_embd
-    n_ff: int = 32
-    n_head: int = 2
-    head_count_kv: tuple[int, ...] = (0, 1, 0, 0, 1)   # per layer: 0 = recurrent
-    d_conv: int = 4
-    d_state: int = 4
-    dt_rank: int = 2
-    rms_eps: float = 1e-6
-    seed: int = 18
+    head_count_kv: tuple[int, ...]
+    n_embd: int
+    n_head: int
 
     @property
     def n_layer(self) -> int:
@@ -119,19 +112,39 @@ class JambaShape:
     def attention_layers(self) -> list[int]:
         return [il for il, n_kv in enumerate(self.head_count_kv) if n_kv > 0]
 
+    def layer_record(self) -> dict[str, Any]:
+        """The fields of a recording's shape every such hybrid states."""
+        head = self.n_embd // self.n_head
+        return {"n_layer": self.n_layer, "recurrent_layers": self.recurrent_layers,
+                "attention_layers": self.attention_layers, "head_count_kv": list(self.head_count_kv),
+                "n_embd_k_gqa": [n_kv * head for n_kv in self.head_count_kv],
+                "n_embd_v_gqa": [n_kv * head for n_kv in self.head_count_kv], "kv_cell_ext": False}
+
+
+@dataclass(frozen=True)
+class JambaShape(HeadCountKvLayers):
+    """A tiny Jamba: Mamba-1 layers where head_count_kv is 0, attention (no RoPE) elsewhere."""
+
+    n_vocab: int = 64
+    n_embd: int = 16             # Jamba requires d_inner == 2 * n_embd
+    n_ff: int = 32
+    n_head: int = 2
+    head_count_kv: tuple[int, ...] = (0, 1, 0, 0, 1)   # per layer: 0 = recurrent
+    d_conv: int = 4
+    d_state: int = 4
+    dt_rank: int = 2
+    rms_eps: float = 1e-6
+    seed: int = 18
+
     gguf_name = "tiny_jamba.gguf"
 
     def record(self) -> dict[str, Any]:
         """The shape as a recording states it."""
-        head = self.n_embd // self.n_head
-        return {"n_layer": self.n_layer, "recurrent_layers": self.recurrent_layers,
-                "attention_layers": self.attention_layers, "head_count_kv": list(self.head_count_kv),
-                "recurrent_kind": "mamba1", "n_embd_r": (self.d_conv - 1) * self.d_inner,
+        return {**self.layer_record(), "recurrent_kind": "mamba1", "n_embd_r": (self.d_conv - 1) * self.d_inner,
                 "n_embd_s": self.d_state * self.d_inner, "dtype_r": "f32", "dtype_s": "f32", "d_conv": self.d_conv,
                 "d_inner": self.d_inner, "d_state": self.d_state, "dt_rank": self.dt_rank, "n_embd": self.n_embd,
                 "n_head": self.n_head, "n_ff": self.n_ff, "n_vocab": self.n_vocab, "rms_eps": self.rms_eps,
-                "seed": self.seed, "n_embd_k_gqa": [n_kv * head for n_kv in self.head_count_kv],
-                "n_embd_v_gqa": [n_kv * head for n_kv in self.head_count_kv], "kv_cell_ext": False}
+                "seed": self.seed}
 
     def write_gguf(self, path: Path) -> None:
         write_jamba_gguf(path, self)
@@ -189,12 +202,8 @@ class NemotronHShape:
         """Seeded random f32 weights, every tensor llama.cpp's nemotron_h loader requires."""
         import gguf
 
-        rng = np.random.default_rng(self.seed)
-
-        def normal(*numpy_shape: int, scale: float = 0.3) -> np.ndarray:
-            return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
-
-        e, di, ds, nh, dc = self.n_embd, self.d_inner, self.d_state, self.n_ssm_head, self.d_conv
+        normal = seeded_normal(self.seed)
+        e = self.n_embd
         head = e // self.n_head
         writer: Any = gguf.GGUFWriter(str(path), "nemotron_h")
         writer.add_name("recurrent-cache-tiny-nemotron-h")
@@ -206,26 +215,14 @@ class NemotronHShape:
         writer.add_array("nemotron_h.attention.head_count_kv", list(self.head_count_kv))
         writer.add_float32("nemotron_h.attention.layer_norm_epsilon", self.norm_eps)
         writer.add_float32("nemotron_h.attention.layer_norm_rms_epsilon", self.norm_eps)
-        writer.add_uint32("nemotron_h.ssm.conv_kernel", dc)
-        writer.add_uint32("nemotron_h.ssm.inner_size", di)
-        writer.add_uint32("nemotron_h.ssm.state_size", ds)
-        writer.add_uint32("nemotron_h.ssm.time_step_rank", nh)
-        writer.add_uint32("nemotron_h.ssm.group_count", self.n_group)
+        add_mamba2_keys(writer, "nemotron_h", self)
         writer.add_uint32("nemotron_h.vocab_size", self.n_vocab)
         add_vocab_and_output(writer, self.n_vocab, e, normal)
         for il in range(self.n_layer):
             blk = f"blk.{il}."
             writer.add_tensor(blk + "attn_norm.weight", np.ones(e, dtype=np.float32))
             if il in self.recurrent_layers:
-                writer.add_tensor(blk + "ssm_in.weight", normal(2 * di + 2 * self.n_group * ds + nh, e))
-                writer.add_tensor(blk + "ssm_conv1d.weight", normal(self.conv_channels, dc))
-                writer.add_tensor(blk + "ssm_conv1d.bias", normal(self.conv_channels, scale=0.1))
-                writer.add_tensor(blk + "ssm_dt.bias", normal(nh, scale=0.1) - 2.0)
-                writer.add_tensor(blk + "ssm_a", -np.exp(normal(nh, 1, scale=0.5)))
-                writer.add_tensor(blk + "ssm_d", np.ones((nh, 1), dtype=np.float32))
-                writer.add_tensor(blk + "ssm_norm.weight", np.ones((self.n_group, di // self.n_group),
-                                                                   dtype=np.float32))
-                writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
+                add_mamba2_tensors(writer, blk, self, normal)
             elif il in self.attention_layers:
                 add_attention_tensors(writer, blk, e, self.head_count_kv[il] * head, normal)
             else:
@@ -250,6 +247,40 @@ def add_attention_tensors(writer: Any, blk: str, n_embd: int, kv_width: int, nor
     writer.add_tensor(blk + "attn_k.weight", normal(kv_width, n_embd))
     writer.add_tensor(blk + "attn_v.weight", normal(kv_width, n_embd))
     writer.add_tensor(blk + "attn_output.weight", normal(n_embd, n_embd))
+
+
+def seeded_normal(seed: int) -> Any:
+    """``normal(*numpy_shape, scale=0.3)``: f32 weights drawn in call order from ``seed``."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*numpy_shape: int, scale: float = 0.3) -> np.ndarray:
+        return (rng.standard_normal(numpy_shape) * scale).astype(np.float32)
+
+    return normal
+
+
+def add_mamba2_keys(writer: Any, arch: str, shape: Any) -> None:
+    """A Mamba-2 hybrid's ``ssm.*`` keys (``shape`` as for ``add_mamba2_tensors``)."""
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", shape.d_conv)
+    writer.add_uint32(f"{arch}.ssm.inner_size", shape.d_inner)
+    writer.add_uint32(f"{arch}.ssm.state_size", shape.d_state)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", shape.n_ssm_head)
+    writer.add_uint32(f"{arch}.ssm.group_count", shape.n_group)
+
+
+def add_mamba2_tensors(writer: Any, blk: str, shape: Any, normal: Any) -> None:
+    """One Mamba-2 layer's tensors (llama.cpp's loader for nemotron_h and granitehybrid): ``shape``
+    gives ``n_embd``, ``d_inner``, ``d_state``, ``d_conv``, ``n_ssm_head``, ``n_group`` and
+    ``conv_channels``; ``normal`` draws weights."""
+    e, di, ds, nh, dc = shape.n_embd, shape.d_inner, shape.d_state, shape.n_ssm_head, shape.d_conv
+    writer.add_tensor(blk + "ssm_in.weight", normal(2 * di + 2 * shape.n_group * ds + nh, e))
+    writer.add_tensor(blk + "ssm_conv1d.weight", normal(shape.conv_channels, dc))
+    writer.add_tensor(blk + "ssm_conv1d.bias", normal(shape.conv_channels, scale=0.1))
+    writer.add_tensor(blk + "ssm_dt.bias", normal(nh, scale=0.1) - 2.0)
+    writer.add_tensor(blk + "ssm_a", -np.exp(normal(nh, 1, scale=0.5)))
+    writer.add_tensor(blk + "ssm_d", np.ones((nh, 1), dtype=np.float32))
+    writer.add_tensor(blk + "ssm_norm.weight", np.ones((shape.n_group, di // shape.n_group), dtype=np.float32))
+    writer.add_tensor(blk + "ssm_out.weight", normal(e, di))
 
 
 def add_gated_ffn(writer: Any, blk: str, n_embd: int, n_ff: int, normal: Any) -> None:

@@ -19,6 +19,11 @@ it every layer is taken to hold state, except that a blob ending right after
 its layer header holds none (the empty filter); one ending after the sections of
 some of its layers is refused, its message saying how many (the bytes do not
 say which).
+
+A hybrid's state (``kv_section``) begins with the attention KV section: the report
+gives its streams (``kv_streams``: each one's cells, whether V is stored transposed
+and every attention layer's K and V type and row size; its rows are stepped over),
+then the recurrent section as any blob.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from ._args import INT32_END
 from .formats.blob import BlobCell, check_cells
 from .formats.dtypes import GGML_TYPES, STATE_TYPES
 from .formats.files import read_file
+from .formats.kv import KvCell, KvTensorHeader
 from .formats.layouts import BARE, CONTEXT_BLOB, CONTEXT_BLOB_V9, GGSN, GGSN_V9, MAX_TOKENS, SEQ_BLOB
+from .formats.messages import type_name
 
 __all__ = ["describe", "describe_file"]
 
@@ -91,6 +98,17 @@ class _TensorSummary:
                 "non_finite": self.non_finite}
 
 
+def _kv_tensor(header: KvTensorHeader) -> dict[str, Any]:
+    """A K or V tensor of a KV stream as the report gives it: type, bytes per cell's row (per
+    element when transposed) and width (None: a type whose element size is not known here)."""
+    known = GGML_TYPES.get(header.type_id)
+    n_embd = header.n_embd
+    if n_embd is None and known is not None and not header.row_bytes % known.itemsize:
+        n_embd = header.row_bytes // known.itemsize
+    return {"type": type_name(header.type_id), "type_id": header.type_id, "row_bytes": header.row_bytes,
+            "n_embd": n_embd, "transposed": header.n_embd is not None}
+
+
 class _Inspection:
     """Watches a blob as ``formats.files.read_file`` reads it: finds the smallest cache that
     reads it, or raises before a row is read; then summarises the rows as they stream by.
@@ -107,6 +125,7 @@ class _Inspection:
         self.state_layers: Sequence[int] = ()
         self.fits: dict[str, Any] = {}
         self.tensors: list[_TensorSummary] = []
+        self.kv_streams: list[dict[str, Any]] = []
 
     def cells(self, cells: tuple[BlobCell, ...]) -> None:
         sequence = not any(cell.seq_ids for cell in cells)
@@ -147,6 +166,15 @@ class _Inspection:
                              f"size for every layer{hint}")
         self.tensors.append(_TensorSummary(f"layer {layer} {name}", type_id, row_bytes, offset + 12))
 
+    def kv_stream(self, cells: tuple[KvCell, ...], v_trans: bool, k: tuple[KvTensorHeader, ...],
+                  v: tuple[KvTensorHeader, ...]) -> None:
+        """A hybrid's attention KV stream, read before the recurrent section: its cells and layers."""
+        self.kv_streams.append({
+            "cell_count": len(cells), "v_trans": v_trans, "n_layer": len(k),
+            "cells": [{"pos": cell.pos, "seq_ids": list(cell.seq_ids),
+                       **({} if cell.ext is None else {"ext": list(cell.ext)})} for cell in cells],
+            "k": [_kv_tensor(header) for header in k], "v": [_kv_tensor(header) for header in v]})
+
     def rows(self, piece: bytes) -> None:
         self.tensors[-1].feed(piece)
 
@@ -185,6 +213,7 @@ def describe_file(file: Any, max_tokens: int = MAX_TOKENS, kv_section: bool = Fa
         "format": _FORMAT_NAMES.get(framing.name, f"sequence file ({framing.name})"),
         "framing": framing.name, "source_seq_id": framing.source_seq_id, "arch": framing.arch,
         "kv_section": None if framing.kv_offset is None else [framing.kv_offset, contents.blob_offset],
+        "kv_streams": None if framing.kv_offset is None else inspection.kv_streams,
         "tokens": None if contents.tokens is None else contents.tokens.tolist(),
         "blob_offset": contents.blob_offset, "blob_bytes": blob.n_bytes, "kind": blob.kind,
         "cell_count": blob.cell_count, "n_layer": blob.n_layer, "reads_into": inspection.fits,

@@ -61,6 +61,7 @@ AREAS = [
 # Files outside every extra, and why.
 NO_EXTRA = {"tools/record_llamacpp.py": "runs under its own venv with llama-cpp-python (see its docstring)",
             "tools/record_llamacpp_kv.py": "runs where llama-cpp-python is installed, like record_llamacpp.py",
+            "tools/record_llamacpp_hybrid.py": "runs where llama-cpp-python is installed, like record_llamacpp.py",
             "examples/llamacpp_exchange.py": "needs llama-cpp-python, which compiles llama.cpp: no extra installs it "
                                              "(tests/formats/test_llamacpp_exchange.py runs it only when llama_cpp "
                                              "imports)",

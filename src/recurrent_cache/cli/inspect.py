@@ -43,15 +43,14 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
               f"{outputs['n_embd']} embedding values (skipped)")
     if report["source_seq_id"] is not None:
         print(f"written from seq id: {report['source_seq_id']}")
-    if report["kv_section"] is not None:
-        start, end = report["kv_section"]
-        ext = ", cells with the extended position" if report["kv_cell_ext"] else ""
-        print(f"attention KV section: {end - start} bytes at byte {start}{ext} (skipped)")
     if report["tokens"] is not None:
         tokens = report["tokens"]
         shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
         print(f"tokens: {len(tokens)} [{shown}]")
-    print(f"blob: {report['blob_bytes']} bytes at byte {report['blob_offset']}, {report['kind']}"
+    if report["kv_section"] is not None:   # after the tokens, as in the bytes
+        _print_kv_section(report, max_cells)
+    section = "recurrent section" if report["kv_section"] is not None else "blob"
+    print(f"{section}: {report['blob_bytes']} bytes at byte {report['blob_offset']}, {report['kind']}"
           f"{' (0 cells: either kind)' if report['kind'] == 'empty' else ''}")
     cells = report["cells"]
     print(f"cells: {len(cells)}")
@@ -73,6 +72,37 @@ def _print_report(path: str, report: dict[str, Any], max_cells: int) -> None:
         print(f"  {t['tensor']:<12} {t['type']:<6} {t['row_bytes']:>10} "
               f"{t['n_embd']:>7} {_number(t['min']):>12} "
               f"{_number(t['max']):>12} {_number(t['mean']):>12}  {t['sha256'][:16]}{extra}")
+
+
+def _print_kv_section(report: dict[str, Any], max_cells: int) -> None:
+    """A hybrid's attention KV section: its streams' cells (at most ``max_cells`` each, 0: all),
+    V layout and layers (numbered among the attention layers: the bytes do not say which of the
+    model's layers they are)."""
+    start, end = report["kv_section"]
+    streams = report["kv_streams"]
+    ext = ", cells with the extended position" if report["kv_cell_ext"] else ""
+    print(f"attention KV section: {end - start} bytes at byte {start}, {len(streams)} "
+          f"stream{'s' if len(streams) != 1 else ''}{ext}")
+    for index, stream in enumerate(streams):
+        if not stream["cell_count"]:
+            print(f"  stream {index}: 0 cells")
+            continue
+        layout = ("V transposed (v_trans 1: flash attention off)" if stream["v_trans"]
+                  else "V by cell (v_trans 0: flash attention on)")
+        print(f"  stream {index}: {stream['cell_count']} cells, {stream['n_layer']} attention "
+              f"layer{'s' if stream['n_layer'] != 1 else ''}, {layout}")
+        cells = stream["cells"]
+        for i, cell in enumerate(cells if max_cells <= 0 else cells[:max_cells]):
+            extra = "  ext (x, y, token) {}, {}, {}".format(*cell["ext"]) if "ext" in cell else ""
+            print(f"    cell {i:>5}  pos {cell['pos']:>10}  seq ids {' '.join(map(str, cell['seq_ids']))}{extra}")
+        if 0 < max_cells < len(cells):
+            print(f"    ... {len(cells) - max_cells} more (--max-cells 0 lists all)")
+        for which in ("k", "v"):
+            for il, tensor in enumerate(stream[which]):
+                width = "-" if tensor["n_embd"] is None else tensor["n_embd"]
+                rows = (f"{width} runs of {tensor['row_bytes']}-byte elements, one per cell" if tensor["transposed"]
+                        else f"row bytes {tensor['row_bytes']}, n_embd {width}")
+                print(f"    attention layer {il} {which.upper()}  {tensor['type']:<6} {rows}")
 
 
 def _fits(fits: dict[str, Any]) -> str:

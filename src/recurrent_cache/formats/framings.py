@@ -350,7 +350,9 @@ def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_se
     ``seq_id`` None: any framing (``inspect``); -1: one of the whole cache; >= 0: one of a
     sequence.  ``sequence_file`` True: a state file is required, False: a blob, None: either.
     ``framing``: a key of ``READ_FRAMINGS`` instead of detecting.  ``kv_cell_ext``: whether a
-    KV section's cells carry ``KV_CELL_EXT`` (None: found from the bytes).
+    KV section's cells carry ``KV_CELL_EXT`` (None: found from the bytes).  ``watch`` (``inspect``'s):
+    its ``trial()`` checks every trial parse's memory section (``parse_section``), and it sees the
+    KV section's streams as they are read (``read_kv_section``).
 
     Detection: a state file by its magic and version; a llama sequence blob by its magic; an
     architecture string by its characters (see ``MIN_ARCH``), anything else is a bare section.
@@ -388,7 +390,7 @@ def read_framing(reader: Any, seq_id: int | None, arch: str | None = None, kv_se
     kv_at = None
     if ext is not None:
         kv_at = reader.offset
-        read_kv_section(reader, seq_id, ext, cache, max_tokens)
+        read_kv_section(reader, seq_id, ext, cache, max_tokens, watch=watch)
     return Framing(label, tokens, source, name, kv_at, reader.offset, outputs, ext, others)
 
 

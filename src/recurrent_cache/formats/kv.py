@@ -24,7 +24,7 @@ from .layouts import (CELL, CELL_COUNT, KV_CELL_EXT, KV_DATA_HEADER, KV_STREAMS,
                       TENSOR_HEADER)
 from .messages import kv_count_too_large, kv_sequence_n_seq_id, kv_v_trans, trailing
 
-__all__ = ["KvCell", "KvTensor", "KvStream", "KvSection", "read_kv_section", "parse_kv_section",
+__all__ = ["KvCell", "KvTensor", "KvTensorHeader", "KvStream", "KvSection", "read_kv_section", "parse_kv_section",
            "compose_kv_section"]
 
 
@@ -67,6 +67,16 @@ class KvTensor:
 
 
 @dataclass(frozen=True)
+class KvTensorHeader:
+    """What a K or V tensor's header says, without its rows: as ``KvTensor`` (``n_embd`` None:
+    not transposed, ``row_bytes`` one cell's row; else ``row_bytes`` one element)."""
+
+    type_id: int
+    row_bytes: int
+    n_embd: int | None = None
+
+
+@dataclass(frozen=True)
 class KvStream:
     """One stream's cells and rows.  A stream without cells writes its count only: ``v_trans``
     False, no tensors."""
@@ -104,31 +114,37 @@ def _rows(reader: Any, shape: tuple[int, int], field: str, keep: bool) -> np.nda
     return np.frombuffer(reader.data[at:at + n], dtype=np.uint8).reshape(shape) if keep else None
 
 
-def _read_tensors(reader: Any, where: str, n_layer: int, cell_count: int, v_trans: bool,
-                  keep: bool) -> tuple[tuple[KvTensor, ...], tuple[KvTensor, ...]]:
+def _read_tensors(reader: Any, where: str, n_layer: int, cell_count: int, v_trans: bool, keep: bool,
+                  headers: list[list[KvTensorHeader]] | None) -> tuple[tuple[KvTensor, ...], tuple[KvTensor, ...]]:
+    """The K then V tensors of a stream (kept only with ``keep``); their headers appended to
+    ``headers`` (K, V) when given."""
     k, v = [], []
     for il in range(n_layer):
         (type_id, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} K type and row size")
+        if headers is not None:
+            headers[0].append(KvTensorHeader(type_id, row_bytes))
         rows = _rows(reader, (cell_count, row_bytes), f"{where} layer {il} K rows", keep)
         if rows is not None:
             k.append(KvTensor(type_id, row_bytes, rows))
     for il in range(n_layer):
+        n_embd = None
         if v_trans:
-            (type_id, element_bytes, n_embd), _ = reader.unpack(
+            (type_id, row_bytes, n_embd), _ = reader.unpack(
                 KV_V_TRANS_HEADER, f"{where} layer {il} V type, element size and width")
-            rows = _rows(reader, (n_embd, cell_count * element_bytes), f"{where} layer {il} V rows", keep)
-            if rows is not None:
-                v.append(KvTensor(type_id, element_bytes, rows, n_embd))
+            shape = (n_embd, cell_count * row_bytes)
         else:
             (type_id, row_bytes), _ = reader.unpack(TENSOR_HEADER, f"{where} layer {il} V type and row size")
-            rows = _rows(reader, (cell_count, row_bytes), f"{where} layer {il} V rows", keep)
-            if rows is not None:
-                v.append(KvTensor(type_id, row_bytes, rows))
+            shape = (cell_count, row_bytes)
+        if headers is not None:
+            headers[1].append(KvTensorHeader(type_id, row_bytes, n_embd))
+        rows = _rows(reader, shape, f"{where} layer {il} V rows", keep)
+        if rows is not None:
+            v.append(KvTensor(type_id, row_bytes, rows, n_embd))
     return tuple(k), tuple(v)
 
 
 def read_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry | None = None,
-                    max_tokens: int = MAX_TOKENS, keep: bool = False) -> KvSection | None:
+                    max_tokens: int = MAX_TOKENS, keep: bool = False, watch: Any = None) -> KvSection | None:
     """Read llama.cpp's attention KV section at the reader's cursor, checking that it is whole
     and, for a sequence (``seq_id >= 0``), that every cell lists exactly one seq id.  ``ext``:
     every cell carries ``KV_CELL_EXT`` after its n_seq_id.  ``keep``: return it as a
@@ -138,7 +154,11 @@ def read_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry 
     Every count is bounded before what it counts is read: streams and seq ids by the cache's
     sequences (``cache.size``; llama.cpp's KV cache has one stream per sequence at most), layers
     by the model's (``cache.n_layer``), cells by ``max_tokens`` (a KV cell holds a token of the
-    context), and the seq ids and rows it steps over by ``MAX_SKIPPED_BYTES``."""
+    context), and the seq ids and rows it steps over by ``MAX_SKIPPED_BYTES``.
+
+    ``watch`` (optional; ``inspect``) sees each stream once its rows are stepped over, before the
+    next is read: ``watch.kv_stream(cells, v_trans, k_headers, v_headers)`` (``KvCell`` and
+    ``KvTensorHeader`` tuples; ``v_trans`` False and no headers for a stream without cells)."""
     if keep and not isinstance(reader, MemoryReader):
         raise TypeError("read_kv_section keeps the section only from a MemoryReader")
     start = reader.offset
@@ -151,6 +171,8 @@ def read_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry 
         (cell_count,), at = reader.unpack(CELL_COUNT, f"{where} cell_count")
         if cell_count == 0:
             streams.append(KvStream(()))
+            if watch is not None:
+                watch.kv_stream((), False, (), ())
             continue
         _bound(where, "cell_count", cell_count, at, max_tokens, "max_tokens")
         cells = []
@@ -166,15 +188,18 @@ def read_kv_section(reader: Any, seq_id: int | None, ext: bool, cache: Geometry 
             field = f"{where} cell {i} seq ids"
             reader.skipped = charge_skip(reader.skipped, 4 * n_seq_id, field, reader.offset)
             ids, _ = reader.ids(n_seq_id, field)
-            if keep:
+            if keep or watch is not None:
                 cells.append(KvCell(pos, tuple(ids), cell_ext))
         (v_trans, n_layer), at = reader.unpack(KV_DATA_HEADER, f"{where} v_trans and n_layer")
         if v_trans not in (0, 1):
             raise kv_v_trans(where, v_trans, at)
         if cache is not None:
             _bound(where, "n_layer", n_layer, at + 4, cache.n_layer, "the model's layers")
-        k, v = _read_tensors(reader, where, n_layer, cell_count, bool(v_trans), keep)
+        headers: list[list[KvTensorHeader]] | None = None if watch is None else [[], []]
+        k, v = _read_tensors(reader, where, n_layer, cell_count, bool(v_trans), keep, headers)
         streams.append(KvStream(tuple(cells), bool(v_trans), k, v))
+        if headers is not None:
+            watch.kv_stream(tuple(cells), bool(v_trans), tuple(headers[0]), tuple(headers[1]))
     return KvSection(tuple(streams), ext, reader.offset - start) if keep else None
 
 
