@@ -13,8 +13,8 @@ ubatch to both halves, on slots both found at ``init_batch``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -22,8 +22,8 @@ from . import _args, _engines
 from ._args import as_flag, as_int, state_seq_id
 from .batch import Batch
 from .cache import RecurrentCache
-from .errors import (POS_MAX, SEQ_RANGE, ConfigError, CoreError, NoFreeCellError, OutOfRangeError, StateError,
-                     UsageError, engine_error)
+from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, NoFreeCellError, OutOfRangeError,
+                     StateError, UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
 from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
 from .memory_state import MemoryState, MemoryStatus, ThreadGuard, Ubatch
@@ -34,10 +34,21 @@ from .formats.kv import compose_kv_section, parse_kv_section
 from .kv_state import KvLoad, KvRows, checked_load, kv_section
 from .storage import Storage, Tensor, allocating, storage_for
 
-__all__ = ["HybridCache", "HybridState"]
+__all__ = ["HybridCache", "HybridSeqState", "HybridState"]
 
 # a range bound the KV table takes as int32: positions lie below POS_MAX, so larger bounds mean "to the end"
 _POS_END = POS_MAX
+
+
+class HybridSeqState(NamedTuple):
+    """What one sequence holds (``HybridCache.seq_state``): its KV positions in order, the K and V
+    rows of those cells ``[n_attn, n, n_embd_*]``, and its recurrent rows (one per recurrent layer)."""
+
+    pos: np.ndarray
+    k: Tensor
+    v: Tensor
+    r: list[Tensor]
+    s: list[Tensor]
 
 
 def _bound(value: int) -> int:
@@ -116,6 +127,9 @@ class HybridCache:
         self._kv_rows = KvRows(self._storage, k_tensor, v_tensor.swapaxes(1, 2) if self._v_trans else v_tensor,
                                self._type_k, self._type_v, self._n_embd_k, self._n_embd_v, self._v_trans, n_swa,
                                swa_type)
+        recurrent = self._recurrent
+        self._recurrent_bytes = len(recurrent.layers) * (STATE_TYPES[recurrent.dtype_r].itemsize * recurrent.n_embd_r
+                                                         + STATE_TYPES[recurrent.dtype_s].itemsize * recurrent.n_embd_s)
         self._generation = 0
         self._guard = ThreadGuard()
 
@@ -163,6 +177,17 @@ class HybridCache:
     def v_trans(self) -> bool:
         """Whether ``v[il]`` is ``[n_embd_v, kv_size]`` (one run of cells per dimension)."""
         return self._v_trans
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V rows, every attention layer."""
+        per_layer = self._n_embd_k * self._type_k.itemsize + self._n_embd_v * self._type_v.itemsize
+        return len(self._attn_layers) * per_layer
+
+    @property
+    def recurrent_bytes_per_seq(self) -> int:
+        """Bytes of one sequence's recurrent state (r and s rows, every recurrent layer)."""
+        return self._recurrent_bytes
 
     @property
     def kv_pad(self) -> int:
@@ -389,6 +414,78 @@ class HybridCache:
         """The smallest ``p0`` for which ``seq_rm(seq, p0, -1)`` rolls ``seq`` back (both halves);
         as ``RecurrentCache.seq_rollback_min``."""
         return self._recurrent.seq_rollback_min(self._seq(seq, "seq_rollback_min"))
+
+    # -- a sequence's rows ---------------------------------------------------------------------
+
+    def seq_state(self, seq: int) -> HybridSeqState:
+        """Copies of everything ``seq`` holds: its KV positions in order and the K and V rows of those
+        cells (``[n_attn, n, n_embd_k]`` / ``[n_attn, n, n_embd_v]``, tensors of the cache's storage), and
+        its recurrent r and s rows (``RecurrentCache.seq_state``)."""
+        seq = self._seq(seq, "seq_state")
+        self._enter()
+        try:
+            cells = [(cell[0], i) for i, cell in enumerate(self._kv.cells()) if cell is not None and seq in cell[1]]
+            cells.sort()
+            index = np.array([i for _, i in cells], dtype=np.int64)
+            pos = np.array([p for p, _ in cells], dtype=np.int32)
+            storage, rows = self._storage, self._kv_rows
+            k, v = storage.take(rows.k_by_cell, index), storage.take(rows.v_by_cell, index)
+            r_rows, s_rows = self._recurrent.seq_state(seq) if self._recurrent.seq_row(seq) >= 0 else ([], [])
+        finally:
+            self._leave()
+        return HybridSeqState(pos, k, v, r_rows, s_rows)
+
+    def seq_restore(self, seq: int, pos: Any, k: Tensor, v: Tensor, r_rows: Sequence[Tensor],
+                    s_rows: Sequence[Tensor]) -> None:
+        """Give ``seq``, which must hold nothing, these rows: KV cells at positions ``pos`` (1-D) with
+        K and V rows ``[n_attn, len(pos), n_embd_*]`` (numpy arrays or tensors of the cache's storage,
+        of its dtypes), placed where a ubatch of them would go, and its recurrent state at the last
+        position (``RecurrentCache.seq_restore``'s rows).  Everything is checked before anything
+        changes: a call that raises (``ArgumentError``, ``SeqIdError``, ``NoFreeCellError``, ...) has
+        changed neither half."""
+        seq = self._seq(seq, "seq_restore")
+        positions = _args.int_array(pos, "seq_restore: pos")
+        n = positions.size
+        if n == 0:
+            raise ArgumentError("seq_restore: pos holds no position")
+        k = self._kv_rows_of("k", k, 0, n)
+        v = self._kv_rows_of("v", v, 1, n)
+        seqs = np.full(n, seq, dtype=np.int32)
+        self._enter()
+        try:
+            if self.seq_pos_max(seq) >= 0 or self._kv.seq_pos_max(seq) >= 0:
+                raise ArgumentError(f"seq_restore: sequence {seq} holds positions: remove it first (seq_rm)")
+            tokens = (positions, seqs, np.arange(n + 1, dtype=np.int32))
+            slots = self._kv.prepare([tokens]) if self._attn_layers else [np.empty(0, dtype=np.int32)]
+            if slots is None:
+                raise NoFreeCellError(f"seq_restore: {n} KV cells for sequence {seq} fit nowhere "
+                                      f"({self._kv.used} of {self._kv.size} cells used)")
+            self._recurrent.seq_restore(seq, int(positions[-1]), r_rows, s_rows)   # checks its rows first
+            if self._attn_layers:
+                cells = slots[0]
+                self._kv.apply(cells, positions, seqs)
+                self._storage.put(self._kv_rows.k_by_cell, cells.astype(np.int64), k)
+                self._storage.put(self._kv_rows.v_by_cell, cells.astype(np.int64), v)
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def _kv_rows_of(self, which: str, rows: Any, kind: int, n: int) -> Tensor:
+        """``rows`` checked as ``[n_attn, n, n_embd]`` of the K (kind 0) or V (1) dtype — a numpy array,
+        or a tensor of the storage's type — as a tensor of the storage."""
+        state_type = (self._type_k, self._type_v)[kind]
+        shape = (len(self._attn_layers), n, (self._n_embd_k, self._n_embd_v)[kind])
+        own = self._kv_tensors[kind]
+        dtype = state_type.numpy if isinstance(rows, np.ndarray) else own.dtype
+        fits = (isinstance(rows, (np.ndarray, type(own))) and rows.dtype == dtype
+                and tuple(rows.shape) == shape)
+        if not fits:
+            got = (f"{rows.dtype} of shape {tuple(rows.shape)}" if hasattr(rows, "dtype") and hasattr(rows, "shape")
+                   else type(rows).__name__)
+            raise ArgumentError(f"seq_restore: {which} must be {dtype} of shape {shape}, got {got}")
+        if isinstance(rows, np.ndarray):
+            return self._storage.from_host(rows, state_type)
+        return rows.to(own.device) if hasattr(rows, "device") and rows.device != own.device else rows
 
     # -- batches --------------------------------------------------------------------------
 
