@@ -131,14 +131,14 @@ class HybridPrefixCache:
         self._pin(path, 1)   # its blocks stay while others are evicted to make room
         alone = snapshot.nbytes + self._bytes_alone(path)
         snapshot.priority = self._clock + n / alone
-        while self._used + snapshot.nbytes > self._max_bytes:
-            lowest = self._lowest()
-            if lowest is None or lowest.priority > snapshot.priority:
-                self._pin(path, -1)
-                self._clock = max(self._clock, snapshot.priority)
-                self._stats["refused"] += 1
-                return False
-            self._evict(lowest)
+        victims = self._victims(snapshot.nbytes, snapshot.priority)
+        if victims is None:
+            self._pin(path, -1)
+            self._clock = max(self._clock, snapshot.priority)
+            self._stats["refused"] += 1
+            return False
+        for victim in victims:
+            self._evict(victim)
         path.snapshots[snapshot.tail] = snapshot
         self._used += snapshot.nbytes
         self._count += 1
@@ -235,11 +235,34 @@ class HybridPrefixCache:
 
     # -- eviction -----------------------------------------------------------------------------
 
-    def _lowest(self) -> _Snapshot | None:
-        """The snapshot of the lowest priority (its stale heap entries dropped)."""
-        while self._heap and self._heap[0][1] != self._heap[0][2].order:
-            heapq.heappop(self._heap)
-        return self._heap[0][2] if self._heap else None
+    def _victims(self, needed: int, priority: float) -> list[_Snapshot] | None:
+        """The snapshots of lower priority than a newcomer's whose eviction makes ``needed`` bytes fit,
+        lowest first; None when even all of them would not (then nothing is evicted)."""
+        over = self._used + needed - self._max_bytes
+        if over <= 0:
+            return []
+        if len(self._heap) > 2 * self._count + 64:   # drop the stale entries of touched and evicted snapshots
+            self._heap = [entry for entry in self._heap if entry[1] == entry[2].order]
+            heapq.heapify(self._heap)
+        victims: list[_Snapshot] = []
+        users: dict[int, int] = {}
+        for entry_priority, order, candidate in sorted(self._heap):
+            if over <= 0:
+                break
+            if order != candidate.order:
+                continue
+            if entry_priority > priority:
+                return None
+            victims.append(candidate)
+            over -= candidate.nbytes
+            node: _Block | None = candidate.block
+            while node is not None and node.parent is not None:
+                left = users.get(id(node), node.users) - 1
+                users[id(node)] = left
+                if left == 0:
+                    over -= self._block * self._token_bytes
+                node = node.parent
+        return victims if over <= 0 else None
 
     def _touch(self, snapshot: _Snapshot) -> None:
         snapshot.hits += 1
@@ -248,7 +271,7 @@ class HybridPrefixCache:
         heapq.heappush(self._heap, (snapshot.priority, snapshot.order, snapshot))
 
     def _evict(self, snapshot: _Snapshot) -> None:
-        heapq.heappop(self._heap)
+        snapshot.order = -1   # its heap entries are stale from now on
         self._clock = snapshot.priority
         del snapshot.block.snapshots[snapshot.tail]
         self._used -= snapshot.nbytes
