@@ -241,9 +241,6 @@ class HybridPrefixCache:
         over = self._used + needed - self._max_bytes
         if over <= 0:
             return []
-        if len(self._heap) > 2 * self._count + 64:   # drop the stale entries of touched and evicted snapshots
-            self._heap = [entry for entry in self._heap if entry[1] == entry[2].order]
-            heapq.heapify(self._heap)
         victims: list[_Snapshot] = []
         users: dict[int, int] = {}
         for entry_priority, order, candidate in sorted(self._heap):
@@ -269,6 +266,9 @@ class HybridPrefixCache:
         snapshot.priority = self._clock + snapshot.length * (1 + snapshot.hits) / snapshot.nbytes
         snapshot.order = next(self._order)
         heapq.heappush(self._heap, (snapshot.priority, snapshot.order, snapshot))
+        if len(self._heap) > 2 * self._count + 64:   # drop the stale entries of touched and evicted snapshots
+            self._heap = [entry for entry in self._heap if entry[1] == entry[2].order]
+            heapq.heapify(self._heap)
 
     def _evict(self, snapshot: _Snapshot) -> None:
         snapshot.order = -1   # its heap entries are stale from now on
