@@ -142,7 +142,7 @@ class HybridPrefixCache:
         path.snapshots[snapshot.tail] = snapshot
         self._used += snapshot.nbytes
         self._count += 1
-        heapq.heappush(self._heap, (snapshot.priority, snapshot.order, snapshot))
+        self._push(snapshot)
         self._stats["saved"] += 1
         return True
 
@@ -265,6 +265,9 @@ class HybridPrefixCache:
         snapshot.hits += 1
         snapshot.priority = self._clock + snapshot.length * (1 + snapshot.hits) / snapshot.nbytes
         snapshot.order = next(self._order)
+        self._push(snapshot)
+
+    def _push(self, snapshot: _Snapshot) -> None:
         heapq.heappush(self._heap, (snapshot.priority, snapshot.order, snapshot))
         if len(self._heap) > 2 * self._count + 64:   # drop the stale entries of touched and evicted snapshots
             self._heap = [entry for entry in self._heap if entry[1] == entry[2].order]
