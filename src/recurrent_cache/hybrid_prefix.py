@@ -12,9 +12,12 @@ snapshot of the prompt.
 
 Budget and eviction.  Blocks and snapshots are counted against ``max_bytes`` together.  A block
 lives while a snapshot at or below it does.  Eviction is GreedyDual-Size-Frequency over snapshots:
-the priority of a snapshot is ``L + length * (1 + hits) / bytes``, what restoring it saves (tokens
-not recomputed, times its uses) per byte it holds alone (its state and tail, and the blocks no other
-snapshot needs), with ``L`` the priority of the last snapshot evicted; a newcomer whose priority is
+the priority of a snapshot is ``L + weight * length * (1 + hits) / bytes``, what restoring it saves
+(tokens not recomputed, times its uses, times how likely it is to be reused) per byte it holds alone
+(its state and tail, and the blocks no other snapshot needs), with ``L`` the priority of the last
+snapshot evicted.  ``weight`` is ``JUNCTION_WEIGHT`` once saved prompts continue it with two
+different tokens (a system prompt, a few-shot template: what conversations share), 1 before (the end
+of a prompt or a reply, which only its own conversation extends).  A newcomer whose priority is
 below the lowest is refused (``save`` returns False), so one long unique prompt does not flush the
 shared ones.  Evicting a snapshot frees the blocks only it kept.
 
@@ -36,7 +39,9 @@ from .errors import ArgumentError, PositionError
 from .hybrid import HybridCache
 from .storage import Tensor
 
-__all__ = ["HybridPrefixCache"]
+__all__ = ["HybridPrefixCache", "JUNCTION_WEIGHT"]
+
+JUNCTION_WEIGHT = 64.0   # as PrefixCache's: a prefix two saved prompts continue differently
 
 
 class _Block:
@@ -55,7 +60,7 @@ class _Block:
 
 
 class _Snapshot:
-    __slots__ = ("block", "tail", "length", "k", "v", "r", "s", "hits", "priority", "nbytes", "order")
+    __slots__ = ("block", "tail", "length", "k", "v", "r", "s", "hits", "priority", "nbytes", "order", "nexts")
 
     def __init__(self, block: _Block, tail: bytes, length: int, k: Tensor, v: Tensor, r: list[Tensor],
                  s: list[Tensor], nbytes: int, order: int) -> None:
@@ -63,6 +68,7 @@ class _Snapshot:
         self.k, self.v, self.r, self.s = k, v, r, s      # tail K / V rows [n_attn, tail, n_embd]; state rows
         self.hits = 0
         self.priority = 0.0
+        self.nexts: set[int] = set()                     # the tokens saved prompts continue it with
         self.nbytes = nbytes                             # its state and tail
         self.order = order
 
@@ -130,7 +136,10 @@ class HybridPrefixCache:
                              self._state_bytes + (n - full) * self._token_bytes, next(self._order))
         self._pin(path, 1)   # its blocks stay while others are evicted to make room
         alone = snapshot.nbytes + self._bytes_alone(path)
-        snapshot.priority = self._clock + n / alone
+        self._passes(data)
+        snapshot.nexts = self._continuations(path, snapshot.tail)
+        weight = JUNCTION_WEIGHT if len(snapshot.nexts) > 1 else 1.0
+        snapshot.priority = self._clock + weight * n / alone
         victims = self._victims(snapshot.nbytes, snapshot.priority)
         if victims is None:
             self._pin(path, -1)
@@ -198,6 +207,30 @@ class HybridPrefixCache:
             at += step
         return best
 
+    def _passes(self, data: bytes) -> None:
+        """A prompt is being saved: the snapshots it passes through learn the token it continues them
+        with; one continued two ways is a junction."""
+        step = self._block * 4
+        block: _Block | None = self._root
+        at = 0
+        while block is not None:
+            for tail, snapshot in block.snapshots.items():
+                end = at + len(tail)
+                if end < len(data) and data.startswith(tail, at):
+                    before = len(snapshot.nexts)
+                    snapshot.nexts.add(int.from_bytes(data[end:end + 4], "little", signed=True))
+                    if before == 1 and len(snapshot.nexts) == 2:
+                        self._refresh(snapshot)
+            block = block.children.get(data[at:at + step]) if len(data) - at >= step else None
+            at += step
+
+    def _continuations(self, block: _Block, tail: bytes) -> set[int]:
+        """The tokens the saved paths through a point (``tail`` past ``block``) continue it with: the
+        next token of each deeper block and longer tail that begins there."""
+        at = len(tail)
+        keys = list(block.children) + [t for t in block.snapshots if len(t) > at]
+        return {int.from_bytes(key[at:at + 4], "little", signed=True) for key in keys if key.startswith(tail)}
+
     def _blocks_for(self, data: bytes, full: int, k: Tensor, v: Tensor) -> _Block:
         """The block of the first ``full`` tokens, its path made (with the rows, counted) where missing."""
         block = self._root
@@ -263,7 +296,11 @@ class HybridPrefixCache:
 
     def _touch(self, snapshot: _Snapshot) -> None:
         snapshot.hits += 1
-        snapshot.priority = self._clock + snapshot.length * (1 + snapshot.hits) / snapshot.nbytes
+        self._refresh(snapshot)
+
+    def _refresh(self, snapshot: _Snapshot) -> None:
+        weight = JUNCTION_WEIGHT if len(snapshot.nexts) > 1 else 1.0
+        snapshot.priority = self._clock + weight * snapshot.length * (1 + snapshot.hits) / snapshot.nbytes
         snapshot.order = next(self._order)
         self._push(snapshot)
 
