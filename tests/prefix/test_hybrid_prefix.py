@@ -9,8 +9,6 @@ row sizes; a brute force gives the longest saved prefix of random prompts.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +16,7 @@ import pytest
 from recurrent_cache import Batch, HybridCache, HybridPrefixCache
 from recurrent_cache.errors import ArgumentError, PositionError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "core"))
-from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot  # noqa: E402
+from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot
 
 BLOCK = 4
 
