@@ -27,12 +27,30 @@ cdef enum:
     KV_NO_MEMORY = 9
     KV_NO_SLOT = 10           # find_slot: the ubatch fits nowhere (not an error: None in Python)
     KV_SHIFT_RANGE = 11
+    KV_TOO_MANY_CELLS = 12    # load: more cells than the table holds
 
 cdef enum:
     SWA_NONE = 0
     SWA_STANDARD = 1
     SWA_CHUNKED = 2
     SWA_SYMMETRIC = 3
+
+cdef enum:                   # bits of KvTable.mark
+    MARK_LISTED = 1           # apply: the cell is in the slot already
+    MARK_SAVED = 2            # the journal holds the cell's state from before the operation being undone
+
+cdef struct KvJournal:        # cells' states to put back (_kv_journal): prepare and load_seq undo through it
+    bint on                   # apply and seq_rm of one sequence save each cell before they first change it
+    int32_t n                 # cells saved
+    int32_t cap
+    int32_t* cell             # [cap] the saved cell  (one block: cell, pos, shift, n_seq)
+    int32_t* pos              # [cap] its position, shift and sequence count then
+    int32_t* shift            # [cap]
+    int32_t* n_seq            # [cap]
+    uint64_t* seq_bits        # [cap * seq_words] its sequence set then
+    int32_t head              # the table's head, used and top then
+    int32_t used
+    int32_t top
 
 cdef struct KvTable:
     int32_t size
@@ -54,6 +72,7 @@ cdef struct KvTable:
     int32_t* scratch          # [size] cells collected by an operation
     int32_t* max_rm           # [n_seq_max] apply: the largest position overwritten per sequence
     SeqPositions seqs         # per sequence, its (position, cell) pairs ordered
+    KvJournal journal
 
 cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int32_t swa_type) noexcept nogil
 cdef void kv_release(KvTable* t) noexcept nogil
@@ -83,6 +102,17 @@ cdef void kv_reset_shift(KvTable* t) noexcept nogil
 # the mask [n, n_kv] float32 (0 visible, -inf not) of n checked tokens; `sliding` applies the window
 cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
                  float* out, int32_t n_kv, bint sliding) noexcept nogil
+
+# the slots of several ubatches, each placed tentatively for the next to see, then the table put back as it
+# was: slots[bounds[u]:bounds[u + 1]] for ubatch u (tokens [bounds[u], bounds[u + 1]) of pos / offsets)
+cdef int kv_prepare(KvTable* t, int32_t n_ubatch, const int32_t* bounds, const int32_t* pos, const int32_t* flat,
+                    const int32_t* offsets, int32_t* slots, int64_t* a, int64_t* b) noexcept nogil
+# every cell replaced: cells [0, n) take the n checked tokens, the rest empty, head 0, no shift
+cdef int kv_load(KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets) noexcept nogil
+# seq's cells replaced by n checked tokens of seq alone (flat / offsets list seq once per token), at slot[n];
+# KV_NO_SLOT (nothing changed) when they fit nowhere
+cdef int kv_load_seq(KvTable* t, int32_t seq, int32_t n, const int32_t* pos, const int32_t* flat,
+                     const int32_t* offsets, int32_t* slot, int64_t* a, int64_t* b) noexcept nogil
 
 # every invariant: 0, or a CHECK_* with the offending cell or sequence in *where
 cdef enum:

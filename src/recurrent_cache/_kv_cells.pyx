@@ -20,8 +20,10 @@ import numpy as np
 
 from . import errors as E
 from . import kv_reference
-from .kv_reference import as_int32, cell_array, check_config, check_mask_out, kv_error, token_arrays
+from .kv_reference import (as_int32, cell_array, check_config, check_mask_out, checked_ubatches, kv_error,
+                           position_array, token_array_shapes, token_arrays)
 
+from ._kv_journal cimport kj_begin, kj_commit, kj_release, kj_reserve, kj_touch, kj_undo, list_cell
 from ._kv_seq_pos cimport (sp_check, sp_clear, sp_collect, sp_erase, sp_init, sp_insert, sp_max, sp_min, sp_release,
                           sp_reserve)
 
@@ -64,6 +66,7 @@ cdef void lower_top(KvTable* t) noexcept nogil:
 
 
 cdef void take_cell(KvTable* t, int32_t cell, int32_t pos) noexcept nogil:
+    kj_touch(t, cell)
     t.pos[cell] = pos
     t.free_bits[cell >> 6] &= ~(<uint64_t>1 << (cell & 63))
     t.used += 1
@@ -72,6 +75,7 @@ cdef void take_cell(KvTable* t, int32_t cell, int32_t pos) noexcept nogil:
 
 
 cdef void join(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
+    kj_touch(t, cell)
     t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] |= <uint64_t>1 << (seq & 63)
     t.n_seq[cell] += 1
     sp_insert(&t.seqs, seq, t.pos[cell], cell)
@@ -89,6 +93,7 @@ cdef void empty_cell(KvTable* t, int32_t cell) noexcept nogil:
 
 cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     """``seq`` leaves ``cell``; whether that emptied it."""
+    kj_touch(t, cell)
     t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] &= ~(<uint64_t>1 << (seq & 63))
     t.n_seq[cell] -= 1
     sp_erase(&t.seqs, seq, t.pos[cell], cell)
@@ -98,24 +103,9 @@ cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     return False
 
 
-cdef void list_cell(KvTable* t, int32_t cell, bint listed) noexcept nogil:
-    """Put the cell's pairs into its sequences' trees (``listed``) or take them out (before its
-    position changes or it empties)."""
-    cdef int32_t w, s
-    cdef uint64_t word
-    for w in range(t.seq_words):
-        word = t.seq_bits[<int64_t>cell * t.seq_words + w]
-        while word:
-            s = w * 64 + rc_ctz64(word)
-            word &= word - 1
-            if listed:
-                sp_insert(&t.seqs, s, t.pos[cell], cell)
-            else:
-                sp_erase(&t.seqs, s, t.pos[cell], cell)
-
-
 cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
     """Every sequence leaves a used cell."""
+    kj_touch(t, cell)
     list_cell(t, cell, False)
     memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
     t.n_seq[cell] = 0
@@ -125,6 +115,7 @@ cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
 # -- lifecycle ---------------------------------------------------------------------------------------------
 
 cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int32_t swa_type) noexcept nogil:
+    cdef int32_t k
     memset(t, 0, sizeof(KvTable))
     t.size = size
     t.n_seq_max = n_seq_max
@@ -145,6 +136,8 @@ cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int
     t.n_seq = t.pos + 2 * size
     t.scratch = t.pos + 3 * size
     memset(t.mark, 0, <size_t>size)
+    for k in range(n_seq_max):        # apply_touches tells a sequence it saw by -2
+        t.max_rm[k] = -1
     kv_clear(t)
     return KV_OK
 
@@ -156,6 +149,7 @@ cdef void kv_release(KvTable* t) noexcept nogil:
     free(t.mark)
     free(t.max_rm)
     sp_release(&t.seqs)
+    kj_release(t)
     memset(t, 0, sizeof(KvTable))
 
 
@@ -297,13 +291,13 @@ cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos
             a[0] = cell
             b[0] = t.size
             break
-        if t.mark[cell] or t.n_seq[cell] > 1:
+        if t.mark[cell] & MARK_LISTED or t.n_seq[cell] > 1:
             code = KV_CELL_TAKEN
             a[0] = cell
             break
-        t.mark[cell] = 1
+        t.mark[cell] |= MARK_LISTED
     for k in range(token if code != KV_OK else n):
-        t.mark[slot[k]] = 0
+        t.mark[slot[k]] &= <uint8_t>~MARK_LISTED
     if code != KV_OK:
         return code
     if not sp_reserve(&t.seqs, offsets[n]):
@@ -328,6 +322,83 @@ cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos
                 kv_seq_rm(t, owner, lowest, t.max_rm[owner] + 1)
     t.head = slot[n - 1] + 1
     return KV_OK
+
+
+# -- preparing and loading (the journal: _kv_journal) ----------------------------------------------------
+
+cdef int64_t apply_touches(const KvTable* t, int32_t n, const int32_t* slot) noexcept nogil:
+    """At most how many cells ``kv_apply`` of this slot changes: its own, and every cell of each
+    sequence it overwrites a token of (the purge)."""
+    cdef int64_t touched = n
+    cdef int32_t k, owner
+    for k in range(n):
+        if t.pos[slot[k]] >= 0:
+            owner = only_seq(t, slot[k])
+            if t.max_rm[owner] != -2:
+                t.max_rm[owner] = -2
+                touched += t.seqs.count[owner]
+    for k in range(n):
+        if t.pos[slot[k]] >= 0:
+            t.max_rm[only_seq(t, slot[k])] = -1
+    return touched
+
+
+cdef int journaled_place(KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
+                         int32_t* slot, int64_t* a, int64_t* b) noexcept nogil:
+    """find_slot (not continuous) and apply while journaling."""
+    cdef int code = kv_find_slot(t, n, False, slot)
+    if code != KV_OK:
+        return code
+    if not kj_reserve(t, apply_touches(t, n, slot)):
+        return KV_NO_MEMORY
+    return kv_apply(t, n, slot, pos, flat, offsets, a, b)
+
+
+cdef int kv_prepare(KvTable* t, int32_t n_ubatch, const int32_t* bounds, const int32_t* pos, const int32_t* flat,
+                    const int32_t* offsets, int32_t* slots, int64_t* a, int64_t* b) noexcept nogil:
+    cdef int32_t u
+    cdef int code = KV_OK
+    kj_begin(t)
+    for u in range(n_ubatch):
+        code = journaled_place(t, bounds[u + 1] - bounds[u], pos + bounds[u], flat, offsets + bounds[u],
+                               slots + bounds[u], a, b)
+        if code != KV_OK:
+            break
+    kj_undo(t)
+    return code
+
+
+cdef int kv_load(KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets) noexcept nogil:
+    cdef int32_t cell, k
+    if n > t.size:
+        return KV_TOO_MANY_CELLS
+    if not sp_reserve(&t.seqs, <int64_t>offsets[n] - t.seqs.nodes_live):
+        return KV_NO_MEMORY
+    kv_clear(t)
+    for cell in range(n):
+        take_cell(t, cell, pos[cell])
+        for k in range(offsets[cell], offsets[cell + 1]):
+            join(t, cell, flat[k])
+    return KV_OK
+
+
+cdef int kv_load_seq(KvTable* t, int32_t seq, int32_t n, const int32_t* pos, const int32_t* flat,
+                     const int32_t* offsets, int32_t* slot, int64_t* a, int64_t* b) noexcept nogil:
+    """llama.cpp's state_read_meta for one sequence: seq_rm of it, find_slot (not continuous) from
+    head, apply; undone when no slot exists."""
+    cdef int code
+    if n > t.size:          # llama.cpp refuses before its seq_rm
+        return KV_NO_SLOT
+    if not kj_reserve(t, t.seqs.count[seq]):
+        return KV_NO_MEMORY
+    kj_begin(t)
+    kv_seq_rm(t, seq, 0, POS_END)
+    code = journaled_place(t, n, pos, flat, offsets, slot, a, b)
+    if code == KV_OK:
+        kj_commit(t)
+    else:
+        kj_undo(t)
+    return code
 
 
 # -- sequence operations -----------------------------------------------------------------------------------
@@ -734,6 +805,70 @@ cdef class KVCells:
         if code != KV_OK:
             raise kv_error(code, a, b)
         return positions, flat, offsets
+
+    # -- preparing and loading
+
+    def prepare(self, ubatches):
+        """The slot of each ubatch in turn, each placed for the next to see, or ``None``; the table
+        is left exactly as it was (``kv_reference.KVCells.prepare``)."""
+        bounds, positions, flat, offsets = checked_ubatches(ubatches)
+        slots = np.empty(bounds[-1], dtype=np.int32)
+        cdef const int32_t[::1] b_view = bounds, p_view = positions, f_view = flat, o_view = offsets
+        cdef int32_t[::1] s_view = slots
+        cdef int64_t a = 0, b = 0
+        cdef int code = KV_OK
+        cdef int32_t u
+        for u in range(b_view.shape[0] - 1):
+            code = kv_check_tokens(&self.t, b_view[u + 1] - b_view[u], &p_view[b_view[u]], &f_view[0],
+                                   &o_view[b_view[u]], &a, &b)
+            if code != KV_OK:
+                raise kv_error(code, a, b)
+        with nogil:
+            code = kv_prepare(&self.t, <int32_t>b_view.shape[0] - 1, &b_view[0], &p_view[0], &f_view[0], &o_view[0],
+                              &s_view[0], &a, &b)
+        if code == KV_NO_SLOT:
+            return None
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+        return np.split(slots, bounds[1:-1])
+
+    def load(self, pos, flat, offsets):
+        """Every cell replaced by a whole context's (``kv_reference.KVCells.load``)."""
+        positions, ids, ubatch_offsets = token_array_shapes(pos, flat, offsets, "load", 0)
+        if positions.shape[0] > self.t.size:
+            raise kv_error(KV_TOO_MANY_CELLS, positions.shape[0], self.t.size)
+        cdef const int32_t[::1] p_view = positions, f_view = ids, o_view = ubatch_offsets
+        cdef int32_t n = <int32_t>p_view.shape[0]
+        cdef int64_t a = 0, b = 0
+        cdef int code = kv_check_tokens(&self.t, n, &p_view[0] if n else NULL, &f_view[0] if n else NULL,
+                                        &o_view[0], &a, &b)
+        if code == KV_OK:
+            code = kv_load(&self.t, n, &p_view[0] if n else NULL, &f_view[0] if n else NULL, &o_view[0])
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+
+    def load_seq(self, seq, pos):
+        """One sequence's cells replaced, at the cells returned, or ``None`` with nothing changed
+        (``kv_reference.KVCells.load_seq``)."""
+        cdef int32_t dest = self.checked_seq(seq)
+        positions = position_array(pos, "load_seq")
+        cdef int32_t n = <int32_t>positions.shape[0]
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        flat = np.full(n, dest, dtype=np.int32)
+        offsets = np.arange(n + 1, dtype=np.int32)
+        slot = np.empty(n, dtype=np.int32)
+        cdef const int32_t[::1] p_view = positions, f_view = flat, o_view = offsets
+        cdef int32_t[::1] s_view = slot
+        cdef int64_t a = 0, b = 0
+        cdef int code
+        with nogil:
+            code = kv_load_seq(&self.t, dest, n, &p_view[0], &f_view[0], &o_view[0], &s_view[0], &a, &b)
+        if code == KV_NO_SLOT:
+            return None
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+        return slot
 
     # -- sequence operations
 
