@@ -99,10 +99,6 @@ cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil
 cdef bint kv_seq_has(const KvTable* t, int32_t cell, int32_t seq) noexcept nogil
 cdef void kv_reset_shift(KvTable* t) noexcept nogil
 
-# the mask [n, n_kv] float32 (0 visible, -inf not) of n checked tokens; `sliding` applies the window
-cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
-                 float* out, int32_t n_kv, bint sliding) noexcept nogil
-
 # the slots of several ubatches, each placed tentatively for the next to see, then the table put back as it
 # was: slots[bounds[u]:bounds[u + 1]] for ubatch u (tokens [bounds[u], bounds[u + 1]) of pos / offsets)
 cdef int kv_prepare(KvTable* t, int32_t n_ubatch, const int32_t* bounds, const int32_t* pos, const int32_t* flat,

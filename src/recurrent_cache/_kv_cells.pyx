@@ -1,18 +1,19 @@
 # cython: language_level=3
-"""The attention KV cell table in C: find_slot, apply, the sequence operations, the mask.
+"""The attention KV cell table in C: find_slot, apply, prepare, load, the sequence operations.
 
 Semantics are ``kv_reference`` (llama.cpp's ``llama_kv_cache``, one stream);
 the costs are not: a sequence's positions are a treap of (position, cell)
 pairs (``_kv_seq_pos``), so ``seq_pos_min`` / ``seq_pos_max`` and every ranged operation of one
 sequence reach its cells in O(log n) per cell instead of scanning the table;
 empty cells are a bitset that ``find_slot`` walks 64 cells at a time (without a
-sliding window, where only empty cells are usable).  Only ``clear``,
-``seq_keep`` and ``seq_rm`` of every sequence touch every cell.  ``KVCells`` is
+sliding window, where only empty cells are usable); ``prepare`` and
+``load_seq`` undo what they changed through a journal of the cells changed
+(``_kv_journal``).  Only ``clear``, ``load``, ``seq_keep`` and ``seq_rm`` of
+every sequence touch every cell.  The mask is ``_kv_mask``'s.  ``KVCells`` is
 the thin Python class over it, with ``kv_reference.KVCells``'s interface.
 """
 
-from libc.math cimport INFINITY
-from libc.stdint cimport INT32_MAX, INT32_MIN, uint32_t
+from libc.stdint cimport INT32_MAX, INT32_MIN
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -23,6 +24,7 @@ from . import kv_reference
 from .kv_reference import (as_int32, cell_array, check_config, check_mask_out, checked_ubatches, kv_error,
                            position_array, token_array_shapes, token_arrays)
 
+from ._kv_mask cimport kv_mask
 from ._kv_journal cimport kj_begin, kj_commit, kj_release, kj_reserve, kj_touch, kj_undo, list_cell
 from ._kv_seq_pos cimport (sp_check, sp_clear, sp_collect, sp_erase, sp_init, sp_insert, sp_max, sp_min, sp_release,
                           sp_reserve)
@@ -547,59 +549,6 @@ cdef void kv_reset_shift(KvTable* t) noexcept nogil:
     t.has_shift = False
 
 
-# -- the mask ----------------------------------------------------------------------------------------------
-
-cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
-                 float* out, int32_t n_kv, bint sliding) noexcept nogil:
-    """Per sequence of the ubatch, the position each cell holds for it (-1: none) once; then per
-    token one branch-free pass: visible iff that position lies in the token's window [lo, p]."""
-    cdef int32_t* seen_pos = <int32_t*>malloc(<size_t>n_kv * sizeof(int32_t))
-    cdef int32_t* next_token = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
-    cdef int32_t* first_token = <int32_t*>malloc(<size_t>t.n_seq_max * sizeof(int32_t))
-    cdef int32_t token, seq, j, p, lo, swa_type = t.swa_type if sliding else SWA_NONE
-    cdef uint32_t width
-    cdef int32_t word_index
-    cdef uint64_t bit
-    cdef float* row
-    if seen_pos == NULL or next_token == NULL or first_token == NULL:
-        free(seen_pos)
-        free(next_token)
-        free(first_token)
-        return KV_NO_MEMORY
-    for seq in range(t.n_seq_max):
-        first_token[seq] = -1
-    for token in range(n - 1, -1, -1):    # each sequence's tokens, chained in order
-        seq = flat[offsets[token]]
-        next_token[token] = first_token[seq]
-        first_token[seq] = token
-    for seq in range(t.n_seq_max):
-        if first_token[seq] < 0:
-            continue
-        word_index = seq >> 6
-        bit = <uint64_t>1 << (seq & 63)
-        for j in range(n_kv):
-            seen_pos[j] = t.pos[j] if t.seq_bits[<int64_t>j * t.seq_words + word_index] & bit else -1
-        token = first_token[seq]
-        while token >= 0:
-            p = pos[token]
-            lo = 0
-            if swa_type == SWA_STANDARD:
-                lo = p - t.n_swa + 1 if p >= t.n_swa else 0
-            elif swa_type == SWA_CHUNKED:
-                lo = (p // t.n_swa) * t.n_swa
-            elif swa_type == SWA_SYMMETRIC:
-                lo = p - t.n_swa // 2 if p >= t.n_swa // 2 else 0
-            width = <uint32_t>(p - lo)
-            row = out + <int64_t>token * n_kv
-            for j in range(n_kv):
-                row[j] = 0.0 if <uint32_t>(seen_pos[j] - lo) <= width else -INFINITY
-            token = next_token[token]
-    free(seen_pos)
-    free(next_token)
-    free(first_token)
-    return KV_OK
-
-
 # -- the invariants ----------------------------------------------------------------------------------------
 
 cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
@@ -834,16 +783,17 @@ cdef class KVCells:
 
     def load(self, pos, flat, offsets):
         """Every cell replaced by a whole context's (``kv_reference.KVCells.load``)."""
-        positions, ids, ubatch_offsets = token_array_shapes(pos, flat, offsets, "load", 0)
+        positions, ids, starts = token_array_shapes(pos, flat, offsets, "load", 0)
         if positions.shape[0] > self.t.size:
             raise kv_error(KV_TOO_MANY_CELLS, positions.shape[0], self.t.size)
-        cdef const int32_t[::1] p_view = positions, f_view = ids, o_view = ubatch_offsets
-        cdef int32_t n = <int32_t>p_view.shape[0]
+        if positions.shape[0] == 0:
+            kv_clear(&self.t)
+            return
+        cdef const int32_t[::1] p_view = positions, f_view = ids, o_view = starts
         cdef int64_t a = 0, b = 0
-        cdef int code = kv_check_tokens(&self.t, n, &p_view[0] if n else NULL, &f_view[0] if n else NULL,
-                                        &o_view[0], &a, &b)
+        cdef int code = kv_check_tokens(&self.t, <int32_t>p_view.shape[0], &p_view[0], &f_view[0], &o_view[0], &a, &b)
         if code == KV_OK:
-            code = kv_load(&self.t, n, &p_view[0] if n else NULL, &f_view[0] if n else NULL, &o_view[0])
+            code = kv_load(&self.t, <int32_t>p_view.shape[0], &p_view[0], &f_view[0], &o_view[0])
         if code != KV_OK:
             raise kv_error(code, a, b)
 

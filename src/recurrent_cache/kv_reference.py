@@ -135,8 +135,8 @@ def token_array_shapes(pos: Any, flat: Any, offsets: Any, what: str,
     arrays = []
     for name, values in (("pos", pos), ("flat", flat), ("offsets", offsets)):
         if not isinstance(values, np.ndarray) or values.dtype != np.int32 or values.ndim != 1:
-            raise E.BatchError(f"{what}: {name} must be a 1-D int32 numpy array, got {type(values).__name__}"
-                               + (f" of {values.dtype}, shape {values.shape}" if isinstance(values, np.ndarray) else ""))
+            got = f"{values.dtype} of shape {values.shape}" if isinstance(values, np.ndarray) else type(values).__name__
+            raise E.BatchError(f"{what}: {name} must be a 1-D int32 numpy array, got {got}")
         arrays.append(np.ascontiguousarray(values))
     positions, ids, starts = arrays
     n = positions.shape[0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from recurrent_cache import kv_reference
@@ -193,8 +193,9 @@ class KVCellsMachine(RuleBasedStateMachine):
         """A batch cut into ubatches: prepare changes nothing; then each ubatch applied at its slot in
         the compiled table gives the table ``place`` of each in turn gives the reference."""
         pos, seq_ids = self.tokens(data)
-        cuts = sorted(data.draw(st.sets(st.integers(1, len(pos) - 1), max_size=3), label="cuts")) if len(pos) > 1 else []
-        pieces = [(start, end) for start, end in zip([0, *cuts], [*cuts, len(pos)])]
+        assume(max(pos) < 2**31)          # the arrays are int32 (a shifted sequence may continue past it)
+        cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(pos) - 1)), max_size=3), label="cuts") - {len(pos)})
+        pieces = list(zip([0, *cuts], [*cuts, len(pos)]))
         ubatches = [arrays(pos[start:end], seq_ids[start:end]) for start, end in pieces]
         before = state(self.reference)
         kind, slots = self.both("prepare", ubatches)
@@ -210,6 +211,7 @@ class KVCellsMachine(RuleBasedStateMachine):
     def prepare_bad(self, data):
         """No ubatch, a ubatch that is not a triple, or a bad token in some ubatch: refused, nothing changed."""
         pos, seq_ids = self.tokens(data)
+        assume(max(pos) < 2**31)
         ubatches = [arrays(pos, seq_ids), arrays(pos, seq_ids)]
         which = data.draw(st.integers(0, 4), label="defect")
         if which == 0:
@@ -238,8 +240,9 @@ class KVCellsMachine(RuleBasedStateMachine):
             pos[cell] = data.draw(st.sampled_from([pos[cell], -1, 2**31 - 1]))
         self.both("load", *arrays(pos, seq_ids))
         if n and data.draw(st.integers(0, 4), label="empty cell") == 0:
-            flat, offsets = arrays(pos, seq_ids)[1:]
-            self.both("load", np.asarray(pos, np.int32), flat[1:], np.concatenate([[0], offsets[2:] - 1]).astype(np.int32))
+            positions, flat, offsets = arrays(pos, seq_ids)
+            first = offsets[1]                 # cell 0 lists no sequence
+            self.both("load", positions, flat[first:], np.concatenate([[0, 0], offsets[2:] - first]).astype(np.int32))
 
     @rule(data=st.data())
     def load_seq(self, data):
