@@ -779,7 +779,8 @@ cdef class KVCells:
             return None
         if code != KV_OK:
             raise kv_error(code, a, b)
-        return np.split(slots, bounds[1:-1])
+        ends = bounds.tolist()
+        return [slots[start:end] for start, end in zip(ends[:-1], ends[1:])]
 
     def load(self, pos, flat, offsets):
         """Every cell replaced by a whole context's (``kv_reference.KVCells.load``)."""

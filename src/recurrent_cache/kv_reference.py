@@ -14,6 +14,7 @@ no slot (they return ``None``) — changes nothing.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -143,9 +144,9 @@ def token_array_shapes(pos: Any, flat: Any, offsets: Any, what: str,
     if n < min_tokens or starts.shape[0] != n + 1 or starts[0] != 0 or starts[n] != ids.shape[0]:
         raise E.BatchError(f"{what}: offsets must be [n + 1], from 0 to len(flat), for n >= {min_tokens} tokens "
                            f"(got {n} positions, {starts.shape[0]} offsets, {ids.shape[0]} seq ids)")
-    empty = np.flatnonzero(starts[1:] <= starts[:-1])
-    if empty.size:
-        raise E.BatchError(f"{what}: token {empty[0]} has no seq id (offsets must grow strictly)")
+    if (starts[1:] <= starts[:-1]).any():
+        empty = np.flatnonzero(starts[1:] <= starts[:-1])[0]
+        raise E.BatchError(f"{what}: token {empty} has no seq id (offsets must grow strictly)")
     return positions, ids, starts
 
 
@@ -161,8 +162,7 @@ def checked_ubatches(ubatches: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         if not isinstance(ubatch, tuple) or len(ubatch) != 3:
             raise E.ArgumentError(f"prepare: ubatch {u} must be a (pos, flat, offsets) tuple, got {ubatch!r:.80}")
         checked.append(token_array_shapes(*ubatch, f"prepare: ubatch {u}"))
-    bounds = np.zeros(len(checked) + 1, dtype=np.int32)
-    np.cumsum([pos.shape[0] for pos, _, _ in checked], out=bounds[1:])
+    bounds = np.asarray([0, *itertools.accumulate(pos.shape[0] for pos, _, _ in checked)], dtype=np.int32)
     if len(checked) == 1:
         return (bounds, *checked[0])
     offsets = np.empty(bounds[-1] + 1, dtype=np.int32)
