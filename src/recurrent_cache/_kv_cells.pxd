@@ -1,8 +1,9 @@
 # cython: language_level=3
 """C-level API of the attention KV cell table (docs/hybrid.md, "KV cells").
 
-Every function is ``noexcept nogil`` and reports a failure as one of the codes
-below (``kv_reference.CODES`` has the same numbers; ``kv_reference.kv_error``
+The table, its failure codes and its journal are declared in ``_kv_table.pxd``.
+Every function is ``noexcept nogil`` and reports a failure as one of those codes
+(``kv_reference.CODES`` has the same numbers; ``kv_reference.kv_error``
 words them), with the values involved in ``*a`` / ``*b``.  A failing call has
 changed nothing.
 
@@ -10,69 +11,12 @@ A token's sequences are given as ``flat[offsets[t]:offsets[t + 1]]`` (offsets
 ``[n + 1]``), positions as ``pos[n]``.
 """
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t
 
-from ._kv_seq_pos cimport SeqPositions
-
-cdef enum:
-    KV_OK = 0
-    KV_SEQ_RANGE = 1
-    KV_POSITION = 2
-    KV_DUPLICATE_SEQ = 3
-    KV_CELL_INDEX = 4
-    KV_CELL_TAKEN = 5
-    KV_DIVISOR = 6
-    KV_SHIFT_POSITION = 7
-    KV_CELL_COUNT = 8
-    KV_NO_MEMORY = 9
-    KV_NO_SLOT = 10           # find_slot: the ubatch fits nowhere (not an error: None in Python)
-    KV_SHIFT_RANGE = 11
-    KV_TOO_MANY_CELLS = 12    # load: more cells than the table holds
-
-cdef enum:
-    SWA_NONE = 0
-    SWA_STANDARD = 1
-    SWA_CHUNKED = 2
-    SWA_SYMMETRIC = 3
-
-cdef enum:                   # bits of KvTable.mark
-    MARK_LISTED = 1           # apply: the cell is in the slot already
-    MARK_SAVED = 2            # the journal holds the cell's state from before the operation being undone
-
-cdef struct KvJournal:        # cells' states to put back (_kv_journal): prepare and load_seq undo through it
-    bint on                   # apply and seq_rm of one sequence save each cell before they first change it
-    int32_t n                 # cells saved
-    int32_t cap
-    int32_t* cell             # [cap] the saved cell  (one block: cell, pos, shift, n_seq)
-    int32_t* pos              # [cap] its position, shift and sequence count then
-    int32_t* shift            # [cap]
-    int32_t* n_seq            # [cap]
-    uint64_t* seq_bits        # [cap * seq_words] its sequence set then
-    int32_t head              # the table's head, used and top then
-    int32_t used
-    int32_t top
-
-cdef struct KvTable:
-    int32_t size
-    int32_t n_seq_max
-    int32_t n_swa
-    int32_t swa_type
-    int32_t head              # where the next slot search starts
-    int32_t used              # cells holding a token
-    int32_t top               # one past the last used cell (0 when none)
-    bint has_shift
-    int32_t seq_words         # uint64 words of one cell's sequence set
-    int32_t free_words        # uint64 words of free_bits
-    int32_t* pos              # [size] position, -1 = empty
-    int32_t* shift            # [size] position change since the keys were last rotated
-    int32_t* n_seq            # [size] sequences in the cell
-    uint64_t* seq_bits        # [size * seq_words] bit s of cell i: sequence s holds cell i
-    uint64_t* free_bits       # [free_words] bit i set: cell i is empty
-    uint8_t* mark             # [size] scratch marks, all 0 between calls
-    int32_t* scratch          # [size] cells collected by an operation
-    int32_t* max_rm           # [n_seq_max] apply: the largest position overwritten per sequence
-    SeqPositions seqs         # per sequence, its (position, cell) pairs ordered
-    KvJournal journal
+from ._kv_table cimport (KV_CELL_COUNT, KV_CELL_INDEX, KV_CELL_TAKEN, KV_DIVISOR, KV_DUPLICATE_SEQ, KV_NO_MEMORY,
+                        KV_NO_SLOT, KV_OK, KV_POSITION, KV_SEQ_RANGE, KV_SHIFT_POSITION, KV_SHIFT_RANGE,
+                        KV_TOO_MANY_CELLS, MARK_LISTED, MARK_SAVED, SWA_CHUNKED, SWA_NONE, SWA_STANDARD,
+                        SWA_SYMMETRIC, KvJournal, KvTable)
 
 cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int32_t swa_type) noexcept nogil
 cdef void kv_release(KvTable* t) noexcept nogil

@@ -13,7 +13,7 @@ every sequence touch every cell.  The mask is ``_kv_mask``'s.  ``KVCells`` is
 the thin Python class over it, with ``kv_reference.KVCells``'s interface.
 """
 
-from libc.stdint cimport INT32_MAX, INT32_MIN
+from libc.stdint cimport INT32_MAX, INT32_MIN, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 

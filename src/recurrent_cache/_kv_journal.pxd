@@ -10,7 +10,7 @@ fail.  Every function is ``noexcept nogil``.
 
 from libc.stdint cimport int32_t, int64_t
 
-from ._kv_cells cimport MARK_SAVED, KvJournal, KvTable
+from ._kv_table cimport MARK_SAVED, KvJournal, KvTable
 
 # a cell's pairs into its sequences' trees (listed) or out of them
 cdef void list_cell(KvTable* t, int32_t cell, bint listed) noexcept nogil

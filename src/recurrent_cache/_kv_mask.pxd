@@ -3,7 +3,7 @@
 
 from libc.stdint cimport int32_t
 
-from ._kv_cells cimport KvTable
+from ._kv_table cimport KvTable
 
 # the mask [n, n_kv] float32 (0 visible, -inf not) of n checked tokens; `sliding` applies the window
 cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,

@@ -9,7 +9,7 @@ from libc.math cimport INFINITY
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
-from ._kv_cells cimport KV_NO_MEMORY, KV_OK, SWA_CHUNKED, SWA_NONE, SWA_STANDARD, SWA_SYMMETRIC
+from ._kv_table cimport KV_NO_MEMORY, KV_OK, SWA_CHUNKED, SWA_NONE, SWA_STANDARD, SWA_SYMMETRIC
 
 
 cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
