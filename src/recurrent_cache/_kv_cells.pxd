@@ -53,13 +53,3 @@ cdef int kv_load(KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat,
 # KV_NO_SLOT (nothing changed) when they fit nowhere
 cdef int kv_load_seq(KvTable* t, int32_t seq, int32_t n, const int32_t* pos, const int32_t* flat,
                      const int32_t* offsets, int32_t* slot, int64_t* a, int64_t* b) noexcept nogil
-
-# every invariant: 0, or a CHECK_* with the offending cell or sequence in *where
-cdef enum:
-    KV_CHECK_EMPTY = 1        # pos, n_seq and the free bit disagree
-    KV_CHECK_COUNT = 2        # n_seq is not the size of the sequence set / a bit beyond n_seq_max
-    KV_CHECK_SHIFT = 3        # an empty cell with a shift
-    KV_CHECK_USED = 4         # used or top is wrong
-    KV_CHECK_TREE = 5         # a sequence's ordered pairs disagree with the cells
-    KV_CHECK_HEAD = 6         # head outside [0, size]
-cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil

@@ -9,8 +9,9 @@ empty cells are a bitset that ``find_slot`` walks 64 cells at a time (without a
 sliding window, where only empty cells are usable); ``prepare`` and
 ``load_seq`` undo what they changed through a journal of the cells changed
 (``_kv_journal``).  Only ``clear``, ``load``, ``seq_keep`` and ``seq_rm`` of
-every sequence touch every cell.  The mask is ``_kv_mask``'s.  ``KVCells`` is
-the thin Python class over it, with ``kv_reference.KVCells``'s interface.
+every sequence touch every cell.  The mask is ``_kv_mask``'s, the invariants'
+check ``_kv_check``'s.  ``KVCells`` is the thin Python class over it, with
+``kv_reference.KVCells``'s interface.
 """
 
 from libc.stdint cimport INT32_MAX, INT32_MIN, uint8_t, uint64_t
@@ -24,6 +25,8 @@ from . import kv_reference
 from .kv_reference import (as_int32, cell_array, check_config, check_mask_out, checked_ubatches, kv_error,
                            position_array, token_array_shapes, token_arrays)
 
+from ._kv_check cimport (KV_CHECK_COUNT, KV_CHECK_EMPTY, KV_CHECK_HEAD, KV_CHECK_JOURNAL, KV_CHECK_SHIFT,
+                         KV_CHECK_TREE, KV_CHECK_USED, kv_check)
 from ._kv_mask cimport kv_mask
 from ._kv_journal cimport kj_begin, kj_commit, kj_release, kj_reserve, kj_touch, kj_undo, list_cell
 from ._kv_seq_pos cimport (sp_check, sp_clear, sp_collect, sp_erase, sp_init, sp_insert, sp_max, sp_min, sp_release,
@@ -549,55 +552,6 @@ cdef void kv_reset_shift(KvTable* t) noexcept nogil:
     t.has_shift = False
 
 
-# -- the invariants ----------------------------------------------------------------------------------------
-
-cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
-    cdef int32_t cell, w, s, k, n, used = 0, top = 0, bits
-    cdef int64_t members = 0, total
-    cdef uint64_t word
-    cdef bint empty
-    for cell in range(t.size):
-        where[0] = cell
-        empty = (t.free_bits[cell >> 6] >> (cell & 63)) & 1
-        if (t.pos[cell] < 0) != empty or (t.pos[cell] < 0) != (t.n_seq[cell] == 0) or t.pos[cell] < -1:
-            return KV_CHECK_EMPTY
-        bits = 0
-        for w in range(t.seq_words):
-            word = t.seq_bits[<int64_t>cell * t.seq_words + w]
-            if w == t.seq_words - 1 and (t.n_seq_max & 63) and word >> (t.n_seq_max & 63):
-                return KV_CHECK_COUNT
-            while word:
-                word &= word - 1
-                bits += 1
-        if bits != t.n_seq[cell]:
-            return KV_CHECK_COUNT
-        if empty and t.shift[cell] != 0:
-            return KV_CHECK_SHIFT
-        if not empty:
-            used += 1
-            top = cell + 1
-        members += bits
-    total = members
-    where[0] = -1
-    if used != t.used or top != t.top:
-        return KV_CHECK_USED
-    if t.head < 0 or t.head > t.size:
-        return KV_CHECK_HEAD
-    for s in range(t.n_seq_max):
-        where[0] = s
-        if sp_check(&t.seqs, s, t.pos, t.size):
-            return KV_CHECK_TREE
-        n = sp_collect(&t.seqs, s, 0, POS_END, t.scratch)
-        for k in range(n):
-            if not kv_seq_has(t, t.scratch[k], s):
-                return KV_CHECK_TREE
-        members -= n
-    where[0] = -1
-    if members != 0 or t.seqs.nodes_live != total:
-        return KV_CHECK_TREE
-    return 0
-
-
 # -- the Python class --------------------------------------------------------------------------------------
 
 CHECK_MESSAGES = {
@@ -607,6 +561,7 @@ CHECK_MESSAGES = {
     KV_CHECK_USED: "the KV table's used count or last used cell is wrong",
     KV_CHECK_TREE: "sequence {where}: its ordered positions disagree with the cells",
     KV_CHECK_HEAD: "the KV table's head lies outside [0, size]",
+    KV_CHECK_JOURNAL: "KV cell {where}: the journal is on or holds cells, or the cell is marked, between calls",
 }
 
 
