@@ -8,21 +8,12 @@ import numpy as np
 import pytest
 
 from recurrent_cache import errors as E
-from recurrent_cache import kv_reference
-from recurrent_cache._kv_cells import KVCells as CompiledCells
-
-ENGINES = {"compiled": CompiledCells, "reference": kv_reference.KVCells}
+from kv_tables import ENGINES, snapshot
 
 
 @pytest.fixture(params=sorted(ENGINES))
 def table_class(request):
     return ENGINES[request.param]
-
-
-def everything(table):
-    """All a caller can read of the table."""
-    return (table.cells(), table.head, table.used, table.used_max_p1, table.has_shift, table.shifts().tolist(),
-            [(table.seq_pos_min(s), table.seq_pos_max(s)) for s in range(table.n_seq_max)])
 
 
 def ubatch(pos, seq):
@@ -44,30 +35,30 @@ def test_each_ubatch_is_placed_where_the_one_before_left_the_table_and_then_noth
     table = table_class(8, 2)
     table.place([0, 1, 2], [0, 0, 0])
     table.seq_rm(0, 0, 1)                          # cell 0 free again, head 0
-    before = everything(table)
+    before = snapshot(table)
     slots = table.prepare([ubatch([3, 4], 0), ubatch([5, 6, 7], 0), ubatch([0], 1)])
     # the second ubatch sees cells 0 and 3 taken by the first and goes on from head 4
     assert [slot.tolist() for slot in slots] == [[0, 3], [4, 5, 6], [7]]
-    assert everything(table) == before
+    assert snapshot(table) == before
 
 
 def test_no_slot_for_a_later_ubatch_gives_none_though_each_fits_alone(table_class):
     table = table_class(4, 1)
-    before = everything(table)
+    before = snapshot(table)
     assert table.prepare([ubatch([0, 1, 2], 0)]) is not None
     assert table.prepare([ubatch([3, 4], 0)]) is not None
     assert table.prepare([ubatch([0, 1, 2], 0), ubatch([3, 4], 0)]) is None
-    assert everything(table) == before
+    assert snapshot(table) == before
 
 
 def test_the_sliding_window_purge_is_undone_too(table_class):
     """llama.cpp's prepare restores the slot cells and head but leaves the purge done; ours does not."""
     table = table_class(4, 1, 2, "standard")
     table.apply([3, 2, 0, 1], [0, 1, 2, 3], [0, 0, 0, 0])
-    before = everything(table)
+    before = snapshot(table)
     # position 4 reuses cell 2 (position 1): placing it would purge position 0 (cell 3) as well
     assert [slot.tolist() for slot in table.prepare([ubatch([4], 0)])] == [[2]]
-    assert everything(table) == before
+    assert snapshot(table) == before
     assert table.cells() == [(2, (0,)), (3, (0,)), (1, (0,)), (0, (0,))]
 
 
@@ -85,7 +76,7 @@ def test_applying_the_prepared_slots_gives_the_table_placing_each_ubatch_in_turn
     for (pos, flat, _), slot in zip(ubatches, slots):
         prepared.apply(slot, pos, flat)
         assert placed.place(pos, flat).tolist() == slot.tolist()
-    assert everything(prepared) == everything(placed)
+    assert snapshot(prepared) == snapshot(placed)
 
 
 @pytest.mark.parametrize(("ubatches", "kind", "words"), [
@@ -103,11 +94,11 @@ def test_applying_the_prepared_slots_gives_the_table_placing_each_ubatch_in_turn
 def test_a_bad_ubatch_anywhere_is_refused_before_any_is_placed(table_class, ubatches, kind, words):
     table = table_class(8, 2)
     table.place([0, 1, 2, 3, 4], [0] * 5)
-    before = everything(table)
+    before = snapshot(table)
     with pytest.raises(kind) as refused:
         table.prepare(ubatches)
     assert words in str(refused.value)
-    assert everything(table) == before
+    assert snapshot(table) == before
 
 
 # -- load --------------------------------------------------------------------------------------------------
@@ -143,11 +134,11 @@ def test_load_refuses_cells_a_table_cannot_hold_and_changes_nothing(table_class,
     table = table_class(6, 2)
     table.place([0, 1, 2], [1, 1, 1])
     table.seq_add(1, 1, -1, 3)
-    before = everything(table)
+    before = snapshot(table)
     with pytest.raises(kind) as refused:
         table.load(*cells)
     assert words in str(refused.value)
-    assert everything(table) == before
+    assert snapshot(table) == before
 
 
 # -- load_seq ----------------------------------------------------------------------------------------------
@@ -175,10 +166,10 @@ def test_load_seq_with_no_slot_gives_none_and_the_sequence_keeps_its_old_cells(t
     table = table_class(4, 2)
     table.place([0, 1], [0, 0])
     table.place([0, 1], [1, 1])
-    before = everything(table)
+    before = snapshot(table)
     assert table.load_seq(0, [5, 6, 7]) is None       # seq 0's two cells are all it could have
     assert table.load_seq(0, list(range(5))) is None  # more cells than the table has
-    assert everything(table) == before
+    assert snapshot(table) == before
     assert table.load_seq(0, [5, 6]).tolist() == [0, 1]
 
 
@@ -186,9 +177,9 @@ def test_load_seq_of_no_cells_changes_nothing(table_class):
     """llama.cpp skips a stream with no cells: the destination keeps its cells."""
     table = table_class(4, 2)
     table.place([0, 1], [0, 0])
-    before = everything(table)
+    before = snapshot(table)
     assert table.load_seq(0, []).tolist() == []
-    assert everything(table) == before
+    assert snapshot(table) == before
 
 
 @pytest.mark.parametrize(("seq", "pos", "kind", "words"), [
@@ -202,11 +193,11 @@ def test_load_seq_of_no_cells_changes_nothing(table_class):
 def test_load_seq_refuses_a_bad_sequence_or_position_and_changes_nothing(table_class, seq, pos, kind, words):
     table = table_class(4, 2)
     table.place([0, 1], [0, 0])
-    before = everything(table)
+    before = snapshot(table)
     with pytest.raises(kind) as refused:
         table.load_seq(seq, pos)
     assert words in str(refused.value)
-    assert everything(table) == before
+    assert snapshot(table) == before
 
 
 def test_load_seq_under_a_sliding_window_purges_as_apply_does(table_class):
