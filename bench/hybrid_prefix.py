@@ -223,7 +223,8 @@ def run_llamacpp(trace: list[Request], budget_states: float) -> int:
 def table(name: str, trace: list[Request], budgets: list[float]) -> list[str]:
     total = sum(len(r.prompt) for r in trace)
     lines = [f"### {name}: {len(trace)} requests, {total:,} prompt tokens", "",
-             "| budget (states) | HybridPrefixCache | vLLM block 16 | vLLM block 64 | vLLM block 528 | llama.cpp checkpoints |",
+             "| budget (states) | HybridPrefixCache | vLLM block 16 | vLLM block 64 | vLLM block 528 "
+             "| llama.cpp checkpoints |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for budget in budgets:
         cells = [run_ours(trace, budget)] + [run_vllm(trace, budget, b) for b in (16, 64, 528)] + \

@@ -81,7 +81,7 @@ class HybridPrefixCache:
         if not isinstance(cache, HybridCache):
             raise ArgumentError(f"HybridPrefixCache needs a HybridCache, got {type(cache).__name__}")
         self._cache = cache
-        self._max_bytes = count(max_bytes, "max_bytes", 1)
+        self._max_bytes = count(max_bytes, "max_bytes", 1, int32_only=False)
         self._block = count(block_size, "block_size", 1)
         self._token_bytes = cache.kv_bytes_per_token
         self._state_bytes = cache.recurrent_bytes_per_seq

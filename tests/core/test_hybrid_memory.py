@@ -180,7 +180,7 @@ def test_a_state_is_stale_after_any_change(engine):
     st.apply()
     cache.kv_reset_shift()
     with pytest.raises(UsageError, match="changed"):
-        st.kv_cells
+        st.kv_mask()
 
 
 def test_a_batch_that_does_not_fit_fails_to_prepare_and_changes_nothing(engine):

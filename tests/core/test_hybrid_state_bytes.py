@@ -7,7 +7,6 @@ blobs are read in ``tests/formats`` (the bytes) and here once recorded (``test_h
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from recurrent_cache.errors import NoFreeCellError, SeqIdError, StateError

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from recurrent_cache import Batch, HybridCache, HybridPrefixCache
+from recurrent_cache import HybridCache, HybridPrefixCache
 from recurrent_cache.errors import ArgumentError, PositionError
 
 from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot
