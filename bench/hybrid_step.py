@@ -4,7 +4,8 @@
 
 A ``HybridCache`` (one attention layer, one recurrent layer, rows one value wide so that placement,
 not row traffic, is measured) whose 64 sequences hold N / 64 tokens each, N from 64 to 1M; one step
-is ``init_batch`` of one token per sequence (the KV half's prepare and the recurrent split) and
+is ``init_batch`` of one token per sequence at its next position (the KV half's prepare and the
+recurrent split) and
 ``apply`` of its one ubatch in both halves, through the Python API.  The table has room for every
 repeat (``kv_size = N + 64 * repeats``): the steps run back to back and nothing is taken back.  The
 recurrent-only step is the same through a ``RecurrentCache`` of 64 sequences; the ratio is the
@@ -48,13 +49,14 @@ def hybrid(held: int, repeats: int) -> HybridCache:
     return cache
 
 
-def steps(cache: HybridCache | RecurrentCache, repeats: int) -> list[float]:
-    """µs of each of ``repeats`` decode steps (one token per sequence, init_batch + apply)."""
+def steps(cache: HybridCache | RecurrentCache, held: int, repeats: int) -> list[float]:
+    """µs of each of ``repeats`` decode steps (one token per sequence at its next position, as a
+    decode loop knows them: init_batch + apply)."""
     token = np.zeros(N_SEQS, np.int32)
     seqs = np.arange(N_SEQS, dtype=np.int32)
     samples = []
-    for _ in range(repeats):
-        batch = Batch(token=token, seq_id=seqs)
+    for step in range(repeats):
+        batch = Batch(token=token, seq_id=seqs, pos=np.full(N_SEQS, held + step, np.int32))
         start = time.perf_counter_ns()
         state = cache.init_batch(batch)
         state.apply()
@@ -70,11 +72,11 @@ def main() -> None:
     sizes = [64, 1024, 16384] if args.quick else [64, 1024, 16384, 262144, 1048576]
     repeats = 20 if args.quick else args.repeats
     load_before = os.getloadavg()[0]
-    recurrent = statistics.median(steps(RecurrentCache(1, 1, 1, n_seq_max=N_SEQS), repeats))
+    recurrent = statistics.median(steps(RecurrentCache(1, 1, 1, n_seq_max=N_SEQS), 0, repeats))
     rows = []
     for held_cells in sizes:
         cache = hybrid(held_cells // N_SEQS, repeats)
-        median = statistics.median(steps(cache, repeats))
+        median = statistics.median(steps(cache, held_cells // N_SEQS, repeats))
         rows.append((held_cells, median, median / recurrent))
         print(f"{held_cells:>9} KV cells held: hybrid step {median:8.1f} µs median, "
               f"{median / recurrent:4.2f}x the recurrent-only step ({recurrent:.1f} µs)", flush=True)

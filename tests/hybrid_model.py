@@ -110,6 +110,8 @@ def write(cache: HybridCache, st: HybridState, ub: Any, histories: Histories) ->
                 for j in range(m):
                     steps_r[g, j] = seen[n_seq_tokens - 1 - m + j]
                     steps_s[g, j] = -seen[n_seq_tokens - 1 - m + j]
+        for other in ub.seq_id[g][1:]:   # a token of several sequences: they share its history
+            histories.copy(seq, other)
 
 
 def kv_histories(cache: HybridCache, histories: Histories, seq: int) -> list[tuple[int, ...] | None]:

@@ -16,7 +16,7 @@ from recurrent_cache.errors import ArgumentError, ConfigError, OutOfRangeError, 
 from recurrent_cache.hybrid import HybridCache
 from recurrent_cache.memory_state import MemoryStatus
 
-from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot
+from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot, write
 
 ENGINES = ["compiled", "reference"]
 
@@ -197,5 +197,19 @@ def test_ubatches_find_their_cells_up_front(engine):
     cache = make(engine, kv_size=12)
     histories = Histories(4)
     decode(cache, histories, {0: [1, 2, 3, 4], 1: [5, 6, 7, 8], 2: [9, 10, 11]}, n_ubatch=2)
+    assert_holds_its_history(cache, histories)
+    cache.check()
+
+
+def test_tokens_shared_by_several_sequences_are_one_cell_each(engine):
+    cache = make(engine)
+    histories = Histories(4)
+    st = cache.init_batch(Batch(token=[1, 2, 3], seq_id=[[0, 2], [0, 2], [0, 2]]))
+    for ub in st:
+        write(cache, st, ub, histories)
+    assert cache.kv_used == 3 and all(c[1] == (0, 2) for c in cache.kv_cells() if c)
+    assert_holds_its_history(cache, histories)
+    decode(cache, histories, {0: [4], 2: [5, 6]})
+    assert cache.kv_used == 6
     assert_holds_its_history(cache, histories)
     cache.check()
