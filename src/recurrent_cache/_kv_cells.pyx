@@ -561,7 +561,7 @@ CHECK_MESSAGES = {
     KV_CHECK_USED: "the KV table's used count or last used cell is wrong",
     KV_CHECK_TREE: "sequence {where}: its ordered positions disagree with the cells",
     KV_CHECK_HEAD: "the KV table's head lies outside [0, size]",
-    KV_CHECK_JOURNAL: "KV cell {where}: the journal is on or holds cells, or the cell is marked, between calls",
+    KV_CHECK_JOURNAL: "between calls, the KV table's journal is on or holds cells, or a cell is marked (cell {where})",
 }
 
 
