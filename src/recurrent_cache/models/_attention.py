@@ -40,6 +40,12 @@ Qwen3-Next      qwen3next: neox     rotate_half, first quarter   yes (1+w)  sigm
 LFM2            lfm2: neox          rotate_half                  yes        o_proj is out_proj
 ==============  ==================  ===========================  =========  ==============================
 
+llama.cpp's converter permutes each whole head of Bamba's q / k rows, then rotates
+the first n_rot values the "normal" way: for a partial rotary head this is not
+transformers' rotation (pairs (i, i + head_dim/2) rather than (i, i + n_rot/2);
+measured on a random Bamba layer the outputs differ by 7.6 of 11).  Transformers'
+Bamba is neox over the first n_rot values of the unpermuted rows.
+
 Qwen3-Next's norms multiply by ``1 + weight`` (transformers' ``Qwen3NextRMSNorm``;
 a GGUF file stores ``1 + weight``): pass the weight the norm multiplies by.
 Its ``q_proj`` gives, per head, head_dim query values then head_dim gate
@@ -54,7 +60,12 @@ the sum is positive instead.  No NaN comes out of a hidden row.
 **The key shift** (``shift_keys``): after ``seq_add`` / ``seq_div`` the table
 reports each cell's pending position change (``KVCells.shifts()``); the stored
 keys are rotated by it as llama.cpp's ``build_rope_shift`` does (in x's dtype,
-rounded back to the storage dtype), rows with no shift untouched.
+rounded back to the storage dtype), rows with no shift untouched.  After
+``seq_div`` the pending shift is llama.cpp's ``p_old - p_new`` (its
+``llama_kv_cells::pos_div``), a positive shift for a position that went down:
+rotating by it, as llama.cpp does, moves the keys away from the new positions,
+not to them (measured: 3.3 off, against 2e-7 for the opposite sign).
+``shift_keys`` rotates by what the table reports, as llama.cpp does.
 
 Every check happens before a cache row changes: a refused call changes nothing.
 The softmax runs in ``x``'s dtype (float32 in a float32 model, as ggml's), the
