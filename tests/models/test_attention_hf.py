@@ -237,3 +237,20 @@ def test_lfm2_attention_norms(backend):
                                             "q_norm": "q_layernorm.weight", "k_norm": "k_layernorm.weight"})
     params = AttentionParams(N_EMBD, N_HEAD, N_HEAD_KV, head_dim, Rope("neox", head_dim, 1e6), norm_eps=1e-5)
     assert_matches(cached_outputs(backend, w, params, xs, "f32"), reference_outputs(module, xs, rotary), "f64", "f32")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_falcon_h1_attention_key_multiplier_folded_into_wk(backend):
+    """Falcon-H1: full neox rope, keys times key_multiplier — the same layer with wk and bk scaled by it."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import (FalconH1Attention, FalconH1Config,
+                                                                  FalconH1RotaryEmbedding)
+    config = FalconH1Config(hidden_size=N_EMBD, num_attention_heads=N_HEAD, num_key_value_heads=N_HEAD_KV,
+                            head_dim=HEAD_DIM, attention_bias=True, key_multiplier=0.37,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e5}, attn_implementation="eager")
+    module = randomized(FalconH1Attention(config, layer_idx=0), 6).to(torch.float64)
+    rotary = FalconH1RotaryEmbedding(config).to(torch.float64)
+    xs = inputs(np.float64)
+    w = module_weights(module, np.float64)
+    w["wk"], w["bk"] = w["wk"] * config.key_multiplier, w["bk"] * config.key_multiplier
+    params = AttentionParams(N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, Rope("neox", HEAD_DIM, 1e5))
+    assert_matches(cached_outputs(backend, w, params, xs, "f32"), reference_outputs(module, xs, rotary), "f64", "f32")
