@@ -50,7 +50,7 @@ Qwen3-Next's norms multiply by ``1 + weight`` (transformers' ``Qwen3NextRMSNorm`
 a GGUF file stores ``1 + weight``): pass the weight the norm multiplies by.
 Its ``q_proj`` gives, per head, head_dim query values then head_dim gate
 values; the gate multiplies the attention output by ``sigmoid(gate)`` before
-``o_proj``.  Falcon-H1's ``key_multiplier`` is a scale a loader folds into wk.
+``o_proj``.  Falcon-H1's ``key_multiplier`` is a scale a loader folds into wk and bk.
 
 **A row the mask hides entirely** attends to nothing: its attention output is
 0 (then ``wo``'s bias), as llama.cpp's flash-attention kernel gives (it scales
