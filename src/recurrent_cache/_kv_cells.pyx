@@ -475,8 +475,9 @@ cdef int refused_move(const KvTable* t, int32_t n, int32_t delta, int32_t d, int
         for k in range(n):
             cell = t.scratch[k]
             moved = <int64_t>t.pos[cell] + delta if d == 0 else t.pos[cell] // d
-            # llama.cpp adds delta to an added cell's shift, and old - new to a divided one's
-            shift = t.shift[cell] + (delta if d == 0 else t.pos[cell] - moved)
+            # the shift is how far the key's position moved: delta, or new - old for a division
+            # (llama.cpp adds old - new there, which rotates the keys away from their new positions)
+            shift = t.shift[cell] + (delta if d == 0 else moved - t.pos[cell])
             fault = moved >= POS_END if check == 0 else not INT32_MIN <= shift <= INT32_MAX
             if fault and (code == KV_OK or cell < a[0]):
                 code = KV_SHIFT_POSITION if check == 0 else KV_SHIFT_RANGE
@@ -533,7 +534,7 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
         t.has_shift = True
         list_cell(t, cell, False)
         moved = t.pos[cell] // d
-        t.shift[cell] += t.pos[cell] - moved
+        t.shift[cell] += moved - t.pos[cell]
         t.pos[cell] = moved
         list_cell(t, cell, True)
     return KV_OK

@@ -564,12 +564,12 @@ class KVCells:
             return
         moved = self._moved(seq, lo, hi)
         for i in moved:
-            if self.shift[i] + self.pos[i] - self.pos[i] // d >= 2**31:
+            if self.shift[i] + self.pos[i] // d - self.pos[i] < -2**31:
                 raise kv_error(CODES["SHIFT_RANGE"], i, self.shift[i])
         for i in moved:
             self.has_shift = True
             new = self.pos[i] // d
-            self.shift[i] += self.pos[i] - new
+            self.shift[i] += new - self.pos[i]   # how far the key moved (llama.cpp adds old - new: the wrong way)
             self.pos[i] = new
 
     def reset_shift(self) -> None:

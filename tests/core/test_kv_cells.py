@@ -107,7 +107,8 @@ def test_seq_div_rounds_positions_down_and_records_the_shift(table_class):
     table.place([0, 1, 2, 3, 4, 5], [0] * 6)
     table.seq_div(0, 2, 6, 2)
     assert [cell[0] for cell in table.cells()[:6]] == [0, 1, 1, 1, 2, 2]
-    assert table.shifts()[:6].tolist() == [0, 0, 1, 2, 2, 3] and table.seq_pos_max(0) == 2
+    # the shift is how far each position moved (llama.cpp records old - new: [0, 0, 1, 2, 2, 3])
+    assert table.shifts()[:6].tolist() == [0, 0, -1, -2, -2, -3] and table.seq_pos_max(0) == 2
 
 
 # -- the mask --------------------------------------------------------------------------------------------

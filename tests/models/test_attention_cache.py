@@ -135,6 +135,27 @@ def test_shifted_keys_equal_the_keys_computed_at_the_new_positions(backend, stor
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_keys_shifted_after_a_division_equal_the_keys_at_the_divided_positions(backend):
+    """The table's shift after seq_div is new - old (llama.cpp's old - new rotates the wrong way)."""
+    layer = Layer(backend, "f32")
+    xs = [inputs(len(ubatch), seed=i) for i, ubatch in enumerate(UBATCHES)]
+    for ubatch, x in zip(UBATCHES, xs):
+        layer.run(ubatch, x)
+    cell_of = {(p, s): i for i, c in enumerate(layer.table.cells()) if c is not None for s in c[1] for p in [c[0]]}
+    layer.table.seq_div(1, 0, -1, 2)           # sequence 1's positions halved
+    shifts = layer.table.shifts()
+    assert shifts.min() < 0 and shifts.max() == 0
+    shift_keys(layer.xp, layer.k_cache, shifts, PARAMS, layer.storage, layer.xp.float32)
+    fresh = Layer(backend, "f32")
+    for ubatch, x in zip(UBATCHES, xs):
+        moved = [(s, p // 2 if s == 1 else p) for s, p in ubatch]
+        cells = [cell_of[(p, s)] for s, p in ubatch]   # each token in the cell it was written to
+        fresh.run(moved, x, cells=cells, mask=np.zeros((len(ubatch), KV_SIZE), dtype=np.float32))
+    expected = fresh.keys()
+    np.testing.assert_allclose(layer.keys(), expected, rtol=0, atol=2e-6 * float(np.max(np.abs(expected))))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_layer_without_rope_shifts_nothing(backend):
     layer = Layer(backend, "f32", params=AttentionParams(24, 6, 2, 8))
     layer.run(UBATCHES[0], inputs(len(UBATCHES[0])))

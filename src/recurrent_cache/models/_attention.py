@@ -61,11 +61,11 @@ the sum is positive instead.  No NaN comes out of a hidden row.
 reports each cell's pending position change (``KVCells.shifts()``); the stored
 keys are rotated by it as llama.cpp's ``build_rope_shift`` does (in x's dtype,
 rounded back to the storage dtype), rows with no shift untouched.  After
-``seq_div`` the pending shift is llama.cpp's ``p_old - p_new`` (its
-``llama_kv_cells::pos_div``), a positive shift for a position that went down:
-rotating by it, as llama.cpp does, moves the keys away from the new positions,
-not to them (measured: 3.3 off, against 2e-7 for the opposite sign).
-``shift_keys`` rotates by what the table reports, as llama.cpp does.
+``seq_div`` the table's pending shift is ``p_new - p_old`` — how far the key's
+position moved — where llama.cpp's ``llama_kv_cells::pos_div`` records
+``p_old - p_new`` and so rotates the keys away from their new positions
+(measured on a random layer: 3.3 off, against 2e-7 the right way round); the
+tables fix it (docs/hybrid.md).
 
 Every check happens before a cache row changes: a refused call changes nothing.
 The softmax runs in ``x``'s dtype (float32 in a float32 model, as ggml's), the
