@@ -364,11 +364,13 @@ cdef int kv_prepare(KvTable* t, int32_t n_ubatch, const int32_t* bounds, const i
     cdef int32_t u
     cdef int code = KV_OK
     kj_begin(t)
-    for u in range(n_ubatch):
+    for u in range(n_ubatch - 1):   # each ubatch placed for the next to see ...
         code = journaled_place(t, bounds[u + 1] - bounds[u], pos + bounds[u], flat, offsets + bounds[u],
                                slots + bounds[u], a, b)
         if code != KV_OK:
             break
+    if code == KV_OK:               # ... the last one only found: nothing comes after it (a decode step's cost)
+        code = kv_find_slot(t, bounds[n_ubatch] - bounds[n_ubatch - 1], False, slots + bounds[n_ubatch - 1])
     kj_undo(t)
     return code
 
@@ -566,6 +568,32 @@ CHECK_MESSAGES = {
 }
 
 
+cdef checked_offsets(const int32_t[::1] pos, const int32_t[::1] flat, const int32_t[::1] offsets, str what):
+    """The shape checks of ``kv_reference.token_array_shapes`` on int32 arrays, in C."""
+    cdef int32_t n = <int32_t>pos.shape[0]
+    cdef int32_t token
+    if n < 1 or offsets.shape[0] != n + 1 or offsets[0] != 0 or offsets[n] != flat.shape[0]:
+        raise E.BatchError(f"{what}: offsets must be [n + 1], from 0 to len(flat), for n >= 1 tokens (got {n} "
+                           f"positions, {offsets.shape[0]} offsets, {flat.shape[0]} seq ids)")
+    for token in range(n):    # every token lists at least one seq id, and no read leaves flat
+        if offsets[token + 1] <= offsets[token]:
+            raise E.BatchError(f"{what}: token {token} has no seq id (offsets must grow strictly)")
+
+
+cdef object one_ubatch(ubatches):
+    """``prepare``'s argument as ``checked_ubatches`` gives it when it is one ubatch of C-contiguous int32
+    arrays (checked here); None for anything else (the general checks then run)."""
+    if type(ubatches) is not list or len(ubatches) != 1 or type(ubatches[0]) is not tuple or len(ubatches[0]) != 3:
+        return None
+    pos, flat, offsets = ubatches[0]
+    for values in (pos, flat, offsets):
+        if type(values) is not np.ndarray or values.dtype != np.int32 or values.ndim != 1 \
+                or not values.flags.c_contiguous:
+            return None
+    checked_offsets(pos, flat, offsets, "prepare: ubatch 0")
+    return np.array([0, pos.shape[0]], dtype=np.int32), pos, flat, offsets
+
+
 cdef class KVCells:
     """``size`` KV cells of one stream (``kv_reference.KVCells``'s interface and semantics)."""
 
@@ -690,12 +718,19 @@ cdef class KVCells:
             raise kv_error(code, a, b)
         return slot
 
-    cdef apply_arrays(self, const int32_t[::1] slot, const int32_t[::1] pos, const int32_t[::1] flat,
-                      const int32_t[::1] offsets):
+    def apply_arrays(self, const int32_t[::1] cells, const int32_t[::1] pos, const int32_t[::1] flat,
+                     const int32_t[::1] offsets):
+        """``apply`` for tokens already as ``token_arrays`` gives them (int32 arrays; what a hybrid
+        memory holds for a prepared ubatch), the cells as int32 ``[n]``."""
+        checked_offsets(pos, flat, offsets, "apply_arrays")
+        if cells.shape[0] != pos.shape[0]:
+            raise kv_error(kv_reference.CODES["CELL_COUNT"], cells.shape[0], pos.shape[0])
         cdef int64_t a = 0, b = 0
         cdef int code
         with nogil:
-            code = kv_apply(&self.t, <int32_t>pos.shape[0], &slot[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+            code = kv_check_tokens(&self.t, <int32_t>pos.shape[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+            if code == KV_OK:
+                code = kv_apply(&self.t, <int32_t>pos.shape[0], &cells[0], &pos[0], &flat[0], &offsets[0], &a, &b)
         if code != KV_OK:
             raise kv_error(code, a, b)
 
@@ -716,7 +751,8 @@ cdef class KVCells:
     def prepare(self, ubatches):
         """The slot of each ubatch in turn, each placed for the next to see, or ``None``; the table
         is left exactly as it was (``kv_reference.KVCells.prepare``)."""
-        bounds, positions, flat, offsets = checked_ubatches(ubatches)
+        one = one_ubatch(ubatches)   # a decode step's one ubatch of int32 arrays: checked here, in C
+        bounds, positions, flat, offsets = one if one is not None else checked_ubatches(ubatches)
         slots = np.empty(bounds[-1], dtype=np.int32)
         cdef const int32_t[::1] b_view = bounds, p_view = positions, f_view = flat, o_view = offsets
         cdef int32_t[::1] s_view = slots

@@ -519,8 +519,7 @@ class HybridCache:
                 raise UsageError("the cache changed after this state was prepared (a sequence operation, a "
                                  "state_read or another state's apply): call init_batch again")
             if self._attn_layers:
-                pos, flat, offsets = tokens
-                self._kv.apply(cells, pos, _seq_lists(flat, offsets))
+                self._kv.apply_arrays(cells, *tokens)
             self._generation += 1
             return self._generation, self._kv.n_kv(self._kv_pad)
         finally:

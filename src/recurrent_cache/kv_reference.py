@@ -416,6 +416,13 @@ class KVCells:
     def _restore(self, saved: tuple[list[int], list[set[int]], list[int], int, bool]) -> None:
         self.pos, self.seqs, self.shift, self.head, self.has_shift = saved
 
+    def apply_arrays(self, cells: np.ndarray, pos: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
+        """``apply`` for tokens in ``place_arrays``'s encoding (int32 arrays) and int32 cells."""
+        positions, ids, starts = token_array_shapes(pos, flat, offsets, "apply_arrays")
+        if len(cells) != len(positions):
+            raise kv_error(CODES["CELL_COUNT"], len(cells), len(positions))
+        self.apply(cells, positions, [ids[starts[t]:starts[t + 1]].tolist() for t in range(len(positions))])
+
     def prepare(self, ubatches: Any) -> list[np.ndarray] | None:
         """The slot of each ubatch (``(pos, flat, offsets)``, ``place_arrays``'s encoding), or ``None``
         when one fits nowhere — llama.cpp's ``prepare``: each ubatch in turn gets a slot
