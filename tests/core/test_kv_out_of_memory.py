@@ -23,7 +23,9 @@ CHILD = textwrap.dedent('''
     for start in range(0, size, chunk):
         table.place_arrays(np.arange(start, start + chunk, dtype=np.int32), np.zeros(chunk, np.int32),
                            np.arange(chunk + 1, dtype=np.int32))
-    prepare_args = [(np.asarray([size], np.int32), np.zeros(1, np.int32), np.arange(2, dtype=np.int32))]
+    # two ubatches: the first is placed (and undone) for the second to see, which takes the journal's room
+    prepare_args = [(np.asarray([size], np.int32), np.zeros(1, np.int32), np.arange(2, dtype=np.int32)),
+                    (np.asarray([size + 1], np.int32), np.zeros(1, np.int32), np.arange(2, dtype=np.int32))]
     load_args = (np.arange(size, dtype=np.int32), np.tile(np.asarray([0, 1], np.int32), size),
                  np.arange(0, 2 * size + 1, 2, dtype=np.int32))          # twice the pairs the table holds
 
@@ -46,7 +48,7 @@ CHILD = textwrap.dedent('''
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     table.check()
     assert state() == before
-    assert table.prepare(prepare_args)[0].tolist() == [0]
+    assert [slot.tolist() for slot in table.prepare(prepare_args)] == [[0], [1]]
 ''')
 
 
