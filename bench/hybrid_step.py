@@ -85,8 +85,8 @@ def main() -> None:
             hybrid_samples += steps(cache, held + r * per_round, per_round)
         median, recurrent = statistics.median(hybrid_samples), statistics.median(recurrent_samples)
         rows.append((held_cells, median, recurrent, median / recurrent))
-        print(f"{held_cells:>9} KV cells held: hybrid step {median:8.1f} µs median, recurrent-only {recurrent:6.1f} µs: "
-              f"{median / recurrent:4.2f}x", flush=True)
+        print(f"{held_cells:>9} KV cells held: hybrid step {median:8.1f} µs median, "
+              f"recurrent-only {recurrent:6.1f} µs: {median / recurrent:4.2f}x", flush=True)
     load_after = os.getloadavg()[0]
     lines = ["# The hybrid decode step (bench/hybrid_step.py)", "",
              f"64 sequences, one token each at its next position, `init_batch` + `apply` through the Python API; "

@@ -26,7 +26,7 @@ from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, 
                      StateError, UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
 from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
-from .memory_state import MemoryState, MemoryStatus, ThreadGuard, Ubatch
+from .memory_state import MemoryState, MemoryStatus, ThreadGuard, Ubatch, each_ubatch
 from .formats.blob import blob_view, framing_prefix, parse_blob
 from .formats.framings import in_section, unframe
 from .formats.geometry import Geometry
@@ -698,14 +698,12 @@ class HybridState:
         return True
 
     def __iter__(self) -> Iterator[Ubatch]:
-        if self.status != MemoryStatus.SUCCESS:
-            return
-        while True:
-            if not self._applied:
-                self.apply()
-            yield self.ubatch
-            if not self.next():
-                return
+        return each_ubatch(self)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the current ubatch is applied."""
+        return self._applied
 
     # -- what the model reads -------------------------------------------------------------
 
