@@ -6,7 +6,9 @@
   token each placed (find_slot + apply of one 64-token ubatch) — through ``place_arrays``
   (tokens already as arrays, what a model loop holds) and through ``place`` (Python lists in);
   the step is taken back with one ``seq_rm`` per sequence (timed apart) so every repeat sees
-  the same table.  Flat from 64 to 1M cells is the target: nothing of the step scans the table.
+  the same table.  ``prepare`` of the same ubatch (its slot found and applied, then undone
+  through the journal) is timed too.  Flat from 64 to 1M cells is the target: nothing of the
+  step scans the table.
 - the mask of a 512-token ubatch ([512, n_kv] float32, 0 / -inf) — one sequence's prompt, and
   64 sequences of 8 tokens — as bytes written per second, next to numpy writing the same array
   in place (``out.fill(-inf)``, what ``np.full`` does after allocating, and ``np.copyto`` from a
@@ -48,13 +50,14 @@ def filled(size: int) -> tuple[KVCells, int]:
 
 
 def decode_step(size: int, repeats: int) -> dict[str, float]:
-    """Median µs of one step through place_arrays and through place, and of taking it back."""
+    """Median µs of one step through place_arrays and through place, of taking it back, and of
+    prepare of the same ubatch (which leaves the table as it was)."""
     table, held = filled(size)
     pos = np.full(N_SEQS, held, np.int32)
     seqs = np.arange(N_SEQS, dtype=np.int32)
     offsets = np.arange(N_SEQS + 1, dtype=np.int32)
     pos_list, seq_list = pos.tolist(), seqs.tolist()
-    samples: dict[str, list[float]] = {"place_arrays": [], "place": [], "seq_rm x 64": []}
+    samples: dict[str, list[float]] = {"place_arrays": [], "place": [], "seq_rm x 64": [], "prepare": []}
 
     def take_back() -> None:
         start = time.perf_counter_ns()
@@ -73,6 +76,10 @@ def decode_step(size: int, repeats: int) -> dict[str, float]:
         samples["place"].append((time.perf_counter_ns() - start) / 1e3)
         assert slot is not None
         take_back()
+        start = time.perf_counter_ns()
+        slots = table.prepare([(pos, seqs, offsets)])
+        samples["prepare"].append((time.perf_counter_ns() - start) / 1e3)
+        assert slots is not None
     table.check()
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -119,12 +126,12 @@ def main() -> None:
     lines.append("# KV cell table: the 64-sequence decode step and the mask ({})".format(
         "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())))
     lines += ["", f"## Decode step: find_slot + apply of 64 one-token sequences (median µs of {repeats})", "",
-              "| cells | tokens per sequence | place_arrays | place (lists) | seq_rm x 64 (take back) |",
-              "| --- | --- | --- | --- | --- |"]
+              "| cells | tokens per sequence | place_arrays | place (lists) | seq_rm x 64 (take back) | prepare |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for size in sizes:
         got = decode_step(size, repeats)
         lines.append(f"| {size:,} | {size // N_SEQS - 1:,} | {got['place_arrays']:.1f} | {got['place']:.1f} "
-                     f"| {got['seq_rm x 64']:.1f} |")
+                     f"| {got['seq_rm x 64']:.1f} | {got['prepare']:.1f} |")
     lines += ["", f"## Mask of a {UBATCH}-token ubatch, float32 [512, n_kv] (GB/s written, median of {repeats})",
               "", "| n_kv | sequences | mask | out.fill(-inf) | np.copyto | mask / fill |",
               "| --- | --- | --- | --- | --- | --- |"]

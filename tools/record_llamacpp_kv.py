@@ -335,10 +335,22 @@ def _swa_steps() -> tuple[dict[str, Any], ...]:
     )
 
 
+def _scattered_steps() -> tuple[dict[str, Any], ...]:
+    """A batch of several ubatches whose free cells are scattered: each ubatch's slot (prepare's)
+    takes the holes from the head on, the next ubatch after the cells the one before took."""
+    return (
+        decode(([0], 6), ([1], 6), ([2], 6)),                   # 18 tokens, ubatches of 6: cells 0-17
+        {"op": "seq_rm", "seq": 1, "p0": 1, "p1": 4},           # holes at cells 7-9 (head 7)
+        {"op": "seq_rm", "seq": 0, "p0": 2, "p1": 4},           # and at cells 2-3 (head 2)
+        decode(([2], 3), ([3], 5)),                             # 6 tokens into 2, 3, 7, 8, 9, 18; then 19, 20
+    )
+
+
 SWA = LlamaShape(swa_layers=(0,), n_swa=8, seed=27)
 SCENARIOS = (
     KvScenario("llama_sequence_ops", "llama", n_seq_max=6, n_ubatch=8, steps=_llama_steps()),
     KvScenario("llama_fill", "llama", n_seq_max=4, n_ubatch=48, steps=_fill_steps(hybrid=False)),
+    KvScenario("llama_scattered_ubatches", "llama", n_seq_max=5, n_ubatch=6, steps=_scattered_steps()),
     KvScenario("jamba_sequence_ops", "jamba", n_seq_max=5, n_ubatch=8, steps=_jamba_steps()),
     KvScenario("jamba_fill", "jamba", n_seq_max=4, n_ubatch=48, steps=_fill_steps(hybrid=True)),
     KvScenario("granite_swa_window", "granite_swa", n_seq_max=3, n_ubatch=32, steps=_swa_steps(), n_swa=SWA.n_swa,

@@ -18,6 +18,8 @@ from .cache import CellInfo, RecurrentCache
 from .errors import (ArgumentError, BatchError, BrokenCacheError, ConfigError, CoreError, GGUFError, ModelError,
                      NoFreeCellError, OutOfRangeError, OutputError, PositionError, RecurrentCacheError,
                      SafetensorsError, SeqIdError, StateError, UsageError)
+from .hybrid import HybridCache, HybridState
+from .hybrid_prefix import HybridPrefixCache
 from .memory_state import MemoryState, MemoryStatus, SeqIdLists, Ubatch
 from .prefix_cache import PrefixCache
 from .seqfile import load_seq_file, load_session_file, save_seq_file, save_session_file
@@ -39,7 +41,8 @@ def get_include() -> str:
 
 
 __all__ = [
-    "RecurrentCache", "CellInfo", "MemoryState", "MemoryStatus", "Batch", "Ubatch", "SeqIdLists",
+    "RecurrentCache", "HybridCache", "HybridState", "HybridPrefixCache", "CellInfo", "MemoryState", "MemoryStatus",
+    "Batch", "Ubatch", "SeqIdLists",
     "RecurrentCacheError", "ConfigError", "BatchError", "SeqIdError", "PositionError",
     "ArgumentError", "StateError", "CoreError", "BrokenCacheError", "UsageError", "OutOfRangeError", "NoFreeCellError",
     "ModelError", "GGUFError", "SafetensorsError", "OutputError",

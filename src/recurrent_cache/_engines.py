@@ -21,7 +21,7 @@ import numpy as np
 from .formats.dtypes import StateType
 from .storage import Storage, has_host_access
 
-__all__ = ["Core", "Engine", "NAMES", "Placement", "Split", "load"]
+__all__ = ["Core", "Engine", "KVTable", "NAMES", "Placement", "Split", "load"]
 
 NAMES = ("compiled", "reference")
 
@@ -87,6 +87,40 @@ class Placement(Protocol):
     def out_ids(self) -> np.ndarray: ...
 
 
+class KVTable(Protocol):
+    """An attention KV cell table (docs/hybrid.md, "KV cells"): ``_kv_cells.KVCells`` (compiled) or
+    ``kv_reference.KVCells`` (the readable one); a hybrid memory's KV half keeps its bookkeeping there."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def head(self) -> int: ...
+    @property
+    def used(self) -> int: ...
+    @property
+    def has_shift(self) -> bool: ...
+    def cell(self, i: int) -> tuple[int, tuple[int, ...]] | None: ...
+    def cells(self) -> list[tuple[int, tuple[int, ...]] | None]: ...
+    def shifts(self) -> np.ndarray: ...
+    def seq_pos_min(self, seq: int) -> int: ...
+    def seq_pos_max(self, seq: int) -> int: ...
+    def n_kv(self, pad: int = 256) -> int: ...
+    def check(self) -> None: ...
+    def prepare(self, ubatches: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray] | None: ...
+    def apply(self, cells: Any, pos: Any, seq_ids: Any) -> None: ...
+    def apply_arrays(self, cells: np.ndarray, pos: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None: ...
+    def load(self, pos: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None: ...
+    def load_seq(self, seq: int, pos: np.ndarray) -> np.ndarray | None: ...
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def seq_keep(self, seq: int) -> None: ...
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None: ...
+    def reset_shift(self) -> None: ...
+    def clear(self) -> None: ...
+    def mask(self, pos: Any, seq_ids: Any, out: np.ndarray, sliding: bool = True) -> None: ...
+
+
 # split(seq_id_flat, seq_id_offset, pos, logits, logits_all, n_ubatch, embd_pooled): a batch validated
 # against the core it was built with, split into ubatches
 Split = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, bool, int, bool], Placement]
@@ -100,6 +134,8 @@ class Engine(NamedTuple):
     # it (an engine's placements apply to its own core only)
     build: Callable[[int, Storage, tuple[Any, Any], tuple[StateType, StateType], int, list[int], int,
                      tuple[int, ...]], tuple[Core, Split]]
+    # kv_table(size, n_seq_max, n_swa, swa_type): an empty KV cell table of this engine
+    kv_table: Callable[[int, int, int, str], KVTable]
 
 
 def _build_compiled(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes: tuple[StateType, StateType],
@@ -122,6 +158,17 @@ def _build_reference(size: int, storage: Storage, kinds: tuple[Any, Any], dtypes
     return core, functools.partial(reference.split_batch, core)
 
 
+def _kv_table_compiled(size: int, n_seq_max: int, n_swa: int, swa_type: str) -> KVTable:
+    from . import _kv_cells
+    table: KVTable = _kv_cells.KVCells(size, n_seq_max, n_swa, swa_type)
+    return table
+
+
+def _kv_table_reference(size: int, n_seq_max: int, n_swa: int, swa_type: str) -> KVTable:
+    from . import kv_reference
+    return kv_reference.KVCells(size, n_seq_max, n_swa, swa_type)
+
+
 _loaded: dict[str, Engine] = {}
 
 
@@ -141,7 +188,7 @@ def load(name: str | None = None) -> Engine:
                     f"recurrent_cache's compiled core is missing or was built for another Python ({exc}). "
                     "Build it from the source tree with `pip install .` (needs a C compiler), or use the "
                     "slow pure-Python engine: RECURRENT_CACHE_IMPL=reference") from exc
-            _loaded[name] = Engine(name, _build_compiled)
+            _loaded[name] = Engine(name, _build_compiled, _kv_table_compiled)
         else:
-            _loaded[name] = Engine(name, _build_reference)
+            _loaded[name] = Engine(name, _build_reference, _kv_table_reference)
     return _loaded[name]

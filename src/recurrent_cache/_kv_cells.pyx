@@ -1,18 +1,20 @@
 # cython: language_level=3
-"""The attention KV cell table in C: find_slot, apply, the sequence operations, the mask.
+"""The attention KV cell table in C: find_slot, apply, prepare, load, the sequence operations.
 
 Semantics are ``kv_reference`` (llama.cpp's ``llama_kv_cache``, one stream);
 the costs are not: a sequence's positions are a treap of (position, cell)
 pairs (``_kv_seq_pos``), so ``seq_pos_min`` / ``seq_pos_max`` and every ranged operation of one
 sequence reach its cells in O(log n) per cell instead of scanning the table;
 empty cells are a bitset that ``find_slot`` walks 64 cells at a time (without a
-sliding window, where only empty cells are usable).  Only ``clear``,
-``seq_keep`` and ``seq_rm`` of every sequence touch every cell.  ``KVCells`` is
-the thin Python class over it, with ``kv_reference.KVCells``'s interface.
+sliding window, where only empty cells are usable); ``prepare`` and
+``load_seq`` undo what they changed through a journal of the cells changed
+(``_kv_journal``).  Only ``clear``, ``load``, ``seq_keep`` and ``seq_rm`` of
+every sequence touch every cell.  The mask is ``_kv_mask``'s, the invariants'
+check ``_kv_check``'s.  ``KVCells`` is the thin Python class over it, with
+``kv_reference.KVCells``'s interface.
 """
 
-from libc.math cimport INFINITY
-from libc.stdint cimport INT32_MAX, INT32_MIN, uint32_t
+from libc.stdint cimport INT32_MAX, INT32_MIN, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -20,8 +22,13 @@ import numpy as np
 
 from . import errors as E
 from . import kv_reference
-from .kv_reference import as_int32, cell_array, check_config, check_mask_out, kv_error, token_arrays
+from .kv_reference import (as_int32, cell_array, check_config, check_mask_out, checked_ubatches, kv_error,
+                           position_array, token_array_shapes, token_arrays)
 
+from ._kv_check cimport (KV_CHECK_COUNT, KV_CHECK_EMPTY, KV_CHECK_HEAD, KV_CHECK_JOURNAL, KV_CHECK_SHIFT,
+                         KV_CHECK_TREE, KV_CHECK_USED, kv_check)
+from ._kv_mask cimport kv_mask
+from ._kv_journal cimport kj_begin, kj_commit, kj_release, kj_reserve, kj_touch, kj_undo, list_cell
 from ._kv_seq_pos cimport (sp_check, sp_clear, sp_collect, sp_erase, sp_init, sp_insert, sp_max, sp_min, sp_release,
                           sp_reserve)
 
@@ -64,6 +71,7 @@ cdef void lower_top(KvTable* t) noexcept nogil:
 
 
 cdef void take_cell(KvTable* t, int32_t cell, int32_t pos) noexcept nogil:
+    kj_touch(t, cell)
     t.pos[cell] = pos
     t.free_bits[cell >> 6] &= ~(<uint64_t>1 << (cell & 63))
     t.used += 1
@@ -72,6 +80,7 @@ cdef void take_cell(KvTable* t, int32_t cell, int32_t pos) noexcept nogil:
 
 
 cdef void join(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
+    kj_touch(t, cell)
     t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] |= <uint64_t>1 << (seq & 63)
     t.n_seq[cell] += 1
     sp_insert(&t.seqs, seq, t.pos[cell], cell)
@@ -89,6 +98,7 @@ cdef void empty_cell(KvTable* t, int32_t cell) noexcept nogil:
 
 cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     """``seq`` leaves ``cell``; whether that emptied it."""
+    kj_touch(t, cell)
     t.seq_bits[<int64_t>cell * t.seq_words + (seq >> 6)] &= ~(<uint64_t>1 << (seq & 63))
     t.n_seq[cell] -= 1
     sp_erase(&t.seqs, seq, t.pos[cell], cell)
@@ -98,24 +108,9 @@ cdef bint leave(KvTable* t, int32_t cell, int32_t seq) noexcept nogil:
     return False
 
 
-cdef void list_cell(KvTable* t, int32_t cell, bint listed) noexcept nogil:
-    """Put the cell's pairs into its sequences' trees (``listed``) or take them out (before its
-    position changes or it empties)."""
-    cdef int32_t w, s
-    cdef uint64_t word
-    for w in range(t.seq_words):
-        word = t.seq_bits[<int64_t>cell * t.seq_words + w]
-        while word:
-            s = w * 64 + rc_ctz64(word)
-            word &= word - 1
-            if listed:
-                sp_insert(&t.seqs, s, t.pos[cell], cell)
-            else:
-                sp_erase(&t.seqs, s, t.pos[cell], cell)
-
-
 cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
     """Every sequence leaves a used cell."""
+    kj_touch(t, cell)
     list_cell(t, cell, False)
     memset(&t.seq_bits[<int64_t>cell * t.seq_words], 0, <size_t>t.seq_words * sizeof(uint64_t))
     t.n_seq[cell] = 0
@@ -125,6 +120,7 @@ cdef void free_cell(KvTable* t, int32_t cell) noexcept nogil:
 # -- lifecycle ---------------------------------------------------------------------------------------------
 
 cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int32_t swa_type) noexcept nogil:
+    cdef int32_t k
     memset(t, 0, sizeof(KvTable))
     t.size = size
     t.n_seq_max = n_seq_max
@@ -145,6 +141,8 @@ cdef int kv_init(KvTable* t, int32_t size, int32_t n_seq_max, int32_t n_swa, int
     t.n_seq = t.pos + 2 * size
     t.scratch = t.pos + 3 * size
     memset(t.mark, 0, <size_t>size)
+    for k in range(n_seq_max):        # apply_touches tells a sequence it saw by -2
+        t.max_rm[k] = -1
     kv_clear(t)
     return KV_OK
 
@@ -156,6 +154,7 @@ cdef void kv_release(KvTable* t) noexcept nogil:
     free(t.mark)
     free(t.max_rm)
     sp_release(&t.seqs)
+    kj_release(t)
     memset(t, 0, sizeof(KvTable))
 
 
@@ -297,13 +296,13 @@ cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos
             a[0] = cell
             b[0] = t.size
             break
-        if t.mark[cell] or t.n_seq[cell] > 1:
+        if t.mark[cell] & MARK_LISTED or t.n_seq[cell] > 1:
             code = KV_CELL_TAKEN
             a[0] = cell
             break
-        t.mark[cell] = 1
+        t.mark[cell] |= MARK_LISTED
     for k in range(token if code != KV_OK else n):
-        t.mark[slot[k]] = 0
+        t.mark[slot[k]] &= <uint8_t>~MARK_LISTED
     if code != KV_OK:
         return code
     if not sp_reserve(&t.seqs, offsets[n]):
@@ -328,6 +327,85 @@ cdef int kv_apply(KvTable* t, int32_t n, const int32_t* slot, const int32_t* pos
                 kv_seq_rm(t, owner, lowest, t.max_rm[owner] + 1)
     t.head = slot[n - 1] + 1
     return KV_OK
+
+
+# -- preparing and loading (the journal: _kv_journal) ----------------------------------------------------
+
+cdef int64_t apply_touches(const KvTable* t, int32_t n, const int32_t* slot) noexcept nogil:
+    """At most how many cells ``kv_apply`` of this slot changes: its own, and every cell of each
+    sequence it overwrites a token of (the purge)."""
+    cdef int64_t touched = n
+    cdef int32_t k, owner
+    for k in range(n):
+        if t.pos[slot[k]] >= 0:
+            owner = only_seq(t, slot[k])
+            if t.max_rm[owner] != -2:
+                t.max_rm[owner] = -2
+                touched += t.seqs.count[owner]
+    for k in range(n):
+        if t.pos[slot[k]] >= 0:
+            t.max_rm[only_seq(t, slot[k])] = -1
+    return touched
+
+
+cdef int journaled_place(KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
+                         int32_t* slot, int64_t* a, int64_t* b) noexcept nogil:
+    """find_slot (not continuous) and apply while journaling."""
+    cdef int code = kv_find_slot(t, n, False, slot)
+    if code != KV_OK:
+        return code
+    if not kj_reserve(t, apply_touches(t, n, slot)):
+        return KV_NO_MEMORY
+    return kv_apply(t, n, slot, pos, flat, offsets, a, b)
+
+
+cdef int kv_prepare(KvTable* t, int32_t n_ubatch, const int32_t* bounds, const int32_t* pos, const int32_t* flat,
+                    const int32_t* offsets, int32_t* slots, int64_t* a, int64_t* b) noexcept nogil:
+    cdef int32_t u
+    cdef int code = KV_OK
+    kj_begin(t)
+    for u in range(n_ubatch - 1):   # each ubatch placed for the next to see ...
+        code = journaled_place(t, bounds[u + 1] - bounds[u], pos + bounds[u], flat, offsets + bounds[u],
+                               slots + bounds[u], a, b)
+        if code != KV_OK:
+            break
+    if code == KV_OK:               # ... the last one only found: nothing comes after it (a decode step's cost)
+        code = kv_find_slot(t, bounds[n_ubatch] - bounds[n_ubatch - 1], False, slots + bounds[n_ubatch - 1])
+    kj_undo(t)
+    return code
+
+
+cdef int kv_load(KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets) noexcept nogil:
+    cdef int32_t cell, k
+    if n > t.size:
+        return KV_TOO_MANY_CELLS
+    if not sp_reserve(&t.seqs, <int64_t>offsets[n] - t.seqs.nodes_live):
+        return KV_NO_MEMORY
+    kv_clear(t)
+    for cell in range(n):
+        take_cell(t, cell, pos[cell])
+        for k in range(offsets[cell], offsets[cell + 1]):
+            join(t, cell, flat[k])
+    return KV_OK
+
+
+cdef int kv_load_seq(KvTable* t, int32_t seq, int32_t n, const int32_t* pos, const int32_t* flat,
+                     const int32_t* offsets, int32_t* slot, int64_t* a, int64_t* b) noexcept nogil:
+    """llama.cpp's state_read_meta for one sequence: seq_rm of it, find_slot (not continuous) from
+    head, apply; undone when no slot exists."""
+    cdef int code
+    if n > t.size:          # llama.cpp refuses before its seq_rm
+        return KV_NO_SLOT
+    if not kj_reserve(t, t.seqs.count[seq]):
+        return KV_NO_MEMORY
+    kj_begin(t)
+    kv_seq_rm(t, seq, 0, POS_END)
+    code = journaled_place(t, n, pos, flat, offsets, slot, a, b)
+    if code == KV_OK:
+        kj_commit(t)
+    else:
+        kj_undo(t)
+    return code
 
 
 # -- sequence operations -----------------------------------------------------------------------------------
@@ -399,8 +477,9 @@ cdef int refused_move(const KvTable* t, int32_t n, int32_t delta, int32_t d, int
         for k in range(n):
             cell = t.scratch[k]
             moved = <int64_t>t.pos[cell] + delta if d == 0 else t.pos[cell] // d
-            # llama.cpp adds delta to an added cell's shift, and old - new to a divided one's
-            shift = t.shift[cell] + (delta if d == 0 else t.pos[cell] - moved)
+            # the shift is how far the key's position moved: delta, or new - old for a division
+            # (llama.cpp adds old - new there, which rotates the keys away from their new positions)
+            shift = t.shift[cell] + (delta if d == 0 else moved - t.pos[cell])
             fault = moved >= POS_END if check == 0 else not INT32_MIN <= shift <= INT32_MAX
             if fault and (code == KV_OK or cell < a[0]):
                 code = KV_SHIFT_POSITION if check == 0 else KV_SHIFT_RANGE
@@ -457,7 +536,7 @@ cdef int kv_seq_div(KvTable* t, int32_t seq, int32_t p0, int32_t p1, int32_t d, 
         t.has_shift = True
         list_cell(t, cell, False)
         moved = t.pos[cell] // d
-        t.shift[cell] += t.pos[cell] - moved
+        t.shift[cell] += moved - t.pos[cell]
         t.pos[cell] = moved
         list_cell(t, cell, True)
     return KV_OK
@@ -476,108 +555,6 @@ cdef void kv_reset_shift(KvTable* t) noexcept nogil:
     t.has_shift = False
 
 
-# -- the mask ----------------------------------------------------------------------------------------------
-
-cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
-                 float* out, int32_t n_kv, bint sliding) noexcept nogil:
-    """Per sequence of the ubatch, the position each cell holds for it (-1: none) once; then per
-    token one branch-free pass: visible iff that position lies in the token's window [lo, p]."""
-    cdef int32_t* seen_pos = <int32_t*>malloc(<size_t>n_kv * sizeof(int32_t))
-    cdef int32_t* next_token = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
-    cdef int32_t* first_token = <int32_t*>malloc(<size_t>t.n_seq_max * sizeof(int32_t))
-    cdef int32_t token, seq, j, p, lo, swa_type = t.swa_type if sliding else SWA_NONE
-    cdef uint32_t width
-    cdef int32_t word_index
-    cdef uint64_t bit
-    cdef float* row
-    if seen_pos == NULL or next_token == NULL or first_token == NULL:
-        free(seen_pos)
-        free(next_token)
-        free(first_token)
-        return KV_NO_MEMORY
-    for seq in range(t.n_seq_max):
-        first_token[seq] = -1
-    for token in range(n - 1, -1, -1):    # each sequence's tokens, chained in order
-        seq = flat[offsets[token]]
-        next_token[token] = first_token[seq]
-        first_token[seq] = token
-    for seq in range(t.n_seq_max):
-        if first_token[seq] < 0:
-            continue
-        word_index = seq >> 6
-        bit = <uint64_t>1 << (seq & 63)
-        for j in range(n_kv):
-            seen_pos[j] = t.pos[j] if t.seq_bits[<int64_t>j * t.seq_words + word_index] & bit else -1
-        token = first_token[seq]
-        while token >= 0:
-            p = pos[token]
-            lo = 0
-            if swa_type == SWA_STANDARD:
-                lo = p - t.n_swa + 1 if p >= t.n_swa else 0
-            elif swa_type == SWA_CHUNKED:
-                lo = (p // t.n_swa) * t.n_swa
-            elif swa_type == SWA_SYMMETRIC:
-                lo = p - t.n_swa // 2 if p >= t.n_swa // 2 else 0
-            width = <uint32_t>(p - lo)
-            row = out + <int64_t>token * n_kv
-            for j in range(n_kv):
-                row[j] = 0.0 if <uint32_t>(seen_pos[j] - lo) <= width else -INFINITY
-            token = next_token[token]
-    free(seen_pos)
-    free(next_token)
-    free(first_token)
-    return KV_OK
-
-
-# -- the invariants ----------------------------------------------------------------------------------------
-
-cdef int kv_check(KvTable* t, int64_t* where) noexcept nogil:
-    cdef int32_t cell, w, s, k, n, used = 0, top = 0, bits
-    cdef int64_t members = 0, total
-    cdef uint64_t word
-    cdef bint empty
-    for cell in range(t.size):
-        where[0] = cell
-        empty = (t.free_bits[cell >> 6] >> (cell & 63)) & 1
-        if (t.pos[cell] < 0) != empty or (t.pos[cell] < 0) != (t.n_seq[cell] == 0) or t.pos[cell] < -1:
-            return KV_CHECK_EMPTY
-        bits = 0
-        for w in range(t.seq_words):
-            word = t.seq_bits[<int64_t>cell * t.seq_words + w]
-            if w == t.seq_words - 1 and (t.n_seq_max & 63) and word >> (t.n_seq_max & 63):
-                return KV_CHECK_COUNT
-            while word:
-                word &= word - 1
-                bits += 1
-        if bits != t.n_seq[cell]:
-            return KV_CHECK_COUNT
-        if empty and t.shift[cell] != 0:
-            return KV_CHECK_SHIFT
-        if not empty:
-            used += 1
-            top = cell + 1
-        members += bits
-    total = members
-    where[0] = -1
-    if used != t.used or top != t.top:
-        return KV_CHECK_USED
-    if t.head < 0 or t.head > t.size:
-        return KV_CHECK_HEAD
-    for s in range(t.n_seq_max):
-        where[0] = s
-        if sp_check(&t.seqs, s, t.pos, t.size):
-            return KV_CHECK_TREE
-        n = sp_collect(&t.seqs, s, 0, POS_END, t.scratch)
-        for k in range(n):
-            if not kv_seq_has(t, t.scratch[k], s):
-                return KV_CHECK_TREE
-        members -= n
-    where[0] = -1
-    if members != 0 or t.seqs.nodes_live != total:
-        return KV_CHECK_TREE
-    return 0
-
-
 # -- the Python class --------------------------------------------------------------------------------------
 
 CHECK_MESSAGES = {
@@ -587,7 +564,34 @@ CHECK_MESSAGES = {
     KV_CHECK_USED: "the KV table's used count or last used cell is wrong",
     KV_CHECK_TREE: "sequence {where}: its ordered positions disagree with the cells",
     KV_CHECK_HEAD: "the KV table's head lies outside [0, size]",
+    KV_CHECK_JOURNAL: "between calls, the KV table's journal is on or holds cells, or a cell is marked (cell {where})",
 }
+
+
+cdef checked_offsets(const int32_t[::1] pos, const int32_t[::1] flat, const int32_t[::1] offsets, str what):
+    """The shape checks of ``kv_reference.token_array_shapes`` on int32 arrays, in C."""
+    cdef int32_t n = <int32_t>pos.shape[0]
+    cdef int32_t token
+    if n < 1 or offsets.shape[0] != n + 1 or offsets[0] != 0 or offsets[n] != flat.shape[0]:
+        raise E.BatchError(f"{what}: offsets must be [n + 1], from 0 to len(flat), for n >= 1 tokens (got {n} "
+                           f"positions, {offsets.shape[0]} offsets, {flat.shape[0]} seq ids)")
+    for token in range(n):    # every token lists at least one seq id, and no read leaves flat
+        if offsets[token + 1] <= offsets[token]:
+            raise E.BatchError(f"{what}: token {token} has no seq id (offsets must grow strictly)")
+
+
+cdef object one_ubatch(ubatches):
+    """``prepare``'s argument as ``checked_ubatches`` gives it when it is one ubatch of C-contiguous int32
+    arrays (checked here); None for anything else (the general checks then run)."""
+    if type(ubatches) is not list or len(ubatches) != 1 or type(ubatches[0]) is not tuple or len(ubatches[0]) != 3:
+        return None
+    pos, flat, offsets = ubatches[0]
+    for values in (pos, flat, offsets):
+        if type(values) is not np.ndarray or values.dtype != np.int32 or values.ndim != 1 \
+                or not values.flags.c_contiguous:
+            return None
+    checked_offsets(pos, flat, offsets, "prepare: ubatch 0")
+    return np.array([0, pos.shape[0]], dtype=np.int32), pos, flat, offsets
 
 
 cdef class KVCells:
@@ -714,12 +718,19 @@ cdef class KVCells:
             raise kv_error(code, a, b)
         return slot
 
-    cdef apply_arrays(self, const int32_t[::1] slot, const int32_t[::1] pos, const int32_t[::1] flat,
-                      const int32_t[::1] offsets):
+    def apply_arrays(self, const int32_t[::1] cells, const int32_t[::1] pos, const int32_t[::1] flat,
+                     const int32_t[::1] offsets):
+        """``apply`` for tokens already as ``token_arrays`` gives them (int32 arrays; what a hybrid
+        memory holds for a prepared ubatch), the cells as int32 ``[n]``."""
+        checked_offsets(pos, flat, offsets, "apply_arrays")
+        if cells.shape[0] != pos.shape[0]:
+            raise kv_error(kv_reference.CODES["CELL_COUNT"], cells.shape[0], pos.shape[0])
         cdef int64_t a = 0, b = 0
         cdef int code
         with nogil:
-            code = kv_apply(&self.t, <int32_t>pos.shape[0], &slot[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+            code = kv_check_tokens(&self.t, <int32_t>pos.shape[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+            if code == KV_OK:
+                code = kv_apply(&self.t, <int32_t>pos.shape[0], &cells[0], &pos[0], &flat[0], &offsets[0], &a, &b)
         if code != KV_OK:
             raise kv_error(code, a, b)
 
@@ -734,6 +745,73 @@ cdef class KVCells:
         if code != KV_OK:
             raise kv_error(code, a, b)
         return positions, flat, offsets
+
+    # -- preparing and loading
+
+    def prepare(self, ubatches):
+        """The slot of each ubatch in turn, each placed for the next to see, or ``None``; the table
+        is left exactly as it was (``kv_reference.KVCells.prepare``)."""
+        one = one_ubatch(ubatches)   # a decode step's one ubatch of int32 arrays: checked here, in C
+        bounds, positions, flat, offsets = one if one is not None else checked_ubatches(ubatches)
+        slots = np.empty(bounds[-1], dtype=np.int32)
+        cdef const int32_t[::1] b_view = bounds, p_view = positions, f_view = flat, o_view = offsets
+        cdef int32_t[::1] s_view = slots
+        cdef int64_t a = 0, b = 0
+        cdef int code = KV_OK
+        cdef int32_t u
+        for u in range(b_view.shape[0] - 1):
+            code = kv_check_tokens(&self.t, b_view[u + 1] - b_view[u], &p_view[b_view[u]], &f_view[0],
+                                   &o_view[b_view[u]], &a, &b)
+            if code != KV_OK:
+                raise kv_error(code, a, b)
+        with nogil:
+            code = kv_prepare(&self.t, <int32_t>b_view.shape[0] - 1, &b_view[0], &p_view[0], &f_view[0], &o_view[0],
+                              &s_view[0], &a, &b)
+        if code == KV_NO_SLOT:
+            return None
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+        ends = bounds.tolist()
+        return [slots[start:end] for start, end in zip(ends[:-1], ends[1:])]
+
+    def load(self, pos, flat, offsets):
+        """Every cell replaced by a whole context's (``kv_reference.KVCells.load``)."""
+        positions, ids, starts = token_array_shapes(pos, flat, offsets, "load", 0)
+        if positions.shape[0] > self.t.size:
+            raise kv_error(KV_TOO_MANY_CELLS, positions.shape[0], self.t.size)
+        if positions.shape[0] == 0:
+            kv_clear(&self.t)
+            return
+        cdef const int32_t[::1] p_view = positions, f_view = ids, o_view = starts
+        cdef int64_t a = 0, b = 0
+        cdef int code = kv_check_tokens(&self.t, <int32_t>p_view.shape[0], &p_view[0], &f_view[0], &o_view[0], &a, &b)
+        if code == KV_OK:
+            code = kv_load(&self.t, <int32_t>p_view.shape[0], &p_view[0], &f_view[0], &o_view[0])
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+
+    def load_seq(self, seq, pos):
+        """One sequence's cells replaced, at the cells returned, or ``None`` with nothing changed
+        (``kv_reference.KVCells.load_seq``)."""
+        cdef int32_t dest = self.checked_seq(seq)
+        positions = position_array(pos, "load_seq")
+        cdef int32_t n = <int32_t>positions.shape[0]
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        flat = np.full(n, dest, dtype=np.int32)
+        offsets = np.arange(n + 1, dtype=np.int32)
+        slot = np.empty(n, dtype=np.int32)
+        cdef const int32_t[::1] p_view = positions, f_view = flat, o_view = offsets
+        cdef int32_t[::1] s_view = slot
+        cdef int64_t a = 0, b = 0
+        cdef int code
+        with nogil:
+            code = kv_load_seq(&self.t, dest, n, &p_view[0], &f_view[0], &o_view[0], &s_view[0], &a, &b)
+        if code == KV_NO_SLOT:
+            return None
+        if code != KV_OK:
+            raise kv_error(code, a, b)
+        return slot
 
     # -- sequence operations
 

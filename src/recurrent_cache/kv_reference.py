@@ -14,6 +14,7 @@ no slot (they return ``None``) — changes nothing.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 from . import errors as E
 
 __all__ = ["CODES", "KVCells", "POS_MAX", "SWA_TYPES", "as_int32", "cell_array", "check_config", "check_mask_out",
-           "is_masked_swa", "kv_error", "token_arrays"]
+           "checked_ubatches", "is_masked_swa", "kv_error", "position_array", "token_array_shapes", "token_arrays"]
 
 POS_MAX = E.POS_MAX            # positions lie in [0, POS_MAX); a range bound < 0 means "to the end"
 SWA_TYPES = ("none", "standard", "chunked", "symmetric")   # llama.cpp's llama_swa_type, in its order
@@ -41,6 +42,7 @@ CODES = {
     "CELL_COUNT": 8,        # a = cells given, b = tokens
     "NO_MEMORY": 9,
     "SHIFT_RANGE": 11,      # a = cell, b = its pending shift
+    "TOO_MANY_CELLS": 12,   # a = cells given, b = size
 }
 
 
@@ -57,6 +59,7 @@ _MESSAGES: dict[int, tuple[type[Exception], str]] = {
     CODES["NO_MEMORY"]: (MemoryError, "out of memory in the KV cell table"),
     CODES["SHIFT_RANGE"]: (E.PositionError, "cell {a} would pile its pending shift {b} beyond int32: rotate the "
                                             "keys (reset_shift) first"),
+    CODES["TOO_MANY_CELLS"]: (E.StateError, "load: {a} cells do not fit a table of {b}"),
 }
 
 
@@ -122,6 +125,66 @@ def token_arrays(pos: Any, seq_ids: Any) -> tuple[np.ndarray, np.ndarray, np.nda
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     return wide.astype(np.int32), flat.astype(np.int32), offsets
+
+
+def token_array_shapes(pos: Any, flat: Any, offsets: Any, what: str,
+                       min_tokens: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens in ``place_arrays``'s encoding — positions ``[n]``, every token's seq ids one after the
+    other, their offsets ``[n + 1]`` — after the shape checks (range checks are the tables'): 1-D
+    int32 numpy arrays, at least ``min_tokens`` tokens, offsets from 0 to ``len(flat)``, every token
+    listing a seq id.  ``BatchError`` naming ``what`` otherwise."""
+    arrays = []
+    for name, values in (("pos", pos), ("flat", flat), ("offsets", offsets)):
+        if not isinstance(values, np.ndarray) or values.dtype != np.int32 or values.ndim != 1:
+            got = f"{values.dtype} of shape {values.shape}" if isinstance(values, np.ndarray) else type(values).__name__
+            raise E.BatchError(f"{what}: {name} must be a 1-D int32 numpy array, got {got}")
+        arrays.append(np.ascontiguousarray(values))
+    positions, ids, starts = arrays
+    n = positions.shape[0]
+    if n < min_tokens or starts.shape[0] != n + 1 or starts[0] != 0 or starts[n] != ids.shape[0]:
+        raise E.BatchError(f"{what}: offsets must be [n + 1], from 0 to len(flat), for n >= {min_tokens} tokens "
+                           f"(got {n} positions, {starts.shape[0]} offsets, {ids.shape[0]} seq ids)")
+    if (starts[1:] <= starts[:-1]).any():
+        empty = np.flatnonzero(starts[1:] <= starts[:-1])[0]
+        raise E.BatchError(f"{what}: token {empty} has no seq id (offsets must grow strictly)")
+    return positions, ids, starts
+
+
+def checked_ubatches(ubatches: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``prepare``'s argument — a non-empty sequence of ``(pos, flat, offsets)`` ubatches, each
+    through ``token_array_shapes`` (``ArgumentError`` / ``BatchError`` naming the ubatch) — as one
+    run of tokens: ``bounds [n_ubatch + 1]`` (ubatch u is tokens ``bounds[u]:bounds[u + 1]``), and
+    the positions, seq ids and offsets of all the tokens."""
+    if not isinstance(ubatches, (list, tuple)) or not ubatches:
+        raise E.ArgumentError(f"prepare needs a non-empty list of (pos, flat, offsets) ubatches, got {ubatches!r:.80}")
+    checked = []
+    for u, ubatch in enumerate(ubatches):
+        if not isinstance(ubatch, tuple) or len(ubatch) != 3:
+            raise E.ArgumentError(f"prepare: ubatch {u} must be a (pos, flat, offsets) tuple, got {ubatch!r:.80}")
+        checked.append(token_array_shapes(*ubatch, f"prepare: ubatch {u}"))
+    bounds = np.asarray([0, *itertools.accumulate(pos.shape[0] for pos, _, _ in checked)], dtype=np.int32)
+    if len(checked) == 1:
+        return (bounds, *checked[0])
+    offsets = np.empty(bounds[-1] + 1, dtype=np.int32)
+    flat_base = 0
+    for u, (_, flat, starts) in enumerate(checked):
+        offsets[bounds[u]:bounds[u + 1]] = starts[:-1] + flat_base
+        flat_base += flat.shape[0]
+    offsets[-1] = flat_base
+    return (bounds, np.concatenate([pos for pos, _, _ in checked]), np.concatenate([flat for _, flat, _ in checked]),
+            offsets)
+
+
+def position_array(pos: Any, what: str) -> np.ndarray:
+    """Positions as int32 ``[n]`` (n >= 0): a 1-D integer array or list, each in ``[0, 2**31 - 1)``."""
+    values = np.asarray(pos)
+    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+        raise E.BatchError(f"{what}: positions must be a 1-D integer array, got {values.dtype} of shape {values.shape}")
+    wide = values.astype(np.int64)
+    outside = np.flatnonzero((wide < 0) | (wide >= POS_MAX))
+    if outside.size:
+        raise kv_error(CODES["POSITION"], int(outside[0]), int(wide[outside[0]]))
+    return wide.astype(np.int32)
 
 
 def cell_array(cells: Any, n_tokens: int, size: int) -> np.ndarray:
@@ -330,6 +393,93 @@ class KVCells:
             self.apply(slot, pos, seq_ids)
         return slot
 
+    # -- preparing and loading ----------------------------------------------------------------------
+
+    def _checked_tokens(self, pos: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+        """Each token's seq ids, after the range checks token by token (the compiled table's order)."""
+        lists = []
+        for token in range(pos.shape[0]):
+            if not 0 <= pos[token] < POS_MAX:
+                raise kv_error(CODES["POSITION"], token, int(pos[token]))
+            ids = flat[offsets[token]:offsets[token + 1]].tolist()
+            for k, seq in enumerate(ids):
+                if not 0 <= seq < self.n_seq_max:
+                    raise kv_error(CODES["SEQ_RANGE"], seq, self.n_seq_max)
+                if seq in ids[:k]:
+                    raise kv_error(CODES["DUPLICATE_SEQ"], token, seq)
+            lists.append(ids)
+        return lists
+
+    def _saved(self) -> tuple[list[int], list[set[int]], list[int], int, bool]:
+        return list(self.pos), [set(seqs) for seqs in self.seqs], list(self.shift), self.head, self.has_shift
+
+    def _restore(self, saved: tuple[list[int], list[set[int]], list[int], int, bool]) -> None:
+        self.pos, self.seqs, self.shift, self.head, self.has_shift = saved
+
+    def apply_arrays(self, cells: np.ndarray, pos: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
+        """``apply`` for tokens in ``place_arrays``'s encoding (int32 arrays) and int32 cells."""
+        positions, ids, starts = token_array_shapes(pos, flat, offsets, "apply_arrays")
+        if len(cells) != len(positions):
+            raise kv_error(CODES["CELL_COUNT"], len(cells), len(positions))
+        self.apply(cells, positions, [ids[starts[t]:starts[t + 1]].tolist() for t in range(len(positions))])
+
+    def prepare(self, ubatches: Any) -> list[np.ndarray] | None:
+        """The slot of each ubatch (``(pos, flat, offsets)``, ``place_arrays``'s encoding), or ``None``
+        when one fits nowhere — llama.cpp's ``prepare``: each ubatch in turn gets a slot
+        (``find_slot``, not continuous) and is applied, so the next sees it; then the table is put
+        back exactly as it was, including the cells a sliding window's purge freed (llama.cpp leaves
+        those freed)."""
+        bounds, pos, flat, offsets = checked_ubatches(ubatches)
+        tokens = [self._checked_tokens(pos[start:end], flat, offsets[start:end + 1])
+                  for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+        saved = self._saved()
+        slots = []
+        try:
+            for start, end, ids in zip(bounds[:-1].tolist(), bounds[1:].tolist(), tokens):
+                slot = self.find_slot(pos[start:end], ids)
+                if slot is None:
+                    return None
+                self.apply(slot, pos[start:end], ids)
+                slots.append(slot)
+            return slots
+        finally:
+            self._restore(saved)
+
+    def load(self, pos: Any, flat: Any, offsets: Any) -> None:
+        """A whole context's cells, as a state blob carries them (llama.cpp's ``state_read_meta`` with
+        no destination sequence): cell i takes token i (its position and every seq id it lists),
+        every other cell is empty, ``head`` is 0 and no shift is pending."""
+        positions, ids, starts = token_array_shapes(pos, flat, offsets, "load", 0)
+        if positions.shape[0] > self.size:
+            raise kv_error(CODES["TOO_MANY_CELLS"], positions.shape[0], self.size)
+        lists = self._checked_tokens(positions, ids, starts)
+        self.clear()
+        for cell, (p, seqs) in enumerate(zip(positions.tolist(), lists)):
+            self.pos[cell], self.seqs[cell] = p, set(seqs)
+
+    def load_seq(self, seq: int, pos: Any) -> np.ndarray | None:
+        """One sequence's cells, as its state blob carries them (llama.cpp's ``state_read_meta`` into
+        ``seq``): ``seq`` leaves its cells, then its tokens are placed as one ubatch (``find_slot``,
+        not continuous, from ``head``) and the cells taken returned — the caller writes the rows
+        there.  ``None`` when they fit nowhere, and then nothing changed: ``seq`` keeps its old cells
+        (llama.cpp leaves them removed).  No positions: nothing changes (llama.cpp skips an empty
+        stream)."""
+        seq = self._check_seq(seq)
+        positions = position_array(pos, "load_seq")
+        n = positions.shape[0]
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        if n > self.size:
+            return None
+        saved = self._saved()
+        self.seq_rm(seq)
+        slot = self.find_slot(positions, [seq] * n)
+        if slot is None:
+            self._restore(saved)
+            return None
+        self.apply(slot, positions, [seq] * n)
+        return slot
+
     # -- sequence operations ------------------------------------------------------------------------
 
     def _free(self, cell: int) -> None:
@@ -421,12 +571,12 @@ class KVCells:
             return
         moved = self._moved(seq, lo, hi)
         for i in moved:
-            if self.shift[i] + self.pos[i] - self.pos[i] // d >= 2**31:
+            if self.shift[i] + self.pos[i] // d - self.pos[i] < -2**31:
                 raise kv_error(CODES["SHIFT_RANGE"], i, self.shift[i])
         for i in moved:
             self.has_shift = True
             new = self.pos[i] // d
-            self.shift[i] += self.pos[i] - new
+            self.shift[i] += new - self.pos[i]   # how far the key moved (llama.cpp adds old - new: the wrong way)
             self.pos[i] = new
 
     def reset_shift(self) -> None:

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from ._engines import Core, Placement
     from .batch import Batch
 
-__all__ = ["MemoryState", "MemoryStatus", "RowViews", "Ubatch", "SeqIdLists", "ThreadGuard", "StateOwner"]
+__all__ = ["MemoryState", "MemoryStatus", "RowViews", "Ubatch", "SeqIdLists", "ThreadGuard", "StateOwner", "Stepped",
+           "each_ubatch"]
 
 
 class StateOwner(Protocol):
@@ -252,6 +253,32 @@ class RowViews:
         return view
 
 
+class Stepped(Protocol):
+    """A state whose ubatches are applied one at a time (``MemoryState``, ``hybrid.HybridState``)."""
+
+    @property
+    def n_ubatches(self) -> int: ...
+    @property
+    def applied(self) -> bool: ...
+    @property
+    def ubatch(self) -> Ubatch: ...
+    def apply(self) -> bool: ...
+    def next(self) -> bool: ...
+
+
+def each_ubatch(state: Stepped) -> Iterator[Ubatch]:
+    """``for ub in state``: each ubatch, applied before it is yielded; none for a state without
+    ubatches (a failed prepare, ``init_full``)."""
+    if not state.n_ubatches:
+        return
+    while True:
+        if not state.applied:
+            state.apply()
+        yield state.ubatch
+        if not state.next():
+            return
+
+
 class MemoryState:
     """The ubatches of one ``init_batch`` (or the whole cache, for ``init_full``).
 
@@ -321,14 +348,12 @@ class MemoryState:
         return True
 
     def __iter__(self) -> Iterator[Ubatch]:
-        if self._placement is None or self.status != MemoryStatus.SUCCESS:
-            return
-        while True:
-            if not self._applied:
-                self.apply()
-            yield self.ubatch
-            if not self.next():
-                return
+        return each_ubatch(self)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the current ubatch is applied (``init_full``'s state always is)."""
+        return self._applied
 
     # -- what the model reads ------------------------------------------------------------
 
@@ -366,12 +391,19 @@ class MemoryState:
     @property
     def ubatch(self) -> Ubatch:
         """The current ubatch (see ``Ubatch``)."""
+        if self._ubatch is None:
+            self._ubatch = self.planned(self._u)
+        return self._ubatch
+
+    def planned(self, u: int) -> Ubatch:
+        """Ubatch ``u`` as the split made it — its tokens, positions and seq ids, readable before it
+        is applied (a hybrid memory places every ubatch's attention tokens up front); its rows are
+        ``r(il)`` / ``s(il)`` once it is the applied one."""
         if self._placement is None or self.status != MemoryStatus.SUCCESS:
             raise UsageError("this state has no ubatches")
-        if self._ubatch is None:
-            assert self._batch is not None and self._pos is not None
-            self._ubatch = Ubatch(self._placement, self._u, self._batch, self._pos)
-        return self._ubatch
+        u = index(u, "ubatch index", int(self._placement.n_ubatches), OutOfRangeError)
+        assert self._batch is not None and self._pos is not None
+        return Ubatch(self._placement, u, self._batch, self._pos)
 
     def _rows(self, tensors: tuple[Tensor | None, ...], il: int, kind: int) -> Tensor:
         if type(il) is not int or not 0 <= il < len(tensors):   # the common case skips the general check

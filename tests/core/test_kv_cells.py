@@ -7,20 +7,12 @@ import numpy as np
 import pytest
 
 from recurrent_cache import errors as E
-from recurrent_cache import kv_reference
-from recurrent_cache._kv_cells import KVCells as CompiledCells
-
-ENGINES = {"compiled": CompiledCells, "reference": kv_reference.KVCells}
+from kv_tables import ENGINES, snapshot
 
 
 @pytest.fixture(params=sorted(ENGINES))
 def table_class(request):
     return ENGINES[request.param]
-
-
-def snapshot(table):
-    return (table.cells(), table.head, table.used, table.used_max_p1, table.has_shift, table.shifts().tolist(),
-            [(table.seq_pos_min(s), table.seq_pos_max(s)) for s in range(table.n_seq_max)])
 
 
 # -- placement -------------------------------------------------------------------------------------------
@@ -115,7 +107,8 @@ def test_seq_div_rounds_positions_down_and_records_the_shift(table_class):
     table.place([0, 1, 2, 3, 4, 5], [0] * 6)
     table.seq_div(0, 2, 6, 2)
     assert [cell[0] for cell in table.cells()[:6]] == [0, 1, 1, 1, 2, 2]
-    assert table.shifts()[:6].tolist() == [0, 0, 1, 2, 2, 3] and table.seq_pos_max(0) == 2
+    # the shift is how far each position moved (llama.cpp records old - new: [0, 0, 1, 2, 2, 3])
+    assert table.shifts()[:6].tolist() == [0, 0, -1, -2, -2, -3] and table.seq_pos_max(0) == 2
 
 
 # -- the mask --------------------------------------------------------------------------------------------
@@ -236,7 +229,7 @@ def test_a_table_llamacpp_could_not_hold_is_refused(table_class, size, n_seq_max
                                                ([0, 1, 1], [0, 1, 2, 2]), ([0, 1, 0], [0, 1, 2])])
 def test_place_arrays_refuses_offsets_that_would_read_outside_the_ids(flat, offsets):
     """Every token needs an id and no read may leave ``flat``: the compiled table reads them in C."""
-    table = CompiledCells(8, 2)
+    table = ENGINES["compiled"](8, 2)
     before = snapshot(table)
     with pytest.raises(E.BatchError):
         table.place_arrays(np.zeros(3, np.int32), np.asarray(flat, np.int32), np.asarray(offsets, np.int32))

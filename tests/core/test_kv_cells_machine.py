@@ -5,7 +5,10 @@ A hypothesis ``RuleBasedStateMachine`` builds both tables with one random shape
 random script through them: ubatches of many sequences (tokens shared by
 several sequences, positions that continue a sequence or jump anywhere,
 continuous slots), lone ``find_slot`` calls, every sequence operation with
-partial ranges, ``seq_rm(-1)``, ``reset_shift``, ``clear``, and bad arguments.
+partial ranges, ``seq_rm(-1)``, ``reset_shift``, ``clear``, ``prepare`` of a
+batch split into ubatches (then applied at the slots it gave, against ``place``
+of each ubatch), ``load`` of a whole context, ``load_seq`` of one sequence, and
+bad arguments.
 Every call must give the same result or the same exception with the same
 message; a refused call (an exception, or no slot) must leave both tables as
 they were.  After every rule the invariant compares every cell, ``head``,
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from recurrent_cache import kv_reference
@@ -44,6 +47,15 @@ def state(table):
             [(table.seq_pos_min(s), table.seq_pos_max(s)) for s in range(table.n_seq_max)])
 
 
+def arrays(pos, seq_ids):
+    """Tokens in place_arrays's encoding: positions, seq ids one after the other, offsets."""
+    lengths = [len(ids) for ids in seq_ids]
+    offsets = np.zeros(len(pos) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.asarray([seq for ids in seq_ids for seq in ids], np.int32)
+    return np.asarray(pos, np.int32), flat, offsets
+
+
 class KVCellsMachine(RuleBasedStateMachine):
     @initialize(size=SIZES, n_seq_max=N_SEQ_MAX, window=WINDOWS)
     def build(self, size, n_seq_max, window):
@@ -61,9 +73,11 @@ class KVCellsMachine(RuleBasedStateMachine):
         assert kind_c == kind_r, (name, args, outcomes)
         if kind_c == "raise":
             assert type(got_c) is type(got_r) and str(got_c) == str(got_r), (name, args, outcomes)
-        elif isinstance(got_r, np.ndarray) or isinstance(got_c, np.ndarray):
+        elif isinstance(got_r, (np.ndarray, list)) or isinstance(got_c, (np.ndarray, list)):
             assert got_c is not None and got_r is not None, (name, args, outcomes)
-            assert got_c.dtype == got_r.dtype == np.int32 and got_c.tolist() == got_r.tolist(), (name, args)
+            slots_c, slots_r = (got_c, got_r) if isinstance(got_r, list) else ([got_c], [got_r])
+            assert all(c.dtype == r.dtype == np.int32 for c, r in zip(slots_c, slots_r)), (name, args)
+            assert [c.tolist() for c in slots_c] == [r.tolist() for r in slots_r], (name, args, outcomes)
         else:
             assert got_c == got_r, (name, args, outcomes)
         if kind_c == "raise" or (refused_if_none and got_r is None):
@@ -76,6 +90,11 @@ class KVCellsMachine(RuleBasedStateMachine):
             return data.draw(st.integers(0, n - 1), label="seq")
         return data.draw(st.one_of(st.integers(0, n - 1), st.integers(-3, -1), st.integers(n, n + 3),
                                    st.just(2**31)), label="seq")
+
+    def seq32(self, data):
+        """A seq id an int32 array can hold, in range or not."""
+        n = self.reference.n_seq_max
+        return data.draw(st.one_of(st.integers(0, n - 1), st.integers(-3, -1), st.integers(n, n + 3)), label="seq")
 
     def tokens(self, data):
         """A ubatch: per token its position and seq ids (first the one whose row it is)."""
@@ -168,6 +187,74 @@ class KVCellsMachine(RuleBasedStateMachine):
         else:
             pos = pos + [0]
         self.both(data.draw(st.sampled_from(["place", "find_slot"])), pos, seq_ids)
+
+    @rule(data=st.data())
+    def prepare(self, data):
+        """A batch cut into ubatches: prepare changes nothing; then each ubatch applied at its slot in
+        the compiled table gives the table ``place`` of each in turn gives the reference."""
+        pos, seq_ids = self.tokens(data)
+        assume(max(pos) < 2**31)          # the arrays are int32 (a shifted sequence may continue past it)
+        cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(pos) - 1)), max_size=3), label="cuts") - {len(pos)})
+        pieces = list(zip([0, *cuts], [*cuts, len(pos)]))
+        ubatches = [arrays(pos[start:end], seq_ids[start:end]) for start, end in pieces]
+        before = state(self.reference)
+        kind, slots = self.both("prepare", ubatches)
+        assert state(self.reference) == before == state(self.compiled)
+        if kind != "ok" or slots is None or data.draw(st.integers(0, 3), label="apply") == 0:
+            return
+        for (start, end), slot in zip(pieces, slots):
+            self.compiled.apply(slot, pos[start:end], seq_ids[start:end])
+            assert self.reference.place(pos[start:end], seq_ids[start:end]).tolist() == slot.tolist()
+        self.last_ubatch = (pos[pieces[-1][0]:], seq_ids[pieces[-1][0]:])
+
+    @rule(data=st.data())
+    def prepare_bad(self, data):
+        """No ubatch, a ubatch that is not a triple, or a bad token in some ubatch: refused, nothing changed."""
+        pos, seq_ids = self.tokens(data)
+        assume(max(pos) < 2**31)
+        ubatches = [arrays(pos, seq_ids), arrays(pos, seq_ids)]
+        which = data.draw(st.integers(0, 4), label="defect")
+        if which == 0:
+            ubatches = []
+        elif which == 1:
+            ubatches[1] = ubatches[1][:2]
+        elif which == 2:
+            ubatches[1][0][-1] = data.draw(st.sampled_from([-1, 2**31 - 1]))
+        elif which == 3:
+            ubatches[1][1][0] = self.seq32(data)
+        else:
+            ubatches[0] = (ubatches[0][0], ubatches[0][1], ubatches[0][2][:-1])
+        self.both("prepare", ubatches)
+
+    @rule(data=st.data())
+    def load(self, data):
+        """A whole context: any cells, several sequences per cell; sometimes too many, or a bad one."""
+        size, n_seq_max = self.reference.size, self.reference.n_seq_max
+        n = data.draw(st.one_of(st.integers(0, size), st.just(size + 1)), label="n_cells")
+        pos = data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n), label="pos")
+        seq_ids = [sorted(data.draw(st.sets(st.integers(0, n_seq_max - 1), min_size=1, max_size=3), label="ids"))
+                   for _ in range(n)]
+        if n and data.draw(st.integers(0, 4), label="defect") == 0:
+            cell = data.draw(st.integers(0, n - 1), label="cell")
+            seq_ids[cell] = data.draw(st.sampled_from([[self.seq32(data)], seq_ids[cell] * 2]))
+            pos[cell] = data.draw(st.sampled_from([pos[cell], -1, 2**31 - 1]))
+        self.both("load", *arrays(pos, seq_ids))
+        if n and data.draw(st.integers(0, 4), label="empty cell") == 0:
+            positions, flat, offsets = arrays(pos, seq_ids)
+            first = offsets[1]                 # cell 0 lists no sequence
+            self.both("load", positions, flat[first:], np.concatenate([[0, 0], offsets[2:] - first]).astype(np.int32))
+
+    @rule(data=st.data())
+    def load_seq(self, data):
+        """One sequence's cells: a run of positions, or any; sometimes more than fit, or none."""
+        seq = self.seq(data, valid=False)
+        n = data.draw(st.one_of(st.integers(0, 6), st.integers(0, self.reference.size + 2)), label="n_cells")
+        if data.draw(st.booleans(), label="run"):
+            first = data.draw(st.integers(0, 40), label="first")
+            pos = list(range(first, first + n))
+        else:
+            pos = data.draw(st.lists(st.one_of(st.integers(0, 60), st.just(-1)), min_size=n, max_size=n), label="pos")
+        self.both("load_seq", seq, np.asarray(pos, np.int64), refused_if_none=True)
 
     @rule()
     def reset_shift(self):

@@ -7,6 +7,10 @@ decode as llama.cpp split it into ubatches, each sequence operation — with lla
 for a decode).  Both tables replay every unified scenario and must hold exactly those cells and
 that head after every step.  A ``seq_rm`` llama.cpp's hybrid memory refused (``"ok": false``:
 its recurrent half refused a partial removal) never reached its KV cache, so it is not replayed.
+
+Each scenario is replayed twice: placing each ubatch in turn (``place``), and as llama.cpp decodes
+— ``prepare`` of all the decode's ubatches, which must change nothing, then ``apply`` of each at
+the slot prepare gave; a decode llama.cpp refused for want of cells must get no slots.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from recurrent_cache import kv_reference
@@ -28,14 +33,45 @@ def recorded_cells(cells):
     return [None if cell is None else (cell[0], tuple(sorted(cell[1]))) for cell in cells]
 
 
-def replay(table_class, scenario):
-    """Replay one scenario; the first disagreement with llama.cpp as a message, or None."""
+def recorded_arrays(ubatch):
+    """A recorded ubatch's tokens in place_arrays's encoding."""
+    offsets = np.zeros(len(ubatch) + 1, np.int32)
+    np.cumsum([len(token[2]) for token in ubatch], out=offsets[1:])
+    flat = np.asarray([seq for token in ubatch for seq in token[2]], np.int32)
+    return np.asarray([token[1] for token in ubatch], np.int32), flat, offsets
+
+
+def prepared_slots(table, step, n_ubatch):
+    """prepare of the decode's ubatches (a refused decode's batch cut at n_ubatch: its split was not
+    recorded): the slots, or a message when prepare disagrees with llama.cpp or changed the table."""
+    ubatches = step["ubatches"] or [step["batch"][start:start + n_ubatch]
+                                    for start in range(0, len(step["batch"]), n_ubatch)]
+    before = (table.cells(), table.head, table.used)
+    slots = table.prepare([recorded_arrays(ubatch) for ubatch in ubatches])
+    if (table.cells(), table.head, table.used) != before:
+        return "prepare changed the table"
+    if (slots is None) != (not step["ok"]):
+        return f"prepare gave {slots}, llama.cpp's decode returned {step['rc']}"
+    return slots
+
+
+def replay(table_class, scenario, prepared=False):
+    """Replay one scenario (decodes through prepare and apply when ``prepared``); the first
+    disagreement with llama.cpp as a message, or None."""
     table = table_class(scenario["kv_size"], scenario["n_seq_max"], scenario["n_swa"], scenario["swa_type"])
     for number, step in enumerate(scenario["steps"]):
         where = f"{scenario['name']}: step {number} ({step['op']})"
         if step["op"] == "decode":
+            slots = prepared_slots(table, step, scenario["n_ubatch"]) if prepared else None
+            if isinstance(slots, str):
+                return f"{where}: {slots}"
             for u, (ubatch, cells) in enumerate(zip(step["ubatches"], step["cells_per_ubatch"])):
-                slot = table.place([token[1] for token in ubatch], [token[2] for token in ubatch])
+                pos, seq_ids = [token[1] for token in ubatch], [token[2] for token in ubatch]
+                if slots is None:
+                    slot = table.place(pos, seq_ids)
+                else:
+                    slot = slots[u]
+                    table.apply(slot, pos, seq_ids)
                 if slot is None:
                     return f"{where}, ubatch {u}: no slot found, llama.cpp placed it"
                 if table.cells() != recorded_cells(cells):
@@ -77,11 +113,12 @@ def recording():
     return json.loads(RECORDING.read_text(encoding="utf-8"))
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["place", "prepare then apply"])
 @pytest.mark.parametrize("engine", sorted(TABLES))
-def test_every_unified_scenario_places_as_llamacpp(recording, engine):
+def test_every_unified_scenario_places_as_llamacpp(recording, engine, prepared):
     unified = [scenario for scenario in recording["scenarios"] if scenario["unified"]]
     assert unified, "the recording has no unified (single-stream) scenario"
-    failures = [message for scenario in unified if (message := replay(TABLES[engine], scenario))]
+    failures = [message for scenario in unified if (message := replay(TABLES[engine], scenario, prepared))]
     assert failures == []
 
 
@@ -103,3 +140,14 @@ def test_the_replay_notices_a_wrong_head(recording):
     scenario = copy.deepcopy(next(s for s in recording["scenarios"] if s["unified"] and s["steps"]))
     scenario["steps"][-1]["head"] += 1
     assert "head" in (replay(CompiledCells, scenario) or "")
+
+
+def test_the_prepared_replay_notices_slots_llamacpp_did_not_find(recording):
+    """A decode llama.cpp refused, recorded as placed: prepare's None is reported at that step."""
+    scenario = copy.deepcopy(next(s for s in recording["scenarios"]
+                                  if any(step["op"] == "decode" and not step["ok"] for step in s["steps"])))
+    number, step = next((n, step) for n, step in enumerate(scenario["steps"]) if step["op"] == "decode"
+                        and not step["ok"])
+    step["ok"], step["rc"] = True, 0
+    message = replay(CompiledCells, scenario, prepared=True) or ""
+    assert f"step {number} (decode): prepare gave None" in message

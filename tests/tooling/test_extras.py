@@ -52,6 +52,7 @@ AREAS = [
     # CI's second stage: what they import beyond the test extra (torch, transformers) is test-torch's
     ("tests/models/test_hf_models.py", "test-torch"),
     ("tests/models/test_torch_forward.py", "test-torch"),
+    ("tests/models/test_attention_hf.py", "test-torch"),
     ("tests/storage/test_storage.py", "test-torch"),
     ("tests/cli/test_cli_storage.py", "test-torch"),
     ("tests/**/*.py", "test"),

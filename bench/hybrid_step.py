@@ -1,0 +1,105 @@
+"""The hybrid memory's 64-sequence decode step, from 64 to 1M KV cells held, next to the recurrent-only step.
+
+    python bench/hybrid_step.py [--repeats 200] [--quick]
+
+A ``HybridCache`` (one attention layer, one recurrent layer, rows one value wide so that placement,
+not row traffic, is measured) whose 64 sequences hold N / 64 tokens each, N from 64 to 1M; one step
+is ``init_batch`` of one token per sequence at its next position (the KV half's prepare and the
+recurrent split) and
+``apply`` of its one ubatch in both halves, through the Python API.  The table has room for every
+repeat (``kv_size = N + 64 * repeats``): the steps run back to back and nothing is taken back.  The
+recurrent-only step is the same through a ``RecurrentCache`` of 64 sequences; the ratio is the
+hybrid step's median over it, measured in the same run.  The load average is recorded; the full
+run writes bench/results/hybrid_step.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a script: the repository root on the path, for bench.quick
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import numpy as np  # noqa: E402
+
+from bench.quick import NOTE, add_quick_option  # noqa: E402
+from recurrent_cache import Batch, HybridCache, RecurrentCache  # noqa: E402
+
+N_SEQS = 64
+PROMPT_UBATCH = 512
+RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_step.md"
+
+
+def hybrid(held: int, repeats: int) -> HybridCache:
+    """A hybrid memory whose 64 sequences hold ``held`` tokens each, with room for ``repeats`` steps."""
+    cache = HybridCache(2, attn_layers=[0], recr_layers=[1], n_embd_k=1, n_embd_v=1, n_embd_r=1, n_embd_s=1,
+                        kv_size=N_SEQS * (held + repeats), n_seq_max=N_SEQS, dtype_k="f32", dtype_v="f32")
+    for seq in range(N_SEQS):
+        for start in range(0, held, PROMPT_UBATCH):
+            n = min(PROMPT_UBATCH, held - start)
+            state = cache.init_batch(Batch(token=np.zeros(n, np.int32), seq_id=np.full(n, seq, np.int32),
+                                           pos=np.arange(start, start + n, dtype=np.int32)), n_ubatch=PROMPT_UBATCH)
+            for _ in state:
+                pass
+    return cache
+
+
+def steps(cache: HybridCache | RecurrentCache, held: int, repeats: int) -> list[float]:
+    """µs of each of ``repeats`` decode steps (one token per sequence at its next position, as a
+    decode loop knows them: init_batch + apply)."""
+    token = np.zeros(N_SEQS, np.int32)
+    seqs = np.arange(N_SEQS, dtype=np.int32)
+    samples = []
+    for step in range(repeats):
+        batch = Batch(token=token, seq_id=seqs, pos=np.full(N_SEQS, held + step, np.int32))
+        start = time.perf_counter_ns()
+        state = cache.init_batch(batch)
+        state.apply()
+        samples.append((time.perf_counter_ns() - start) / 1000)
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    add_quick_option(parser, "N up to 16K, 20 repeats, no results file")
+    args = parser.parse_args()
+    sizes = [64, 1024, 16384] if args.quick else [64, 1024, 16384, 262144, 1048576]
+    repeats = 20 if args.quick else args.repeats
+    load_before = os.getloadavg()[0]
+    rows = []
+    rounds = 5
+    for held_cells in sizes:
+        held = held_cells // N_SEQS
+        cache, recurrent_cache = hybrid(held, repeats), RecurrentCache(1, 1, 1, n_seq_max=N_SEQS)
+        hybrid_samples: list[float] = []
+        recurrent_samples: list[float] = []
+        for r in range(rounds):   # interleaved, so that both see the same load
+            per_round = repeats // rounds
+            recurrent_samples += steps(recurrent_cache, r * per_round, per_round)
+            hybrid_samples += steps(cache, held + r * per_round, per_round)
+        median, recurrent = statistics.median(hybrid_samples), statistics.median(recurrent_samples)
+        rows.append((held_cells, median, recurrent, median / recurrent))
+        print(f"{held_cells:>9} KV cells held: hybrid step {median:8.1f} µs median, "
+              f"recurrent-only {recurrent:6.1f} µs: {median / recurrent:4.2f}x", flush=True)
+    load_after = os.getloadavg()[0]
+    lines = ["# The hybrid decode step (bench/hybrid_step.py)", "",
+             f"64 sequences, one token each at its next position, `init_batch` + `apply` through the Python API; "
+             f"medians of {repeats} steps, the hybrid and the recurrent-only (RecurrentCache, 64 sequences) steps "
+             f"interleaved in {rounds} rounds. Load average {load_before:.2f} before, {load_after:.2f} after.", "",
+             "| KV cells held | hybrid step (µs) | recurrent-only step (µs) | ratio |", "| ---: | ---: | ---: | ---: |"]
+    lines += [f"| {n:,} | {m:.1f} | {r:.1f} | {q:.2f}x |" for n, m, r, q in rows]
+    if args.quick:
+        print(NOTE)
+    else:
+        RESULTS.write_text("\n".join(lines) + "\n")
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

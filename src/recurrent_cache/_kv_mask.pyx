@@ -1,0 +1,63 @@
+# cython: language_level=3
+"""The attention mask of a ubatch over the KV cell table (docs/hybrid.md, "The mask").
+
+Reads the table only: per sequence of the ubatch, the position each cell holds
+for it, once; then each token's row in one branch-free pass over the cells.
+"""
+
+from libc.math cimport INFINITY
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+
+from ._kv_table cimport KV_NO_MEMORY, KV_OK, SWA_CHUNKED, SWA_NONE, SWA_STANDARD, SWA_SYMMETRIC
+
+
+cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
+                 float* out, int32_t n_kv, bint sliding) noexcept nogil:
+    """Per sequence of the ubatch, the position each cell holds for it (-1: none) once; then per
+    token one branch-free pass: visible iff that position lies in the token's window [lo, p]."""
+    cdef int32_t* seen_pos = <int32_t*>malloc(<size_t>n_kv * sizeof(int32_t))
+    cdef int32_t* next_token = <int32_t*>malloc(<size_t>n * sizeof(int32_t))
+    cdef int32_t* first_token = <int32_t*>malloc(<size_t>t.n_seq_max * sizeof(int32_t))
+    cdef int32_t token, seq, j, p, lo, swa_type = t.swa_type if sliding else SWA_NONE
+    cdef uint32_t width
+    cdef int32_t word_index
+    cdef uint64_t bit
+    cdef float* row
+    if seen_pos == NULL or next_token == NULL or first_token == NULL:
+        free(seen_pos)
+        free(next_token)
+        free(first_token)
+        return KV_NO_MEMORY
+    for seq in range(t.n_seq_max):
+        first_token[seq] = -1
+    for token in range(n - 1, -1, -1):    # each sequence's tokens, chained in order
+        seq = flat[offsets[token]]
+        next_token[token] = first_token[seq]
+        first_token[seq] = token
+    for seq in range(t.n_seq_max):
+        if first_token[seq] < 0:
+            continue
+        word_index = seq >> 6
+        bit = <uint64_t>1 << (seq & 63)
+        for j in range(n_kv):
+            seen_pos[j] = t.pos[j] if t.seq_bits[<int64_t>j * t.seq_words + word_index] & bit else -1
+        token = first_token[seq]
+        while token >= 0:
+            p = pos[token]
+            lo = 0
+            if swa_type == SWA_STANDARD:
+                lo = p - t.n_swa + 1 if p >= t.n_swa else 0
+            elif swa_type == SWA_CHUNKED:
+                lo = (p // t.n_swa) * t.n_swa
+            elif swa_type == SWA_SYMMETRIC:
+                lo = p - t.n_swa // 2 if p >= t.n_swa // 2 else 0
+            width = <uint32_t>(p - lo)
+            row = out + <int64_t>token * n_kv
+            for j in range(n_kv):
+                row[j] = 0.0 if <uint32_t>(seen_pos[j] - lo) <= width else -INFINITY
+            token = next_token[token]
+    free(seen_pos)
+    free(next_token)
+    free(first_token)
+    return KV_OK

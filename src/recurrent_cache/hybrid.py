@@ -1,0 +1,806 @@
+"""`HybridCache`: the memory of a hybrid model — an attention KV cache for its attention layers beside
+the recurrent state of its other layers, behind one sequence API (llama.cpp's ``llama_memory_hybrid``;
+docs/hybrid.md, "The hybrid memory").
+
+The two halves are the package's own: the recurrent half is a ``RecurrentCache`` over the recurrent
+layers (one cell per sequence), the KV half a KV cell table of the same engine
+(``_engines.KVTable``) with a K and a V tensor per attention layer on the same storage.  This module
+holds the rule that makes them one memory: **every call changes both halves or neither**.  Arguments
+are checked here first, then the half that may still refuse goes first, and the other is asked only
+when what it would refuse has been ruled out (each operation says how).  A ``HybridState`` applies a
+ubatch to both halves, on slots both found at ``init_batch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from . import _args, _engines
+from ._args import as_flag, as_int, state_seq_id
+from .batch import Batch
+from .cache import RecurrentCache
+from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, NoFreeCellError, OutOfRangeError,
+                     StateError, UsageError, engine_error)
+from .formats.dtypes import STATE_TYPES, StateType
+from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
+from .memory_state import MemoryState, MemoryStatus, ThreadGuard, Ubatch, each_ubatch
+from .formats.blob import blob_view, framing_prefix, parse_blob
+from .formats.framings import in_section, unframe
+from .formats.geometry import Geometry
+from .formats.kv import compose_kv_section, parse_kv_section
+from .kv_state import KvLoad, KvRows, checked_load, kv_section
+from .storage import Storage, Tensor, allocating, storage_for
+
+__all__ = ["HybridCache", "HybridSeqState", "HybridState"]
+
+# a range bound the KV table takes as int32: positions lie below POS_MAX, so larger bounds mean "to the end"
+_POS_END = POS_MAX
+
+
+class HybridSeqState(NamedTuple):
+    """What one sequence holds (``HybridCache.seq_state``): its KV positions in order, the K and V
+    rows of those cells ``[n_attn, n, n_embd_*]``, and its recurrent rows (one per recurrent layer)."""
+
+    pos: np.ndarray
+    k: Tensor
+    v: Tensor
+    r: list[Tensor]
+    s: list[Tensor]
+
+
+def _bound(value: int) -> int:
+    """A range bound for both halves: < 0 means "open" to each; beyond every position, the end."""
+    return -1 if value < 0 else min(value, _POS_END)
+
+
+def _layers(value: Any, name: str, n_layer: int) -> tuple[int, ...]:
+    layers = _args.layer_filter(value, n_layer, ConfigError)
+    return tuple(range(n_layer)) if layers is None else layers
+
+
+def _kv_type(value: Any, name: str) -> StateType:
+    if not isinstance(value, str) or value not in STATE_TYPES:
+        raise ConfigError(f"{name} must be one of {', '.join(STATE_TYPES)}, got {value!r}")
+    return STATE_TYPES[value]
+
+
+class HybridCache:
+    """Memory for a hybrid model (Jamba, Granite-4.0-H, Nemotron-H, Falcon-H1, Qwen3-Next, LFM2, ...).
+
+    ``attn_layers`` hold attention (a K and a V row per KV cell), ``recr_layers`` recurrent state
+    (r and s rows per sequence, as ``RecurrentCache``); a layer may be in both (Falcon-H1) or in
+    neither (Nemotron-H's MLP layers).  ``kv_size`` KV cells hold one token each; the recurrent half
+    has ``n_seq_max`` cells.  Per attention layer ``il``: ``k[il]`` is ``[kv_size, n_embd_k]`` (row =
+    cell) and ``v[il]`` ``[kv_size, n_embd_v]``, or ``[n_embd_v, kv_size]`` with ``v_trans`` (llama.cpp's
+    layout without flash attention, its default); ``None`` for other layers.  ``r[il]`` / ``s[il]`` as
+    in ``RecurrentCache``.
+
+    dtype_k / dtype_v: ``"f16"`` (llama.cpp's default), ``"f32"`` or ``"bf16"``; dtype_r / dtype_s,
+    n_rollback, engine, storage, device: as ``RecurrentCache``.  n_swa / swa_type: the sliding window
+    of the layers that have one (``kv_mask(sliding=True)``); kv_pad: the attended cells ``n_kv`` are
+    the used ones rounded up to a multiple of it (llama.cpp's 256), at most ``kv_size``.
+
+    The sequence API is the recurrent cache's: each call acts on both halves, or raises (or returns
+    False) having changed neither.  One thread at a time, as ``RecurrentCache``.
+    """
+
+    def __init__(self, n_layer: int, *, attn_layers: Iterable[int], recr_layers: Iterable[int],
+                 n_embd_k: int, n_embd_v: int, n_embd_r: int, n_embd_s: int, kv_size: int, n_seq_max: int = 1,
+                 dtype_k: str = "f16", dtype_v: str = "f16", dtype_r: str = "f32", dtype_s: str = "f32",
+                 v_trans: bool = True, n_swa: int = 0, swa_type: str = "none", kv_pad: int = N_KV_PAD,
+                 n_rollback: int = 0, engine: Literal["compiled", "reference"] | None = None,
+                 storage: str | Storage = "numpy", device: Any = None) -> None:
+        n_layer = _args.count(n_layer, "n_layer", 1, ConfigError)
+        self._n_seq_max = _args.count(n_seq_max, "n_seq_max", 1, ConfigError)
+        self._attn_layers = _layers(attn_layers, "attn_layers", n_layer)
+        kv_size = _args.in_range(kv_size, "kv_size", 1, _args.INT32_END, ConfigError)
+        self._n_embd_k = _args.count(n_embd_k, "n_embd_k", 1, ConfigError)
+        self._n_embd_v = _args.count(n_embd_v, "n_embd_v", 1, ConfigError)
+        self._type_k, self._type_v = _kv_type(dtype_k, "dtype_k"), _kv_type(dtype_v, "dtype_v")
+        self._v_trans = as_flag(v_trans, "v_trans", ConfigError)
+        self._kv_pad = _args.count(kv_pad, "kv_pad", 1, ConfigError)
+        if swa_type not in SWA_TYPES:
+            raise ConfigError(f"swa_type must be one of {', '.join(SWA_TYPES)}, got {swa_type!r}")
+        check_config(kv_size, self._n_seq_max, _args.as_int(n_swa, "n_swa", ConfigError), swa_type)
+        self._storage = storage_for(storage, device)
+        engine_of = _engines.load(engine)
+        self._recurrent = RecurrentCache(n_layer, n_embd_r, n_embd_s, self._n_seq_max, dtype_r=dtype_r,
+                                         dtype_s=dtype_s, n_rollback=n_rollback, engine=engine,
+                                         layers=_layers(recr_layers, "recr_layers", n_layer), storage=self._storage)
+        n_attn = len(self._attn_layers)
+        v_shape = (n_attn, self._n_embd_v, kv_size) if self._v_trans else (n_attn, kv_size, self._n_embd_v)
+        with allocating(f"the KV cache ({n_attn} layers x {kv_size} cells, K width {self._n_embd_k} "
+                        f"{self._type_k.name}, V width {self._n_embd_v} {self._type_v.name}) on {self._storage!r}"):
+            self._kv = engine_of.kv_table(kv_size, self._n_seq_max, n_swa, swa_type)
+            self._kv_tensors = (self._storage.allocate((n_attn, kv_size, self._n_embd_k), self._type_k),
+                                self._storage.allocate(v_shape, self._type_v))
+        placed_k: list[Any] = [None] * n_layer
+        placed_v: list[Any] = [None] * n_layer
+        for j, il in enumerate(self._attn_layers):
+            placed_k[il], placed_v[il] = self._kv_tensors[0][j], self._kv_tensors[1][j]
+        self.k: tuple[Any, ...] = tuple(placed_k)
+        self.v: tuple[Any, ...] = tuple(placed_v)
+        k_tensor, v_tensor = self._kv_tensors
+        self._kv_rows = KvRows(self._storage, k_tensor, v_tensor.swapaxes(1, 2) if self._v_trans else v_tensor,
+                               self._type_k, self._type_v, self._n_embd_k, self._n_embd_v, self._v_trans, n_swa,
+                               swa_type)
+        recurrent = self._recurrent
+        self._recurrent_bytes = len(recurrent.layers) * (STATE_TYPES[recurrent.dtype_r].itemsize * recurrent.n_embd_r
+                                                         + STATE_TYPES[recurrent.dtype_s].itemsize * recurrent.n_embd_s)
+        self._generation = 0
+        self._guard = ThreadGuard()
+
+    # -- what it is ------------------------------------------------------------------------
+
+    @property
+    def n_layer(self) -> int:
+        return self._recurrent.n_layer
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        """The layers with attention (K and V rows), sorted."""
+        return self._attn_layers
+
+    @property
+    def recr_layers(self) -> tuple[int, ...]:
+        """The layers with recurrent state (r and s rows), sorted."""
+        return self._recurrent.layers
+
+    @property
+    def n_seq_max(self) -> int:
+        return self._n_seq_max
+
+    @property
+    def kv_size(self) -> int:
+        return self._kv.size
+
+    @property
+    def n_embd_k(self) -> int:
+        return self._n_embd_k
+
+    @property
+    def n_embd_v(self) -> int:
+        return self._n_embd_v
+
+    @property
+    def dtype_k(self) -> str:
+        return self._type_k.name
+
+    @property
+    def dtype_v(self) -> str:
+        return self._type_v.name
+
+    @property
+    def v_trans(self) -> bool:
+        """Whether ``v[il]`` is ``[n_embd_v, kv_size]`` (one run of cells per dimension)."""
+        return self._v_trans
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V rows, every attention layer."""
+        per_layer = self._n_embd_k * self._type_k.itemsize + self._n_embd_v * self._type_v.itemsize
+        return len(self._attn_layers) * per_layer
+
+    @property
+    def recurrent_bytes_per_seq(self) -> int:
+        """Bytes of one sequence's recurrent state (r and s rows, every recurrent layer)."""
+        return self._recurrent_bytes
+
+    @property
+    def kv_pad(self) -> int:
+        return self._kv_pad
+
+    @property
+    def n_rollback(self) -> int:
+        return self._recurrent.n_rollback
+
+    @property
+    def engine(self) -> str:
+        return self._recurrent.engine
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    @property
+    def r(self) -> tuple[Any, ...]:
+        """Layer il's recurrent r rows ``[n_seq_max, n_embd_r]`` (None for a layer without state)."""
+        return self._recurrent.r
+
+    @property
+    def s(self) -> tuple[Any, ...]:
+        return self._recurrent.s
+
+    @property
+    def kv_tensors(self) -> tuple[Tensor, Tensor]:
+        """K ``[n_attn, kv_size, n_embd_k]`` and V (``[n_attn, n_embd_v, kv_size]`` with ``v_trans``, else
+        ``[n_attn, kv_size, n_embd_v]``): ``k[il]`` is ``kv_tensors[0][j]`` for the j-th attention layer."""
+        return self._kv_tensors
+
+    @property
+    def generation(self) -> int:
+        """Moves with every change to either half (a state prepared before a change is stale)."""
+        return self._generation
+
+    # -- the cells of each half ---------------------------------------------------------------
+
+    @property
+    def kv_used(self) -> int:
+        return self._kv.used
+
+    @property
+    def kv_head(self) -> int:
+        return self._kv.head
+
+    def kv_cell(self, i: int) -> tuple[int, tuple[int, ...]] | None:
+        """KV cell ``i``: ``(pos, seq ids)``, or None when empty."""
+        return self._kv.cell(_args.index(i, "KV cell index", self._kv.size))
+
+    def kv_cells(self) -> list[tuple[int, tuple[int, ...]] | None]:
+        """Every KV cell, as ``kv_cell``."""
+        return self._kv.cells()
+
+    def seq_kv_cells(self, seq: int) -> np.ndarray:
+        """The KV cells holding ``seq``, ordered by position (int32)."""
+        seq = self._seq(seq, "seq_kv_cells")
+        held = [(cell[0], i) for i, cell in enumerate(self._kv.cells()) if cell is not None and seq in cell[1]]
+        return np.array([i for _, i in sorted(held)], dtype=np.int32)
+
+    def recurrent_cell(self, i: int) -> Any:
+        """Recurrent cell ``i`` (``RecurrentCache.cell``)."""
+        return self._recurrent.cell(i)
+
+    def seq_row(self, seq: int) -> int:
+        """The row of ``r[il]`` / ``s[il]`` holding ``seq``'s recurrent state, or -1."""
+        return self._recurrent.seq_row(self._seq(seq, "seq_row"))
+
+    @property
+    def kv_has_shift(self) -> bool:
+        """Whether ``seq_add`` / ``seq_div`` moved a cell's position since ``kv_reset_shift``: the model
+        must rotate those keys (``kv_shifts``) before attending to them again."""
+        return self._kv.has_shift
+
+    def kv_shifts(self) -> np.ndarray:
+        """[kv_size] int32: how far each cell's position moved since its key was last rotated."""
+        return self._kv.shifts()
+
+    def kv_reset_shift(self) -> None:
+        """The model rotated the keys by ``kv_shifts()``: none is pending any more."""
+        self._enter()
+        try:
+            self._kv.reset_shift()
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def check(self) -> None:
+        """Raise ``CoreError`` if an invariant of either half is broken, or if they disagree on which
+        sequences hold a position (a sequence's recurrent position must be its largest KV position
+        where it holds KV cells and the model has attention layers)."""
+        self._kv.check()
+        self._recurrent.check()
+        if not self._attn_layers:
+            return
+        for seq in range(self._n_seq_max):
+            kv_max, recr_max = self._kv.seq_pos_max(seq), self._recurrent.seq_pos_max(seq)
+            if kv_max != recr_max:
+                raise CoreError(f"sequence {seq}: its KV cells end at position {kv_max} but its recurrent "
+                                f"state is at {recr_max}")
+
+    # -- one thread at a time ------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        self._guard.enter()
+
+    def _leave(self) -> None:
+        self._guard.leave()
+
+    def _seq(self, value: Any, op: str) -> int:
+        seq = as_int(value, "seq")
+        if not 0 <= seq < self._n_seq_max:
+            raise engine_error(SEQ_RANGE, what=f"{op}: seq_id {seq}", seq=seq, size=self._n_seq_max)
+        return seq
+
+    # -- the sequence API -------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Empty every cell of both halves and zero every row."""
+        self._enter()
+        try:
+            self._kv.clear()
+            for tensor in self._kv_tensors:
+                tensor[...] = 0
+            self._recurrent.clear()
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Drop ``seq`` (every sequence when ``seq < 0``) from positions ``[p0, p1)`` in both halves.
+
+        The recurrent half decides: it cannot cut a state — except back to one its rollback history
+        holds (``n_rollback > 0``: ``seq_rm(seq, p0, -1)`` returns to the state after ``p0 - 1``) — and
+        then False is returned with neither half changed.  The KV half never refuses.
+        """
+        seq, p0, p1 = as_int(seq, "seq"), _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
+        if seq >= self._n_seq_max:
+            return False   # as llama.cpp: no such sequence in the recurrent half, nothing removed
+        seq = max(seq, -1)
+        self._enter()
+        try:
+            if not self._recurrent.seq_rm(seq, p0, p1):
+                return False
+            self._kv.seq_rm(seq, p0, p1)
+            self._generation += 1
+            return True
+        finally:
+            self._leave()
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``dst`` joins ``src``'s KV cells in ``[p0, p1)`` (shared, not copied) and shares its
+        recurrent state (a fork; the recurrent state is whole, so the range does not apply to it)."""
+        src, dst = self._seq(src, "seq_cp"), self._seq(dst, "seq_cp")
+        p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
+        self._enter()
+        try:
+            self._kv.seq_cp(src, dst, p0, p1)      # refuses (out of memory) before changing anything
+            self._recurrent.seq_cp(src, dst, p0, p1)
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def seq_keep(self, seq: int) -> None:
+        """Every other sequence leaves both halves."""
+        seq = self._seq(seq, "seq_keep")
+        self._enter()
+        try:
+            self._kv.seq_keep(seq)
+            self._recurrent.seq_keep(seq)
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> None:
+        """Move ``seq``'s positions in ``[p0, p1)`` by ``shift`` in both halves (KV cells pushed below 0
+        are freed; their keys' rotation is then pending: ``kv_has_shift``).
+
+        Refused, changing neither half, when the recurrent state's position would leave
+        ``[0, 2**31 - 1)`` or a KV position would reach ``2**31 - 1``."""
+        seq = self._seq(seq, "seq_add")
+        p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
+        shift = _args.in_range(shift, "shift", _args.INT32_MIN, _args.INT32_END)
+        self._enter()
+        try:
+            pos = self._recurrent.seq_pos_max(seq)
+            low, high = max(p0, 0), (_POS_END if p1 < 0 else p1)
+            if shift and low <= pos < high and not 0 <= pos + shift < POS_MAX:
+                self._recurrent.seq_add(seq, p0, p1, shift)   # the recurrent half refuses, in its words
+            self._kv.seq_add(seq, p0, p1, shift)         # refuses before changing anything
+            self._recurrent.seq_add(seq, p0, p1, shift)  # cannot refuse: ruled out above
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        """Divide ``seq``'s positions in ``[p0, p1)`` by ``d >= 1`` (truncating) in both halves."""
+        seq = self._seq(seq, "seq_div")
+        p0, p1, d = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1")), as_int(d, "d")
+        self._enter()
+        try:
+            self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
+            self._recurrent.seq_div(seq, p0, p1, d)
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def seq_pos_min(self, seq: int) -> int:
+        """The first position ``seq`` holds in both halves (the larger of the two minima; -1: none)."""
+        seq = self._seq(seq, "seq_pos_min")
+        if not self._attn_layers:
+            return self._recurrent.seq_pos_min(seq)
+        return max(self._kv.seq_pos_min(seq), self._recurrent.seq_pos_min(seq))
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The last position ``seq`` holds in both halves (the smaller of the two maxima; -1: none)."""
+        seq = self._seq(seq, "seq_pos_max")
+        if not self._attn_layers:
+            return self._recurrent.seq_pos_max(seq)
+        return min(self._kv.seq_pos_max(seq), self._recurrent.seq_pos_max(seq))
+
+    def seq_rollback_min(self, seq: int) -> int:
+        """The smallest ``p0`` for which ``seq_rm(seq, p0, -1)`` rolls ``seq`` back (both halves);
+        as ``RecurrentCache.seq_rollback_min``."""
+        return self._recurrent.seq_rollback_min(self._seq(seq, "seq_rollback_min"))
+
+    # -- a sequence's rows ---------------------------------------------------------------------
+
+    def seq_state(self, seq: int) -> HybridSeqState:
+        """Copies of everything ``seq`` holds: its KV positions in order and the K and V rows of those
+        cells (``[n_attn, n, n_embd_k]`` / ``[n_attn, n, n_embd_v]``, tensors of the cache's storage), and
+        its recurrent r and s rows (``RecurrentCache.seq_state``)."""
+        seq = self._seq(seq, "seq_state")
+        self._enter()
+        try:
+            cells = [(cell[0], i) for i, cell in enumerate(self._kv.cells()) if cell is not None and seq in cell[1]]
+            cells.sort()
+            index = np.array([i for _, i in cells], dtype=np.int64)
+            pos = np.array([p for p, _ in cells], dtype=np.int32)
+            storage, rows = self._storage, self._kv_rows
+            k, v = storage.take(rows.k_by_cell, index), storage.take(rows.v_by_cell, index)
+            r_rows, s_rows = self._recurrent.seq_state(seq) if self._recurrent.seq_row(seq) >= 0 else ([], [])
+        finally:
+            self._leave()
+        return HybridSeqState(pos, k, v, r_rows, s_rows)
+
+    def seq_restore(self, seq: int, pos: Any, k: Tensor, v: Tensor, r_rows: Sequence[Tensor],
+                    s_rows: Sequence[Tensor]) -> None:
+        """Give ``seq``, which must hold nothing, these rows: KV cells at positions ``pos`` (1-D) with
+        K and V rows ``[n_attn, len(pos), n_embd_*]`` (numpy arrays or tensors of the cache's storage,
+        of its dtypes), placed where a ubatch of them would go, and its recurrent state at the last
+        position (``RecurrentCache.seq_restore``'s rows).  Everything is checked before anything
+        changes: a call that raises (``ArgumentError``, ``SeqIdError``, ``NoFreeCellError``, ...) has
+        changed neither half."""
+        seq = self._seq(seq, "seq_restore")
+        positions = _args.int_array(pos, "seq_restore: pos")
+        n = positions.size
+        if n == 0:
+            raise ArgumentError("seq_restore: pos holds no position")
+        k = self._kv_rows_of("k", k, 0, n)
+        v = self._kv_rows_of("v", v, 1, n)
+        seqs = np.full(n, seq, dtype=np.int32)
+        self._enter()
+        try:
+            if self.seq_pos_max(seq) >= 0 or self._kv.seq_pos_max(seq) >= 0:
+                raise ArgumentError(f"seq_restore: sequence {seq} holds positions: remove it first (seq_rm)")
+            tokens = (positions, seqs, np.arange(n + 1, dtype=np.int32))
+            slots = self._kv.prepare([tokens]) if self._attn_layers else [np.empty(0, dtype=np.int32)]
+            if slots is None:
+                raise NoFreeCellError(f"seq_restore: {n} KV cells for sequence {seq} fit nowhere "
+                                      f"({self._kv.used} of {self._kv.size} cells used)")
+            self._recurrent.seq_restore(seq, int(positions[-1]), r_rows, s_rows)   # checks its rows first
+            if self._attn_layers:
+                cells = slots[0]
+                self._kv.apply(cells, positions, seqs)
+                self._storage.put(self._kv_rows.k_by_cell, cells.astype(np.int64), k)
+                self._storage.put(self._kv_rows.v_by_cell, cells.astype(np.int64), v)
+            self._generation += 1
+        finally:
+            self._leave()
+
+    def _kv_rows_of(self, which: str, rows: Any, kind: int, n: int) -> Tensor:
+        """``rows`` checked as ``[n_attn, n, n_embd]`` of the K (kind 0) or V (1) dtype — a numpy array,
+        or a tensor of the storage's type — as a tensor of the storage."""
+        state_type = (self._type_k, self._type_v)[kind]
+        shape = (len(self._attn_layers), n, (self._n_embd_k, self._n_embd_v)[kind])
+        own = self._kv_tensors[kind]
+        dtype = state_type.numpy if isinstance(rows, np.ndarray) else own.dtype
+        fits = (isinstance(rows, (np.ndarray, type(own))) and rows.dtype == dtype
+                and tuple(rows.shape) == shape)
+        if not fits:
+            got = (f"{rows.dtype} of shape {tuple(rows.shape)}" if hasattr(rows, "dtype") and hasattr(rows, "shape")
+                   else type(rows).__name__)
+            raise ArgumentError(f"seq_restore: {which} must be {dtype} of shape {shape}, got {got}")
+        if isinstance(rows, np.ndarray):
+            return self._storage.from_host(rows, state_type)
+        return rows.to(own.device) if hasattr(rows, "device") and rows.device != own.device else rows
+
+    # -- batches --------------------------------------------------------------------------
+
+    def init_batch(self, batch: Batch, n_ubatch: int = 512, embd_pooled: bool = False,
+                   logits_all: bool = False) -> HybridState:
+        """Split ``batch`` as the recurrent half must (equal-length ubatches, as ``RecurrentCache``)
+        and find every ubatch's cells in both halves.  Raises, changing nothing, for a batch either
+        half cannot take; a batch that does not fit gives a state whose status is
+        ``FAILED_PREPARE``."""
+        self._enter()
+        try:
+            recurrent = self._recurrent.init_batch(batch, n_ubatch, embd_pooled, logits_all)
+            tokens: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+            slots: list[np.ndarray] | None = []
+            if recurrent.status is MemoryStatus.SUCCESS:
+                tokens = [_kv_tokens(recurrent.planned(u)) for u in range(recurrent.n_ubatches)]
+                slots = self._kv.prepare(tokens) if self._attn_layers else \
+                    [np.empty(0, dtype=np.int32) for _ in tokens]
+            status = recurrent.status if slots is not None else MemoryStatus.FAILED_PREPARE
+            return HybridState(self, recurrent, tokens, slots or [], status, self._apply_kv, self._kv_mask)
+        finally:
+            self._leave()
+
+    def _apply_kv(self, state_generation: int, cells: np.ndarray,
+                  tokens: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[int, int]:
+        """A state's ubatch into the KV half, on the slot ``init_batch`` found: the new generation and
+        the cells to attend to (``n_kv``).  Raises ``UsageError``, changing nothing, for a stale state."""
+        self._enter()
+        try:
+            if state_generation != self._generation:
+                raise UsageError("the cache changed after this state was prepared (a sequence operation, a "
+                                 "state_read or another state's apply): call init_batch again")
+            if self._attn_layers:
+                self._kv.apply_arrays(cells, *tokens)
+            self._generation += 1
+            return self._generation, self._kv.n_kv(self._kv_pad)
+        finally:
+            self._leave()
+
+    def _kv_mask(self, tokens: tuple[np.ndarray, np.ndarray, np.ndarray], n_kv: int, sliding: bool) -> np.ndarray:
+        pos, flat, offsets = tokens
+        out = np.empty((pos.size, n_kv), dtype=np.float32)
+        self._kv.mask(pos, _seq_lists(flat, offsets), out, sliding)
+        return out
+
+    # -- state bytes (docs/hybrid.md, "State bytes") ----------------------------------------------
+
+    def state_write(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
+                    partial_only: bool = False) -> bytes:
+        """The state of the whole memory (``seq_id = -1``) or of one sequence, as llama.cpp's hybrid
+        memory writes it: the attention KV section, then the recurrent section.  ``framing`` and
+        ``arch`` as ``RecurrentCache.state_write``.  ``partial_only``: the recurrent section alone
+        (llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, what its context checkpoints keep)."""
+        seq_id = state_seq_id(seq_id, self._n_seq_max, "state_write")
+        partial = as_flag(partial_only, "state_write: partial_only")
+        prefix = framing_prefix(framing, seq_id, arch)
+        self._enter()
+        try:
+            kv = b"" if partial else compose_kv_section(kv_section(self._kv, self._kv_rows, seq_id))
+            recurrent = self._recurrent.state_write(seq_id)
+        finally:
+            self._leave()
+        return prefix + kv + recurrent
+
+    def state_size(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
+                   partial_only: bool = False) -> int:
+        """Length in bytes of ``state_write`` with the same arguments."""
+        return len(self.state_write(seq_id, framing, arch, partial_only=partial_only))
+
+    def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
+                   partial_only: bool = False, kv_cell_ext: bool | None = None) -> int:
+        """Restore a hybrid state in any framing llama.cpp or this package writes (found from the
+        bytes, as ``RecurrentCache.state_read``); returns its length.  The KV section is found
+        without being told: a hybrid memory's state has one (``partial_only``: none, the recurrent
+        section alone, which leaves the KV half as it is).  Either V layout is read.
+
+        ``seq_id = -1`` replaces the whole memory; ``seq_id >= 0`` replaces that sequence in both
+        halves (its KV cells go where a ubatch of them would).  Everything is checked before either
+        half changes: a ``StateError`` (or ``NoFreeCellError`` when the sequence's cells fit nowhere)
+        leaves both exactly as they were."""
+        seq_id = state_seq_id(seq_id, self._n_seq_max, "state_read")
+        partial = as_flag(partial_only, "state_read: partial_only")
+        geometry = Geometry.of(self._recurrent)
+        unframed = unframe(data, seq_id, arch, not partial, framing=framing, cache=geometry, kv_cell_ext=kv_cell_ext)
+        found = unframed.framing
+        load = None
+        try:
+            if not partial:
+                assert found.kv_offset is not None
+                if found.kv_cell_ext:
+                    raise StateError("the KV section's cells carry extended positions (M-RoPE or n-gram models): "
+                                     "a HybridCache does not keep them")
+                section = parse_kv_section(blob_view(data)[found.kv_offset:found.section_offset], seq_id, False,
+                                           geometry)
+                load = checked_load(section, self._kv_rows, self._kv.size, self._n_seq_max, seq_id)
+            parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before anything changes
+        except StateError as exc:
+            raise in_section(exc, found) from None
+        self._enter()
+        try:
+            if load is not None:
+                self._load_kv(load, seq_id)
+            self._recurrent.state_read(unframed.section, seq_id, framing="bare")
+            self._generation += 1
+        finally:
+            self._leave()
+        return found.section_offset + len(unframed.section)
+
+    def _load_kv(self, load: KvLoad, seq_id: int) -> None:
+        """A checked section into the KV half: its cells (where llama.cpp puts them), then their rows."""
+        if seq_id < 0:
+            self._kv.load(load.pos, load.flat, load.offsets)
+            cells = np.arange(load.n_cells, dtype=np.int64)
+        elif load.n_cells == 0:
+            self._kv.seq_rm(seq_id, -1, -1)
+            return
+        else:
+            slot = self._kv.load_seq(seq_id, load.pos)
+            if slot is None:
+                raise NoFreeCellError(f"state_read: the {load.n_cells} KV cells of sequence {seq_id} fit nowhere "
+                                      f"in the KV cache ({self._kv.used} of {self._kv.size} cells used)")
+            cells = slot.astype(np.int64)
+        if cells.size:
+            rows, storage = self._kv_rows, self._storage
+            storage.put(rows.k_by_cell, cells, storage.from_host(load.k, self._type_k))
+            storage.put(rows.v_by_cell, cells, storage.from_host(load.v, self._type_v))
+
+    def __repr__(self) -> str:
+        return (f"HybridCache(n_layer={self.n_layer}, attn_layers={self._attn_layers}, "
+                f"recr_layers={self.recr_layers}, kv_size={self.kv_size}, n_seq_max={self._n_seq_max}, "
+                f"kv_used={self._kv.used}, engine={self.engine!r})")
+
+
+def _kv_tokens(ubatch: Ubatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A ubatch's tokens for the KV table: positions, every token's seq ids back to back (each token
+    lists its group's), and their offsets ``[n_tokens + 1]``."""
+    flat, offsets = ubatch.seq_id_flat, ubatch.seq_id_offset
+    n_seq_tokens = ubatch.n_seq_tokens
+    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
+    if n_seq_tokens == 1:
+        return pos, np.ascontiguousarray(flat, dtype=np.int32), np.ascontiguousarray(offsets, dtype=np.int32)
+    lengths = np.repeat(np.diff(offsets), n_seq_tokens)
+    token_offsets = np.zeros(lengths.size + 1, dtype=np.int32)
+    np.cumsum(lengths, out=token_offsets[1:])
+    picks = [np.tile(flat[offsets[g]:offsets[g + 1]], n_seq_tokens) for g in range(offsets.size - 1)]
+    return pos, np.concatenate(picks).astype(np.int32), token_offsets
+
+
+def _seq_lists(flat: np.ndarray, offsets: np.ndarray) -> Any:
+    """The KV table's per-token seq ids: one id each as a 1-D array, else a list of lists."""
+    if flat.size == offsets.size - 1:
+        return flat
+    return [flat[offsets[t]:offsets[t + 1]].tolist() for t in range(offsets.size - 1)]
+
+
+class HybridState:
+    """The ubatches of one ``HybridCache.init_batch``, applied one at a time to both halves.
+
+    As ``MemoryState``: ``apply()`` places the current ubatch, then the model reads ``ubatch``, its
+    recurrent rows ``r(il)`` / ``s(il)`` (and ``r_steps`` / ``s_steps`` with rollback), and its
+    attention memory: ``k(il)`` / ``v(il)`` (the layer's whole K and V tensors), ``kv_cells`` (the cell
+    of each token: where the model writes its keys and values), ``n_kv`` (attend to cells
+    ``[0, n_kv)``) and ``kv_mask()``; ``next()`` moves on.  Or iterate.  A state is stale once the
+    cache changed after its ``init_batch`` (or after its last ``apply``) other than through it.
+    """
+
+    __slots__ = ("_cache", "_recurrent", "_tokens", "_slots", "status", "_generation", "_u", "_applied",
+                 "_n_kv", "_masks", "_apply_kv", "_build_mask")
+
+    def __init__(self, cache: HybridCache, recurrent: MemoryState,
+                 tokens: list[tuple[np.ndarray, np.ndarray, np.ndarray]], slots: list[np.ndarray],
+                 status: MemoryStatus,
+                 apply_kv: Callable[[int, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]], tuple[int, int]],
+                 build_mask: Callable[[tuple[np.ndarray, np.ndarray, np.ndarray], int, bool], np.ndarray]) -> None:
+        self._cache = cache
+        self._recurrent = recurrent
+        self._tokens = tokens
+        self._slots = slots
+        self.status = status
+        self._generation = cache.generation
+        self._u = 0
+        self._applied = False
+        self._n_kv = 0
+        self._masks: dict[bool, np.ndarray] = {}
+        self._apply_kv = apply_kv
+        self._build_mask = build_mask
+
+    # -- stepping ----------------------------------------------------------------------
+
+    def apply(self) -> bool:
+        """Place the current ubatch in both halves. Returns True."""
+        if self.status != MemoryStatus.SUCCESS:
+            raise UsageError(f"apply() on a state whose status is {self.status.name}")
+        if self._applied:
+            raise UsageError(f"ubatch {self._u} is already applied; call next() first")
+        # the KV half first, on the slot init_batch found on the table as it still is (a stale state
+        # is refused there before anything changes); then the recurrent half's own prepared ubatch
+        self._generation, self._n_kv = self._apply_kv(self._generation, self._slots[self._u], self._tokens[self._u])
+        self._recurrent.apply()
+        self._masks.clear()
+        self._applied = True
+        return True
+
+    def next(self) -> bool:
+        """Move to the next ubatch; False after the last one."""
+        if not self._recurrent.next():
+            return False
+        self._u += 1
+        self._applied = False
+        return True
+
+    def __iter__(self) -> Iterator[Ubatch]:
+        return each_ubatch(self)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the current ubatch is applied."""
+        return self._applied
+
+    # -- what the model reads -------------------------------------------------------------
+
+    @property
+    def n_ubatches(self) -> int:
+        """Number of ubatches (0 for a failed prepare)."""
+        return self._recurrent.n_ubatches if self.status == MemoryStatus.SUCCESS else 0
+
+    @property
+    def ubatch(self) -> Ubatch:
+        """The current ubatch (``memory_state.Ubatch``)."""
+        return self._recurrent.ubatch
+
+    @property
+    def out_ids(self) -> np.ndarray:
+        """[n_outputs] int64: the batch index of each output row, in ubatch order."""
+        return self._recurrent.out_ids
+
+    def _current(self) -> None:
+        if not self._applied:
+            raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
+        if self._generation != self._cache.generation:
+            raise UsageError("the cache changed after this ubatch was applied: its cells may hold other "
+                             "sequences now")
+
+    def r(self, il: int) -> Tensor:
+        """The applied ubatch's recurrent r rows of layer il (``MemoryState.r``)."""
+        self._current()
+        return self._recurrent.r(il)
+
+    def s(self, il: int) -> Tensor:
+        """The applied ubatch's recurrent s rows of layer il (``MemoryState.s``)."""
+        self._current()
+        return self._recurrent.s(il)
+
+    def r_steps(self, il: int) -> Tensor:
+        """``MemoryState.r_steps``: where the model writes layer il's r state after each token but the
+        last of every group, with ``n_rollback > 0``."""
+        self._current()
+        return self._recurrent.r_steps(il)
+
+    def s_steps(self, il: int) -> Tensor:
+        """``MemoryState.s_steps``."""
+        self._current()
+        return self._recurrent.s_steps(il)
+
+    @property
+    def copy_src(self) -> np.ndarray:
+        """The recurrent half's copy plan (``MemoryState.copy_src``)."""
+        return self._recurrent.copy_src
+
+    @property
+    def zero(self) -> np.ndarray:
+        """The recurrent rows zeroed (``MemoryState.zero``)."""
+        return self._recurrent.zero
+
+    def _attention(self, tensors: tuple[Any, ...], il: int) -> Tensor:
+        il = _args.index(il, "layer index", len(tensors), OutOfRangeError)
+        if tensors[il] is None:
+            raise OutOfRangeError(f"layer {il} has no attention (attn_layers={self._cache.attn_layers})")
+        self._current()
+        tensor: Tensor = tensors[il]
+        return tensor
+
+    def k(self, il: int) -> Tensor:
+        """Layer il's whole K tensor ``[kv_size, n_embd_k]``: the model writes the ubatch's keys at rows
+        ``kv_cells`` and attends to rows ``[0, n_kv)``."""
+        return self._attention(self._cache.k, il)
+
+    def v(self, il: int) -> Tensor:
+        """Layer il's whole V tensor: ``[n_embd_v, kv_size]`` with ``v_trans`` (the values of cell c in
+        column c), else ``[kv_size, n_embd_v]``."""
+        return self._attention(self._cache.v, il)
+
+    @property
+    def kv_cells(self) -> np.ndarray:
+        """[n_tokens] int32: the KV cell of each token of the applied ubatch (ubatch order)."""
+        self._current()
+        return self._slots[self._u]
+
+    @property
+    def n_kv(self) -> int:
+        """The cells to attend to: ``[0, n_kv)`` (the used ones, padded; at most ``kv_size``)."""
+        self._current()
+        return self._n_kv
+
+    def kv_mask(self, sliding: bool = False) -> np.ndarray:
+        """float32 ``[n_tokens, n_kv]``: 0 where token i may attend to cell j, -inf elsewhere (its own
+        sequence, positions not after its own; ``sliding``: within the sliding window too).  A numpy
+        array, built once per ubatch and kind (a torch model moves it to its device)."""
+        self._current()
+        sliding = as_flag(sliding, "sliding")
+        mask = self._masks.get(sliding)
+        if mask is None:
+            mask = self._masks[sliding] = self._build_mask(self._tokens[self._u], self._n_kv, sliding)
+        return mask
+
+    def __repr__(self) -> str:
+        return (f"HybridState({self.status.name}, ubatch {self._u + 1}/{self.n_ubatches}, "
+                f"{'applied' if self._applied else 'pending'})")
