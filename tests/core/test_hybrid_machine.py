@@ -3,8 +3,9 @@
 A hypothesis ``RuleBasedStateMachine`` builds two ``HybridCache``s of one random shape — the
 compiled engine and the reference — and drives the same script through both: batches of several
 sequences split into ubatches of random size, forks, whole and partial removals, rollbacks, keeps,
-shifts, clears, and bad arguments.  The made-up model of ``hybrid_model`` writes every row, so
-after every rule:
+shifts, clears, a sequence and the whole memory through their state bytes and back, prefixes kept
+and restored into other sequences (``HybridPrefixCache``), and bad arguments.  The made-up model of
+``hybrid_model`` writes every row, so after every rule:
 
 - both engines hold the same cells in both halves and the same rows;
 - both ``check()`` (each half's invariants, and that they agree on each sequence's last position);
@@ -20,7 +21,9 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from recurrent_cache.errors import NoFreeCellError
 from recurrent_cache.hybrid import HybridCache
+from recurrent_cache.hybrid_prefix import HybridPrefixCache
 from recurrent_cache.memory_state import MemoryStatus
 
 from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot
@@ -46,6 +49,7 @@ class HybridMachine(RuleBasedStateMachine):
                                    v_trans=v_trans, n_rollback=n_rollback, engine=engine)
                        for engine in ("compiled", "reference")]
         self.histories = [Histories(n_seq_max) for _ in self.caches]
+        self.prefixes = [HybridPrefixCache(cache, 1 << 20, block_size=3) for cache in self.caches]
         self.next_token = 1
 
     def both(self, fn, changes=True):
@@ -150,6 +154,47 @@ class HybridMachine(RuleBasedStateMachine):
             cache.seq_add(seq, p0, -1, shift)
             histories.shift(seq, p0, shift)
             cache.kv_reset_shift()
+        self.both(run)
+
+    @rule(data=st.data(), framing=st.sampled_from(["bare", "llama"]))
+    def move_a_sequence_through_its_bytes(self, data, framing):
+        """A sequence written, removed and read back: it holds its own rows again (in cells of its own)."""
+        seq = data.draw(st.integers(0, self.n_seq_max - 1))
+
+        def run(cache, histories):
+            blob = cache.state_write(seq, framing=framing)
+            cache.seq_rm(seq, -1, -1)
+            try:
+                cache.state_read(blob, seq)
+            except NoFreeCellError:   # its shared cells, now its own, fit nowhere: it is gone
+                histories.forget(seq)
+        self.both(run)
+
+    @rule()
+    def the_whole_memory_through_its_bytes(self):
+        def run(cache, _):
+            blob = cache.state_write(framing="llama", arch="jamba")
+            cache.clear()
+            assert cache.state_read(blob, arch="jamba") == len(blob)
+        self.both(run)
+
+    @rule(data=st.data())
+    def keep_and_restore_a_prefix(self, data):
+        """A sequence's prefix kept, then restored into an empty sequence, which then holds that history."""
+        src = data.draw(st.integers(0, self.n_seq_max - 1))
+        empty = [s for s in range(self.n_seq_max) if not self.histories[0].of_seq[s]]
+        history = self.histories[0].of_seq[src]
+        if not empty or not history or self.histories[0].positions[src] != list(range(len(history))):
+            return
+        dst = data.draw(st.sampled_from(empty))
+
+        def run(cache, histories):
+            prefixes = self.prefixes[self.caches.index(cache)]
+            if not prefixes.save(src, list(history)):
+                return False
+            restored = prefixes.restore(dst, list(history))
+            histories.copy(src, dst)
+            return restored
         self.both(run)
 
     @rule()

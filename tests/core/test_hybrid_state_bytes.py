@@ -135,6 +135,7 @@ def test_a_sequence_whose_cells_fit_nowhere_changes_nothing(engine):
         full.state_read(blob, 3)
 
 
+@pytest.mark.needs_torch
 def test_torch_storage_round_trips_on_the_index_path(engine):
     pytest.importorskip("torch")
     if engine == "reference":

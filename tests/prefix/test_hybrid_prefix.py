@@ -138,6 +138,7 @@ def test_the_longest_saved_prefix_equals_a_brute_force():
         assert prefixes.match(probe) == expected
 
 
+@pytest.mark.needs_torch
 def test_torch_storage_restores_on_the_index_path():
     pytest.importorskip("torch")
     from recurrent_cache.storage import TorchStorage

