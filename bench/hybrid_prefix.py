@@ -229,7 +229,7 @@ def table(name: str, trace: list[Request], budgets: list[float]) -> list[str]:
     for budget in budgets:
         cells = [run_ours(trace, budget)] + [run_vllm(trace, budget, b) for b in (16, 64, 528)] + \
             [run_llamacpp(trace, budget)]
-        lines.append(f"| {budget:g} | " + " | ".join(f"{c:,} ({100 * c / total:.0f}%)" for c in cells) + " |")
+        lines.append(f"| {budget:g} | " + " | ".join(f"{c:,} ({100 * c / total:.1f}%)" for c in cells) + " |")
         print(lines[-1], flush=True)
     return lines + [""]
 

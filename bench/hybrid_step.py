@@ -71,6 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [64, 1024, 16384] if args.quick else [64, 1024, 16384, 262144, 1048576]
     repeats = 20 if args.quick else args.repeats
+    if args.quick:
+        print(NOTE)
     load_before = os.getloadavg()[0]
     rows = []
     rounds = 5
@@ -94,9 +96,7 @@ def main() -> None:
              f"interleaved in {rounds} rounds. Load average {load_before:.2f} before, {load_after:.2f} after.", "",
              "| KV cells held | hybrid step (µs) | recurrent-only step (µs) | ratio |", "| ---: | ---: | ---: | ---: |"]
     lines += [f"| {n:,} | {m:.1f} | {r:.1f} | {q:.2f}x |" for n, m, r, q in rows]
-    if args.quick:
-        print(NOTE)
-    else:
+    if not args.quick:
         RESULTS.write_text("\n".join(lines) + "\n")
         print(f"wrote {RESULTS}")
 
