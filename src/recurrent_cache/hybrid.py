@@ -340,12 +340,24 @@ class HybridCache:
             self._leave()
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """``dst`` joins ``src``'s KV cells in ``[p0, p1)`` (shared, not copied) and shares its
-        recurrent state (a fork; the recurrent state is whole, so the range does not apply to it)."""
+        """Fork: ``dst``, which must hold nothing, joins ``src``'s KV cells (shared, not copied) and
+        shares its recurrent state.  The range must cover every position ``src`` holds: a recurrent
+        state is whole, so a part of the KV cells beside it would give ``dst`` a state past its
+        context (llama.cpp lets it happen; here it raises ``ArgumentError``, as does a ``dst`` that
+        holds positions, whose old KV cells would stay beside the new state)."""
         src, dst = self._seq(src, "seq_cp"), self._seq(dst, "seq_cp")
         p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
+        if src == dst:
+            return
         self._enter()
         try:
+            if self._kv.seq_pos_max(dst) >= 0 or self._recurrent.seq_pos_max(dst) >= 0:
+                raise ArgumentError(f"seq_cp: sequence {dst} holds positions: remove it first (seq_rm({dst}))")
+            first = self._kv.seq_pos_min(src)
+            last = max(self._kv.seq_pos_max(src), self._recurrent.seq_pos_max(src))
+            if last >= 0 and (max(p0, 0) > max(first, 0) or 0 <= p1 <= last):
+                raise ArgumentError(f"seq_cp: [{p0}, {p1}) does not cover sequence {src}'s positions {first} .. "
+                                    f"{last}: a hybrid sequence is copied whole")
             self._kv.seq_cp(src, dst, p0, p1)      # refuses (out of memory) before changing anything
             self._recurrent.seq_cp(src, dst, p0, p1)
             self._generation += 1

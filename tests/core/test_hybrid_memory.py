@@ -164,6 +164,18 @@ def test_a_fork_shares_kv_cells_and_the_recurrent_state(engine):
     assert_holds_its_history(cache, histories)
     with pytest.raises(SeqIdError):
         cache.seq_cp(0, 9)
+    before = snapshot(cache)
+    with pytest.raises(ArgumentError, match="holds positions"):
+        cache.seq_cp(0, 2)                              # 2 holds its own tokens
+    with pytest.raises(ArgumentError, match="does not cover"):
+        cache.seq_cp(0, 3, 0, 2)                        # part of the KV cells beside a whole state
+    with pytest.raises(ArgumentError, match="does not cover"):
+        cache.seq_cp(0, 3, 1, -1)
+    assert same(before, snapshot(cache))
+    cache.seq_cp(0, 3, 0, 100)                          # a range covering every position is the whole
+    histories.copy(0, 3)
+    assert_holds_its_history(cache, histories)
+    cache.check()
 
 
 def test_a_state_is_stale_after_any_change(engine):
