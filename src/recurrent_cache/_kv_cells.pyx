@@ -662,6 +662,12 @@ cdef class KVCells:
     def seq_pos_max(self, seq):
         return kv_seq_pos_max(&self.t, self.checked_seq(seq))
 
+    def seq_cells(self, seq):
+        """The cells holding ``seq``, by position (then by cell): its tree in order, no scan of the table."""
+        cdef int32_t s = self.checked_seq(seq)
+        cdef int32_t n = sp_collect(&self.t.seqs, s, 0, POS_END, self.t.scratch)
+        return np.array(<int32_t[:n]>self.t.scratch, dtype=np.int32) if n else np.empty(0, dtype=np.int32)
+
     def n_kv(self, int pad=kv_reference.N_KV_PAD):
         if pad < 1:
             raise E.ArgumentError(f"pad must be >= 1, got {pad}")

@@ -245,9 +245,7 @@ class HybridCache:
 
     def seq_kv_cells(self, seq: int) -> np.ndarray:
         """The KV cells holding ``seq``, ordered by position (int32)."""
-        seq = self._seq(seq, "seq_kv_cells")
-        held = [(cell[0], i) for i, cell in enumerate(self._kv.cells()) if cell is not None and seq in cell[1]]
-        return np.array([i for _, i in sorted(held)], dtype=np.int32)
+        return self._kv.seq_cells(self._seq(seq, "seq_kv_cells"))
 
     def recurrent_cell(self, i: int) -> Any:
         """Recurrent cell ``i`` (``RecurrentCache.cell``)."""
@@ -436,10 +434,9 @@ class HybridCache:
         seq = self._seq(seq, "seq_state")
         self._enter()
         try:
-            cells = [(cell[0], i) for i, cell in enumerate(self._kv.cells()) if cell is not None and seq in cell[1]]
-            cells.sort()
-            index = np.array([i for _, i in cells], dtype=np.int64)
-            pos = np.array([p for p, _ in cells], dtype=np.int32)
+            index = self._kv.seq_cells(seq).astype(np.int64)
+            pos = np.array([cell[0] for cell in map(self._kv.cell, index.tolist()) if cell is not None],
+                           dtype=np.int32)
             storage, rows = self._storage, self._kv_rows
             k, v = storage.take(rows.k_by_cell, index), storage.take(rows.v_by_cell, index)
             r_rows, s_rows = self._recurrent.seq_state(seq) if self._recurrent.seq_row(seq) >= 0 else ([], [])

@@ -284,6 +284,12 @@ class KVCells:
         seq = self._check_seq(seq)
         return max((p for p, s in zip(self.pos, self.seqs) if seq in s), default=-1)
 
+    def seq_cells(self, seq: int) -> np.ndarray:
+        """The cells holding ``seq``, by position (then by cell), as int32."""
+        seq = self._check_seq(seq)
+        held = sorted((p, i) for i, (p, s) in enumerate(zip(self.pos, self.seqs)) if seq in s)
+        return np.array([i for _, i in held], dtype=np.int32)
+
     def n_kv(self, pad: int = N_KV_PAD) -> int:
         """The cells a ubatch attends to: the used ones rounded up to ``pad``, at least ``pad``,
         at most ``size`` (llama.cpp's get_n_kv)."""

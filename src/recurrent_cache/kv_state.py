@@ -65,18 +65,18 @@ class KvLoad:
 
 
 def written_cells(table: KVTable, rows: KvRows, seq_id: int) -> tuple[np.ndarray, list[KvCell]]:
-    """The cells a state of ``seq_id`` (-1: the whole cache) holds, in cell order, and each as written."""
-    cells = table.cells()
+    """The cells a state of ``seq_id`` (-1: the whole cache) holds, in cell order, and each as written.
+    One sequence's come from its own cells (no scan of the table)."""
+    if seq_id < 0:
+        held = [(i, cell) for i, cell in enumerate(table.cells()) if cell is not None]
+        return np.array([i for i, _ in held], dtype=np.int64), [KvCell(pos, seqs) for _, (pos, seqs) in held]
+    last = table.seq_pos_max(seq_id)
     chosen, written = [], []
-    last = table.seq_pos_max(seq_id) if seq_id >= 0 else -1
-    for i, cell in enumerate(cells):
-        if cell is None:
-            continue
-        pos, seqs = cell
-        if seq_id >= 0 and (seq_id not in seqs or is_masked_swa(rows.n_swa, rows.swa_type, pos, last)):
-            continue
-        chosen.append(i)
-        written.append(KvCell(pos, seqs if seq_id < 0 else (seq_id,)))
+    for i in np.sort(table.seq_cells(seq_id)).tolist():
+        cell = table.cell(i)
+        if cell is not None and not is_masked_swa(rows.n_swa, rows.swa_type, cell[0], last):
+            chosen.append(i)
+            written.append(KvCell(cell[0], (seq_id,)))
     return np.array(chosen, dtype=np.int64), written
 
 

@@ -44,7 +44,7 @@ def call(fn):
 
 def state(table):
     return (table.cells(), table.head, table.used, table.used_max_p1, table.has_shift, table.shifts().tolist(),
-            [(table.seq_pos_min(s), table.seq_pos_max(s)) for s in range(table.n_seq_max)])
+            [(table.seq_pos_min(s), table.seq_pos_max(s), table.seq_cells(s).tolist()) for s in range(table.n_seq_max)])
 
 
 def arrays(pos, seq_ids):
