@@ -11,6 +11,7 @@ import pytest
 
 from recurrent_cache.errors import ModelError
 from recurrent_cache.models import JambaModel, load_hf
+from recurrent_cache.storage import TorchStorage
 
 from hybrid_scenarios import Recorder, run_scenarios
 
@@ -58,8 +59,11 @@ def reference_of(directory: Path, dtype: Any) -> Any:
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("storage", ["numpy", "torch"])
-def test_jamba_equals_transformers_through_the_hybrid_memory(checkpoint: Path, dtype: Any, storage: str) -> None:
+@pytest.mark.parametrize("storage", ["numpy", "torch", "torch-index"])
+def test_jamba_equals_transformers_through_the_hybrid_memory(checkpoint: Path, dtype: Any, storage: Any) -> None:
+    """torch-index: torch storage without host access, the path a GPU's rows take (on the CPU here)."""
+    if storage == "torch-index":
+        storage = TorchStorage("cpu", host_access=False)
     model = load_hf(checkpoint, dtype=dtype)
     assert isinstance(model, JambaModel)
     assert model.hparams.attn_layers == (1, 3) and model.hparams.moe_layers == (1, 3)
