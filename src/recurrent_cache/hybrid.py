@@ -158,6 +158,26 @@ class HybridCache:
         return self._kv.size
 
     @property
+    def n_embd_r(self) -> int:
+        """The width of a recurrent layer's r row (``RecurrentCache.n_embd_r``)."""
+        return self._recurrent.n_embd_r
+
+    @property
+    def n_embd_s(self) -> int:
+        """The width of a recurrent layer's s row."""
+        return self._recurrent.n_embd_s
+
+    @property
+    def dtype_r(self) -> str:
+        """The storage type of the r rows ("f32", "f16", "bf16")."""
+        return self._recurrent.dtype_r
+
+    @property
+    def dtype_s(self) -> str:
+        """The storage type of the s rows."""
+        return self._recurrent.dtype_s
+
+    @property
     def n_embd_k(self) -> int:
         return self._n_embd_k
 
