@@ -257,7 +257,10 @@ cdef int kv_find_slot(const KvTable* t, int32_t n, bint cont, int32_t* slot) noe
             slot[found] = cell
             found += 1
             cell = next_free(t, cell + 1, t.size)
-        cell = next_free(t, 0, head)
+        # wrap around only when the cells from head on did not suffice: the scan below head costs
+        # O(head / 64), which a decode step found right after head must not pay
+        if found < n:
+            cell = next_free(t, 0, head)
         while found < n:
             slot[found] = cell
             found += 1
