@@ -12,6 +12,7 @@ both-halves rule; this module only keeps the arrays.  The reference engine's pat
 """
 
 cimport cython
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport INT32_MAX, int32_t, int64_t
 from libc.stdlib cimport free, malloc
 
@@ -21,6 +22,9 @@ from .errors import ArgumentError
 
 from ._kv_cells cimport KVCells
 from ._placement cimport Placement
+
+_empty = np.empty                      # a decode step's one allocation, without the attribute lookups
+_INT32 = np.dtype(np.int32)
 
 
 @cython.final
@@ -95,9 +99,11 @@ def prepare(KVCells table, Placement placement):
     plan.offsets = plan.pos + n_tokens
     plan.flat = plan.offsets + n_tokens + 1
     placement.token_arrays(plan.bounds, plan.pos, plan.offsets, plan.flat)
-    plan.slots = np.empty(n_tokens, dtype=np.int32)
-    cdef int32_t[::1] slot_view = plan.slots
-    plan.slot_data = &slot_view[0]
+    plan.slots = _empty(n_tokens, _INT32)
+    cdef Py_buffer view                # the array's memory (it never moves while the plan holds it)
+    PyObject_GetBuffer(plan.slots, &view, PyBUF_WRITABLE)
+    plan.slot_data = <int32_t*>view.buf
+    PyBuffer_Release(&view)
     if not table.prepare_tokens(n_ubatches, plan.bounds, plan.pos, plan.flat, plan.offsets, plan.slot_data):
         return None
     return plan

@@ -509,7 +509,8 @@ class HybridCache:
         and find every ubatch's cells in both halves.  Raises, changing nothing, for a batch either
         half cannot take; a batch that does not fit gives a state whose status is
         ``FAILED_PREPARE``."""
-        self._enter()
+        guard = self._guard   # (the decode step's hot path: the guard without _enter's frame)
+        guard.enter()
         try:
             recurrent = self._recurrent.init_batch(batch, n_ubatch, embd_pooled, logits_all)
             plan: KvPlan | None = None
@@ -518,7 +519,7 @@ class HybridCache:
             status = recurrent.status if plan is not None else MemoryStatus.FAILED_PREPARE
             return HybridState(self, recurrent, plan, status, self._apply_kv, self._kv_mask)
         finally:
-            self._leave()
+            guard.leave()
 
     def _plan_kv(self, recurrent: MemoryState) -> KvPlan | None:
         """The KV half of a split batch: each ubatch's cells, found with the ones before placed (the
@@ -532,7 +533,8 @@ class HybridCache:
         """Ubatch ``u`` of a state into the KV half, on the cells ``init_batch`` found: the new
         generation and the cells to attend to (``n_kv``).  Raises ``UsageError``, changing nothing,
         for a stale state."""
-        self._enter()
+        guard = self._guard
+        guard.enter()
         try:
             if state_generation != self._generation:
                 raise UsageError("the cache changed after this state was prepared (a sequence operation, a "
@@ -541,7 +543,7 @@ class HybridCache:
             self._generation += 1
             return self._generation, n_kv
         finally:
-            self._leave()
+            guard.leave()
 
     def _kv_mask(self, tokens: KvTokens, n_kv: int, sliding: bool) -> np.ndarray:
         pos, flat, offsets = tokens
@@ -736,7 +738,7 @@ class HybridState:
 
     def apply(self) -> bool:
         """Place the current ubatch in both halves. Returns True."""
-        if self.status != MemoryStatus.SUCCESS or self._plan is None:
+        if self.status is not MemoryStatus.SUCCESS or self._plan is None:
             raise UsageError(f"apply() on a state whose status is {self.status.name}")
         if self._applied:
             raise UsageError(f"ubatch {self._u} is already applied; call next() first")
