@@ -79,7 +79,7 @@ def test_a_stale_state_is_refused_before_either_half_changes(engine):
         st.apply()
     assert same(before, snapshot(cache))
     with pytest.raises(UsageError, match="not applied"):
-        st.kv_cells
+        _ = st.kv_cells
 
 
 @pytest.mark.needs_torch
