@@ -31,9 +31,10 @@ from ._arrays import Array
 from ._attention import AttentionParams, Rope
 from ._ffn import mlp
 from ._registry import Family, register
-from ._shortconv import (SHORTCONV_PRODUCTS, ShortConvParams, random_shortconv_weights, short_conv, shortconv_shapes,
-                         shortconv_weights_from_hf)
+from ._shortconv import (SHORTCONV_PRODUCTS, ShortConvParams, random_shortconv_weights, short_conv,
+                         shortconv_gguf_tensors, shortconv_shapes, shortconv_weights_from_hf)
 from ._ssm import random_head, rms_norm
+from .gguf_io import GGUFReader
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built
 from .hybrid_model import HybridModel, LayerRun
 from .recurrent import check_sizes
@@ -241,5 +242,72 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: Lfm2HPara
     return layer
 
 
+# -- GGUF: llama.cpp's lfm2 (keys and tensor names of its converter, conversion/lfm2.py) -------------------
+
+# Field -> the layer's GGUF tensor (``blk.N.`` + this); the short convolution's from ``_shortconv``.
+_GGUF_SUFFIXES = {
+    "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight", "ffn_gate": "ffn_gate.weight",
+    "ffn_up": "ffn_up.weight", "ffn_down": "ffn_down.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+    "wv": "attn_v.weight", "wo": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+}
+
+
+def _gguf_tensors(p: Lfm2HParams) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every field any layer has -> (GGUF suffix, shape as stored: the numpy shapes, ggml's ``ne`` reversed).
+    ``ModelError`` for ``conv_bias``: llama.cpp's lfm2 has no such bias."""
+    layout = shortconv_gguf_tensors(p.shortconv)
+    for il in range(p.n_layer):
+        layout |= {field: (_GGUF_SUFFIXES[field], shape) for field, shape in layer_shapes(p, il).items()
+                   if field in _GGUF_SUFFIXES}
+    return layout
+
+
+def _gguf_layout(model: Lfm2Model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return _gguf_tensors(model.hparams)
+
+
+def _write_gguf_keys(writer: Any, model: Lfm2Model) -> None:
+    p = model.hparams
+    writer.add_feed_forward_length(p.n_ff)
+    writer.add_head_count(p.n_head)
+    # llama.cpp tells the layers apart by this: 0 KV heads is a short-convolution layer
+    writer.add_head_count_kv([p.n_head_kv if il in p.attn_layers else 0 for il in range(p.n_layer)])
+    writer.add_rope_freq_base(p.rope_theta)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+    writer.add_shortconv_l_cache(p.l_cache)
+
+
+def _per_layer(read: GGUFReader, name: str, n_layer: int) -> list[int]:
+    """GGUF key ``name``: one integer, or one per layer."""
+    value = read.file.fields.get(f"{read.arch}.{name}")
+    values = list(value) if isinstance(value, (list, tuple)) else [read.key(name, int)] * n_layer
+    if len(values) != n_layer or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise ModelError(f"GGUF key {read.arch}.{name} is {value!r}, not one count or {n_layer} of them")
+    return values
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> Lfm2Model:
+    """The model of a GGUF file of architecture ``lfm2`` (``load_gguf``)."""
+    n_layer = sizes["n_layer"]
+    heads_kv = _per_layer(read, "attention.head_count_kv", n_layer)
+    n_ffs = set(_per_layer(read, "feed_forward_length", n_layer))
+    attn_layers = tuple(il for il, n in enumerate(heads_kv) if n > 0)
+    if len(n_ffs) != 1 or len({heads_kv[il] for il in attn_layers}) > 1:
+        raise ModelError(f"GGUF keys {ARCH}.feed_forward_length / attention.head_count_kv differ between layers: "
+                         "this package reads one width for every layer")
+    hparams = Lfm2HParams(**sizes, n_head=read.key("attention.head_count", int),
+                          n_head_kv=heads_kv[attn_layers[0]] if attn_layers else 1, n_ff=n_ffs.pop(),
+                          l_cache=read.key("shortconv.l_cache", int), attn_layers=attn_layers,
+                          rope_theta=read.key("rope.freq_base", float, 10000.0))
+    layout = _gguf_tensors(hparams)
+    layers = [{field: read.tensor(f"blk.{il}.{layout[field][0]}", shape)
+               for field, shape in layer_shapes(hparams, il).items()} for il in range(n_layer)]
+    token_embd, output_norm, output = head
+    return Lfm2Model(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
 FAMILY = register(Family(label="LFM2", gguf_arch=ARCH, hf_architecture="Lfm2ForCausalLM", model_class=Lfm2Model,
-                         from_hf=_from_hf))
+                         from_hf=_from_hf, from_gguf=_from_gguf, gguf_layout=_gguf_layout,
+                         write_gguf_keys=_write_gguf_keys, gguf_own_keys=True,
+                         gguf_output_norm="token_embd_norm.weight"))
