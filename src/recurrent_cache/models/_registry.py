@@ -35,6 +35,11 @@ class Family:
     gguf_layout: Callable[[Any], dict[str, tuple[str, tuple[int, ...]]]] | None = None
     # (gguf.GGUFWriter, model): the family's own keys
     write_gguf_keys: Callable[[Any, Any], None] | None = None
+    # True: its reader and writer take every key past the common ones (a hybrid's feed-forward and head
+    # counts); False: gguf_io reads and writes the Mamba families' ssm.* sizes (and zero head counts)
+    gguf_own_keys: bool = False
+    # the GGUF tensor of the final norm (llama.cpp's lfm2 names it token_embd_norm)
+    gguf_output_norm: str = "output_norm.weight"
 
 
 _FAMILIES: list[Family] = []

@@ -1,4 +1,5 @@
-"""Models in GGUF files: Mamba-1 (``mamba``) and Mamba-2 (``mamba2``), with llama.cpp's keys and tensor names.
+"""Models in GGUF files: Mamba-1 (``mamba``), Mamba-2 (``mamba2``) and LFM2 (``lfm2``), with llama.cpp's keys
+and tensor names.
 
 ``load_gguf`` needs numpy only (``gguf_file.py`` parses the file) unless a
 tensor is quantized; ``write_gguf`` uses the ``gguf`` package, as llama.cpp's
@@ -16,8 +17,9 @@ import numpy as np
 
 from ..atomic_write import atomic_write
 from ..errors import GGUFError, ModelError
-from ._registry import by_gguf_arch, of_model
+from ._registry import Family, by_gguf_arch, of_model
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
+from .language_model import LanguageModel
 from .recurrent import RecurrentModel
 from .vocab import Vocabulary
 
@@ -141,10 +143,12 @@ def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
     if token_embd.ndim != 2:
         raise ModelError(f"tensor token_embd.weight has shape {token_embd.shape}, not 2-D")
     sizes = dict(n_vocab=int(token_embd.shape[0]), n_embd=read.key("embedding_length", int),
-                 n_layer=read.key("block_count", int), d_conv=read.key("ssm.conv_kernel", int),
-                 d_inner=read.key("ssm.inner_size", int), d_state=read.key("ssm.state_size", int),
-                 rms_eps=read.key("attention.layer_norm_rms_epsilon", float))
-    head = (token_embd, read.tensor("output_norm.weight"), read.optional_tensor("output.weight"))
+                 n_layer=read.key("block_count", int))
+    if not family.gguf_own_keys:
+        sizes.update(d_conv=read.key("ssm.conv_kernel", int), d_inner=read.key("ssm.inner_size", int),
+                     d_state=read.key("ssm.state_size", int))
+    sizes["rms_eps"] = read.key("attention.layer_norm_rms_epsilon", float)
+    head = (token_embd, read.tensor(family.gguf_output_norm), read.optional_tensor("output.weight"))
     model: RecurrentModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
     return model
 
@@ -180,13 +184,13 @@ def _dequantized(file: GGUFFile, info: TensorInfo) -> np.ndarray:
 
 
 # Tensors llama.cpp's converter keeps in f32 in an f16 file: every 1-D tensor,
-# ssm_conv1d, ssm_norm and everything not named ".weight" (ssm_a, ssm_d).
+# ssm_conv1d, LFM2's shortconv.conv, ssm_norm and everything not named ".weight" (ssm_a, ssm_d).
 def _stays_f32(name: str, array: np.ndarray) -> bool:
-    return (array.ndim <= 1 or ".ssm_conv1d." in name or ".ssm_norm." in name
+    return (array.ndim <= 1 or ".ssm_conv1d." in name or ".shortconv.conv." in name or ".ssm_norm." in name
             or not name.endswith(".weight"))
 
 
-def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: str = "f32",
+def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: str = "f32",
                name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
                token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None,
                merges: Sequence[str] | None = None) -> None:
@@ -215,19 +219,22 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
         raise ModelError(f"{family.label}: this package does not write its GGUF files yet")
     layout = family.gguf_layout(model)
     gguf = import_gguf()
-    named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
+    named = {"token_embd.weight": model.token_embd, family.gguf_output_norm: model.output_norm}
     if not model.tied:
         named["output.weight"] = model.output
     for il, layer in enumerate(model.layers):
+        # a hybrid's layers are dicts of the fields of their kind; a recurrent model's, dataclasses
+        fields = layer if isinstance(layer, dict) else vars(layer)
         for field_name, (suffix, shape) in layout.items():
-            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shape)
+            if field_name in fields:
+                named[f"blk.{il}.{suffix}"] = np.reshape(fields[field_name], shape)
     stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
                                    or _stays_f32(tensor_name, array) else np.float16)
               for tensor_name, array in named.items()}
     # written whole or not at all: a failure part-way (a full disk) leaves what was at ``path``
     with atomic_write(os.fspath(path)) as temporary:
-        _write(gguf, model, temporary, family.gguf_arch, family.write_gguf_keys, file_type, stored, name, tokens,
-               token_types, tokenizer, eos, merges)
+        _write(gguf, model, temporary, family, family.write_gguf_keys, file_type, stored, name, tokens, token_types,
+               tokenizer, eos, merges)
 
 
 def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) -> np.ndarray:
@@ -247,22 +254,24 @@ def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) 
     return converted
 
 
-def _write(gguf: ModuleType, model: RecurrentModel, path: str, arch: str, family_keys: Callable[[Any, Any], None],
+def _write(gguf: ModuleType, model: LanguageModel, path: str, family: Family, family_keys: Callable[[Any, Any], None],
            file_type: str,
            stored: dict[str, np.ndarray], name: str, tokens: Sequence[str] | None, token_types: Sequence[int] | None,
            tokenizer: str, eos: int | None, merges: Sequence[str] | None) -> None:
     """The GGUF file of ``write_gguf`` at ``path``: its keys, then the ``stored`` tensors."""
-    p = model.hparams
-    writer = gguf.GGUFWriter(path, arch)
+    p: Any = model.hparams
+    writer = gguf.GGUFWriter(path, family.gguf_arch)
     writer.add_name(name)
     writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
     writer.add_embedding_length(p.n_embd)
-    writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
-    writer.add_head_count(0)           # likewise
+    if not family.gguf_own_keys:
+        writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
+        writer.add_head_count(0)           # likewise
     writer.add_block_count(p.n_layer)
-    writer.add_ssm_conv_kernel(p.d_conv)
-    writer.add_ssm_inner_size(p.d_inner)
-    writer.add_ssm_state_size(p.d_state)
+    if not family.gguf_own_keys:
+        writer.add_ssm_conv_kernel(p.d_conv)
+        writer.add_ssm_inner_size(p.d_inner)
+        writer.add_ssm_state_size(p.d_state)
     family_keys(writer, model)
     writer.add_vocab_size(p.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
