@@ -38,7 +38,7 @@ One layer on ``u`` [n_seqs, n_tokens, n_embd] (already normed), per token, with
 The state is rounded to its storage after every token (the package's policy,
 docs/models.md), and each token's projections are computed as a product of
 its own row (``_per_token``): on numpy a sequence's outputs and states are
-the same bits whatever its ubatch split.
+the same bits whatever its ubatch split and whichever sequences share it.
 
 **Where llama.cpp and transformers differ.**  llama.cpp's l2 norm of q and k
 uses the model's ``rms_norm_eps`` (``build_gdn_l2_norm``), transformers a
