@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from recurrent_cache.errors import ModelError
-from recurrent_cache.models._deltanet import (GGUF_TENSORS, HF_DEFAULTS, DeltaNetParams, deltanet_weights_from_hf,
-                                              gated_deltanet, gguf_shapes, qkvz_split, random_deltanet_weights,
-                                              weight_shapes)
+from recurrent_cache.models._deltanet import (GGUF_TENSORS, HF_DEFAULTS, DeltaNetParams, deltanet_weights_from_gguf,
+                                              deltanet_weights_from_hf, gated_deltanet, gguf_shapes, qkvz_split,
+                                              random_deltanet_weights, weight_shapes)
 from recurrent_cache.models._storage import StateStorage
 
 PARAMS = DeltaNetParams(n_embd=24, d_conv=4, n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=6)
@@ -154,3 +154,44 @@ def test_bad_config_fields_are_refused_by_name(field, value, named):
         del config[field]
     with pytest.raises(ModelError, match=named):
         DeltaNetParams.from_hf_config(config)
+
+
+LLAMA_SHAPED = DeltaNetParams(n_embd=24, d_conv=4, n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=8)
+
+
+def test_gguf_keys_read_back_as_the_same_sizes():
+    keys = LLAMA_SHAPED.gguf_keys()
+    assert keys["ssm.inner_size"] == 32 and keys["ssm.state_size"] == 8
+    read = DeltaNetParams.from_gguf(lambda name, kind: kind(keys[name]), n_embd=24, rms_eps=1e-6)
+    assert read == LLAMA_SHAPED
+
+
+@pytest.mark.parametrize(("params", "named"), [
+    (PARAMS, "head_k_dim 8 != head_v_dim 6"),
+    (DeltaNetParams(n_embd=24, d_conv=4, n_k_heads=2, n_v_heads=4, head_k_dim=8, head_v_dim=8, rms_eps=1e-5),
+     "l2_eps")])
+def test_gguf_keys_refuse_a_layer_llama_cpp_computes_otherwise(params, named):
+    with pytest.raises(ModelError, match=named):
+        params.gguf_keys()
+
+
+def test_gguf_weights_read_the_fused_and_the_legacy_projections_alike():
+    p = LLAMA_SHAPED
+    w = random_deltanet_weights(np.random.default_rng(2), p)
+    stored = {GGUF_TENSORS[field]: value for field, value in w.items()}
+    # the legacy file: q, k, v, z per key head in one ssm_in (qkvz_split's inverse)
+    q, k = w["wqkv"][:p.key_dim], w["wqkv"][p.key_dim:2 * p.key_dim]
+    v, z = w["wqkv"][2 * p.key_dim:], w["wqkv_gate"]
+    per_head = [np.concatenate([part.reshape((p.n_k_heads, -1, p.n_embd))[h] for part in (q, k, v, z)])
+                for h in range(p.n_k_heads)]
+    legacy = {name: value for name, value in stored.items() if name not in ("attn_qkv.weight", "attn_gate.weight")}
+    legacy["ssm_in.weight"] = np.concatenate(per_head)
+    for file in (stored, legacy):
+        read = deltanet_weights_from_gguf(lambda name, shape, file=file: file.get(name), p)
+        assert set(read) == set(w) and all(np.array_equal(read[field], w[field]) for field in w)
+    del legacy["ssm_in.weight"]
+    with pytest.raises(ModelError, match="neither attn_qkv.weight nor ssm_in.weight"):
+        deltanet_weights_from_gguf(lambda name, shape: legacy.get(name), p)
+    del stored["ssm_ba.weight"]
+    with pytest.raises(ModelError, match="ssm_ba.weight"):
+        deltanet_weights_from_gguf(lambda name, shape: stored.get(name), p)

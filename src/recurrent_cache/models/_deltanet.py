@@ -63,8 +63,9 @@ from ._storage import StateStorage
 from .hf import MAX_CONFIG_INT, as_float
 from .recurrent import check_sizes
 
-__all__ = ["GGUF_TENSORS", "HF_DEFAULTS", "PRODUCTS", "DeltaNetParams", "deltanet_weights_from_hf", "delta_rule",
-           "gated_deltanet", "gguf_shapes", "qkvz_split", "random_deltanet_weights", "weight_shapes"]
+__all__ = ["GGUF_TENSORS", "HF_DEFAULTS", "PRODUCTS", "DeltaNetParams", "deltanet_weights_from_gguf",
+           "deltanet_weights_from_hf", "delta_rule", "gated_deltanet", "gguf_shapes", "qkvz_split",
+           "random_deltanet_weights", "weight_shapes"]
 
 # What transformers' Qwen3NextConfig takes for a field config.json leaves out.
 HF_DEFAULTS: dict[str, Any] = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -115,6 +116,29 @@ class DeltaNetParams:
         return cls(n_embd=size("hidden_size"), d_conv=size("linear_conv_kernel_dim"),
                    n_k_heads=size("linear_num_key_heads"), n_v_heads=size("linear_num_value_heads"),
                    head_k_dim=size("linear_key_head_dim"), head_v_dim=size("linear_value_head_dim"), rms_eps=eps)
+
+    @classmethod
+    def from_gguf(cls, key: Callable[[str, type], Any], n_embd: int, rms_eps: float) -> DeltaNetParams:
+        """The sizes of llama.cpp's ``qwen3next`` GGUF keys: ``key(name, kind)`` reads ``<arch>.<name>``
+        (``GGUFReader.key``); the l2 norm's epsilon is ``rms_eps``, as llama.cpp computes it."""
+        n_v_heads, d_inner = key("ssm.time_step_rank", int), key("ssm.inner_size", int)
+        if n_v_heads < 1 or d_inner % n_v_heads:
+            raise ModelError(f"GGUF key ssm.inner_size {d_inner} is not a multiple of ssm.time_step_rank {n_v_heads}")
+        return cls(n_embd=n_embd, d_conv=key("ssm.conv_kernel", int), n_k_heads=key("ssm.group_count", int),
+                   n_v_heads=n_v_heads, head_k_dim=key("ssm.state_size", int), head_v_dim=d_inner // n_v_heads,
+                   rms_eps=rms_eps, l2_eps=rms_eps)
+
+    def gguf_keys(self) -> dict[str, int]:
+        """llama.cpp's ``qwen3next`` GGUF keys of these sizes (``<arch>.`` + name), or ``ModelError`` for a layer
+        llama.cpp would compute otherwise: Dk != Dv, or an l2 epsilon other than ``rms_eps``."""
+        if self.head_k_dim != self.head_v_dim:
+            raise ModelError(f"head_k_dim {self.head_k_dim} != head_v_dim {self.head_v_dim}: llama.cpp's qwen3next "
+                             "has one ssm.state_size for both")
+        if self.l2_eps != self.rms_eps:
+            raise ModelError(f"l2_eps {self.l2_eps} != rms_eps {self.rms_eps}: llama.cpp's l2 norm of q and k "
+                             "uses rms_eps, so the GGUF file would be another model")
+        return {"ssm.conv_kernel": self.d_conv, "ssm.state_size": self.head_k_dim, "ssm.group_count": self.n_k_heads,
+                "ssm.time_step_rank": self.n_v_heads, "ssm.inner_size": self.value_dim}
 
     @property
     def key_dim(self) -> int:
@@ -213,6 +237,30 @@ def deltanet_weights_from_hf(weight: Callable[[str, tuple[int, ...]], np.ndarray
         "ssm_norm": weight("norm.weight", (p.head_v_dim,)),
         "ssm_out": weight("out_proj.weight", (p.n_embd, p.value_dim)),
     }
+
+
+def deltanet_weights_from_gguf(tensor: Callable[[str, tuple[int, ...]], np.ndarray | None],
+                               p: DeltaNetParams) -> dict[str, np.ndarray]:
+    """The weights of one layer of a llama.cpp GGUF file: ``tensor(suffix, shape)`` reads ``blk.N.<suffix>``, None
+    when the file has no such tensor.  A legacy file's ``ssm_in.weight`` (transformers' ``in_proj_qkvz``) stands
+    for ``attn_qkv`` and ``attn_gate``."""
+    shapes = gguf_shapes(p)
+
+    def required(field: str) -> np.ndarray:
+        values = tensor(GGUF_TENSORS[field], shapes[field])
+        if values is None:
+            raise ModelError(f"tensor {GGUF_TENSORS[field]} of a Gated DeltaNet layer is missing")
+        return values
+    fused = tensor("attn_qkv.weight", shapes["wqkv"])
+    if fused is None:
+        legacy = tensor("ssm_in.weight", (2 * p.key_dim + 2 * p.value_dim, p.n_embd))
+        if legacy is None:
+            raise ModelError("a Gated DeltaNet layer has neither attn_qkv.weight nor ssm_in.weight")
+        wqkv, wqkv_gate = qkvz_split(legacy, p)
+    else:
+        wqkv, wqkv_gate = fused, required("wqkv_gate")
+    return {"wqkv": wqkv, "wqkv_gate": wqkv_gate} | {field: required(field) for field in GGUF_TENSORS
+                                                      if field not in ("wqkv", "wqkv_gate")}
 
 
 def random_deltanet_weights(rng: np.random.Generator, p: DeltaNetParams) -> dict[str, np.ndarray]:
