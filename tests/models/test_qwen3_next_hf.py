@@ -1,0 +1,122 @@
+"""Qwen3-Next (models/qwen3_next.py) from a ``save_pretrained`` directory against transformers'
+``Qwen3NextForCausalLM``: every logit the package computes through the hybrid cache equals transformers'
+full-sequence forward of that sequence within 1e-4 of the largest logit, float32 and float64, numpy and torch
+storage — prompts of three sequences in one batch split into ubatches of 3 tokens, decode steps, a fork that
+follows its parent, a rollback of drafted tokens.
+
+Measured, of the largest logit (about 8 here), numpy / torch storage: float64 6.2e-6 / 6.2e-6, float32 5.3e-6 /
+7.0e-6 (transformers computes the delta rule, its norms and the router's softmax in float32 whatever the model's
+dtype, and the cache keeps f32 states); the rollback 2.0e-7.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import recurrent_cache as rc
+from recurrent_cache.models import Qwen3NextModel, load_hf
+
+torch = pytest.importorskip("torch", reason="the transformers comparison needs torch (CPU)")
+transformers = pytest.importorskip("transformers", reason="the comparison is against transformers' Qwen3-Next")
+pytest.importorskip("recurrent_cache.models.torch_forward", reason="torch storage needs array-api-compat")
+
+PROMPTS = ([5, 17, 60, 3, 9, 41, 8], [50, 1, 2, 33], [7, 7, 21, 63, 12])
+DECODED = ([11, 12, 13], [14, 15, 16], [17, 18, 19])
+N_UBATCH = 3
+TOLERANCE = 1e-4   # of the largest logit (issue 27)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-Next saved by transformers: Gated DeltaNet layers 0 and 2, attention layers 1 and 3,
+    experts (with the shared expert) on layers 0, 1, 3, a dense MLP on layer 2 (``mlp_only_layers``); value heads
+    sharing a key head.  Every parameter is drawn at random (norm weights away from 0), A as transformers draws it."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[2],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    module = transformers.Qwen3NextForCausalLM(config)
+    module.set_experts_implementation("eager")   # the grouped product takes no float64
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            parameter.copy_(torch.randn_like(parameter) * (0.2 if parameter.ndim == 1 else 0.5))
+            if name.endswith("A_log"):
+                parameter.copy_(torch.log(torch.empty_like(parameter).uniform_(0.01, 16.0)))
+    directory = tmp_path_factory.mktemp("qwen3_next")
+    module.save_pretrained(directory)
+    return directory, module.eval()
+
+
+def reference(module, tokens, dtype):
+    """transformers' logits of one sequence's tokens, in ``dtype``."""
+    with torch.no_grad():
+        return module.to(dtype)(torch.tensor([tokens])).logits[0].double().numpy()
+
+
+def host(logits):
+    """Logits as a float64 numpy array (torch storage gives a torch tensor)."""
+    return np.asarray(logits if isinstance(logits, np.ndarray) else logits.numpy(), dtype=np.float64)
+
+
+def run(model, cache, tokens, seq_ids, positions):
+    """Every token's logits through the cache, by (seq, pos)."""
+    st = cache.init_batch(rc.Batch(token=tokens, pos=positions, seq_id=seq_ids, logits=[1] * len(tokens)), N_UBATCH)
+    logits = host(model.forward(st))
+    return {(seq_ids[i], positions[i]): logits[row] for row, i in enumerate(st.out_ids)}
+
+
+def assert_close(ours, theirs):
+    scale = float(np.max(np.abs(theirs)))
+    error = float(np.max(np.abs(ours - theirs)))
+    assert error <= TOLERANCE * scale, f"{error / scale:.2e} of the largest logit"
+
+
+DTYPES = {"f64": (np.float64, torch.float64), "f32": (np.float32, torch.float32)}
+
+
+@pytest.mark.parametrize("storage", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_prompts_decode_and_fork_equal_transformers(checkpoint, storage, dtype):
+    directory, module = checkpoint
+    np_dtype, torch_dtype = DTYPES[dtype]
+    model = load_hf(directory, dtype=np_dtype)
+    assert isinstance(model, Qwen3NextModel)
+    assert model.hparams.attn_layers == (1, 3) and model.hparams.moe_layers == (0, 1, 3)
+    cache = model.new_cache(n_seq_max=4, kv_size=64, storage=storage)
+    got = run(model, cache, [t for p in PROMPTS for t in p], [s for s, p in enumerate(PROMPTS) for _ in p],
+              [i for p in PROMPTS for i in range(len(p))])
+    cache.seq_cp(0, 3)   # the fork follows its parent's prompt, then decodes tokens of its own
+    fork_tokens = [31, 32, 33]
+    for step in range(3):
+        tokens = [DECODED[s][step] for s in range(3)] + [fork_tokens[step]]
+        positions = [len(p) + step for p in PROMPTS] + [len(PROMPTS[0]) + step]
+        got |= run(model, cache, tokens, [0, 1, 2, 3], positions)
+    sequences = [p + d for p, d in zip(PROMPTS, DECODED)] + [PROMPTS[0] + fork_tokens]
+    for seq, tokens in enumerate(sequences):
+        theirs = reference(module, tokens, torch_dtype)
+        first = len(PROMPTS[0]) if seq == 3 else 0
+        ours = np.stack([got[(seq, pos)] for pos in range(first, len(tokens))])
+        assert_close(ours, theirs[first:])
+
+
+@pytest.mark.parametrize("storage", ["numpy", "torch"])
+def test_rollback_of_drafted_tokens_equals_the_shorter_sequence(checkpoint, storage):
+    directory, module = checkpoint
+    model = load_hf(directory, dtype=np.float64)
+    cache = model.new_cache(n_seq_max=1, kv_size=64, storage=storage, n_rollback=3)
+    prompt = PROMPTS[0]
+    run(model, cache, prompt, [0] * len(prompt), list(range(len(prompt))))
+    drafted = [40, 41, 42]   # three drafted tokens in one ubatch; only the first is accepted
+    n = len(prompt)
+    run(model, cache, drafted, [0] * 3, [n, n + 1, n + 2])
+    assert cache.seq_rm(0, n + 1, -1)
+    got = run(model, cache, [43], [0], [n + 1])
+    theirs = reference(module, prompt + [40, 43], torch.float64)
+    assert_close(got[(0, n + 1)], theirs[-1])
+    # the rolled-back state really is the one after token 40: the logits after 41 would differ
+    assert not np.allclose(got[(0, n + 1)], reference(module, prompt + drafted[:2] + [43], torch.float64)[-1],
+                           atol=TOLERANCE * 10)
