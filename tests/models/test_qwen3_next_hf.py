@@ -2,7 +2,8 @@
 ``Qwen3NextForCausalLM``: every logit the package computes through the hybrid cache equals transformers'
 full-sequence forward of that sequence within 1e-4 of the largest logit, float32 and float64, numpy and torch
 storage — prompts of three sequences in one batch split into ubatches of 3 tokens, decode steps, a fork that
-follows its parent, a rollback of drafted tokens.
+follows its parent, a rollback of drafted tokens, a sequence moved through its state blob into a second memory.
+A config the package cannot run is refused naming the field.
 
 Measured, of the largest logit (about 8 here), numpy / torch storage: float64 6.2e-6 / 6.2e-6, float32 5.3e-6 /
 7.0e-6 (transformers computes the delta rule, its norms and the router's softmax in float32 whatever the model's
@@ -11,10 +12,14 @@ dtype, and the cache keeps f32 states); the rollback 2.0e-7.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
 import recurrent_cache as rc
+from recurrent_cache.errors import ModelError
 from recurrent_cache.models import Qwen3NextModel, load_hf
 
 torch = pytest.importorskip("torch", reason="the transformers comparison needs torch (CPU)")
@@ -120,3 +125,35 @@ def test_rollback_of_drafted_tokens_equals_the_shorter_sequence(checkpoint, stor
     # the rolled-back state really is the one after token 40: the logits after 41 would differ
     assert not np.allclose(got[(0, n + 1)], reference(module, prompt + drafted[:2] + [43], torch.float64)[-1],
                            atol=TOLERANCE * 10)
+
+
+@pytest.mark.parametrize("storage", ["numpy", "torch"])
+def test_a_sequence_moved_through_its_state_blob_continues_as_transformers(checkpoint, storage):
+    directory, module = checkpoint
+    model = load_hf(directory, dtype=np.float64)
+    first = model.new_cache(n_seq_max=2, kv_size=64, storage=storage)
+    prompt = PROMPTS[2]
+    run(model, first, prompt, [1] * len(prompt), list(range(len(prompt))))
+    second = model.new_cache(n_seq_max=3, kv_size=64, storage=storage)
+    second.state_read(first.state_write(1), 2)   # both halves: the KV cells and the Gated DeltaNet rows
+    got = run(model, second, [30], [2], [len(prompt)])
+    assert_close(got[(2, len(prompt))], reference(module, prompt + [30], torch.float64)[-1])
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("layer_types", ["linear_attention", "full_attention"], "layer_types"),
+    ("layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"], "layer_types"),
+    ("attention_bias", True, "attention_bias"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters"),
+    ("linear_num_value_heads", 3, "n_v_heads 3"),
+    ("hidden_act", "gelu", "hidden_act")])
+def test_a_config_the_package_cannot_run_is_refused_by_name(checkpoint, tmp_path, field, value, named):
+    directory, _ = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config[field] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=named) as refused:
+        load_hf(copy)
+    assert "config.json" in str(refused.value)
