@@ -32,11 +32,13 @@ from ..errors import ConfigError, ModelError
 from ._arrays import Array
 from ._attention import AttentionParams, Rope
 from ._deltanet import PRODUCTS as DELTANET_PRODUCTS
-from ._deltanet import DeltaNetParams, deltanet_weights_from_hf, gated_deltanet, random_deltanet_weights, weight_shapes
+from ._deltanet import (DeltaNetParams, deltanet_weights_from_gguf, deltanet_weights_from_hf, gated_deltanet,
+                        random_deltanet_weights, weight_shapes)
 from ._ffn import MoeParams, mlp, moe
 from ._registry import Family, register
 from ._ssm import random_head, rms_norm
 from ._storage import StateStorage
+from .gguf_io import GGUFReader
 from .hf import Checkpoint, as_float, built
 from .hybrid_model import HybridModel, LayerRun
 from .recurrent import check_sizes
@@ -49,6 +51,11 @@ ARCH = "qwen3next"
 _ATTENTION = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight", "wo": "o_proj.weight",
               "q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
 _MLP = {"ffn_gate": "gate_proj.weight", "ffn_up": "up_proj.weight", "ffn_down": "down_proj.weight"}
+# llama.cpp's GGUF tensor of a field (``blk.N.`` + this) where it is not the field's name + ".weight"
+# (``conversion/qwen.py``, ``llama-arch.cpp``); the Gated DeltaNet's are ``_deltanet.GGUF_TENSORS``
+_GGUF_NAMES = {"ffn_norm": "post_attention_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+               "wv": "attn_v.weight", "wo": "attn_output.weight", "q_norm": "attn_q_norm.weight",
+               "k_norm": "attn_k_norm.weight"}
 _PRODUCTS = DELTANET_PRODUCTS | frozenset({"wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp",
                                            "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"})
 
@@ -288,5 +295,58 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: Qwen3Next
     return layer
 
 
+# -- GGUF files (llama.cpp's qwen3next, as its converter writes them) -------------------------------------
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> Qwen3NextModel:
+    """The model of a GGUF file of architecture ``qwen3next`` (``load_gguf``).
+
+    The attention layers are those ``attention.recurrent_layers`` marks False (else every
+    ``full_attention_interval``-th, as llama.cpp falls back); a layer uses experts where the file has its
+    ``ffn_gate_inp`` (llama.cpp's converter writes experts on every layer); the chosen experts' weights are
+    renormalised, as llama.cpp always does for qwen3next.
+    """
+    n_layer, n_embd = sizes["n_layer"], sizes["n_embd"]
+    recurrent = read.key("attention.recurrent_layers", list, [])
+    if recurrent:
+        if len(recurrent) < n_layer or any(not isinstance(flag, bool) for flag in recurrent[:n_layer]):
+            raise ModelError(f"GGUF key {read.arch}.attention.recurrent_layers is not {n_layer} booleans")
+        attn_layers = tuple(il for il in range(n_layer) if not recurrent[il])
+    else:
+        interval = read.key("full_attention_interval", int, 4)
+        attn_layers = tuple(il for il in range(n_layer) if (il + 1) % interval == 0)
+    moe_layers = tuple(il for il in range(n_layer) if f"blk.{il}.ffn_gate_inp.weight" in read.file.tensors)
+    try:
+        deltanet = DeltaNetParams.from_gguf(read.key, n_embd, sizes["rms_eps"])
+    except ModelError as exc:
+        raise ModelError(f"GGUF {read.arch}: {exc}") from None
+    p = Qwen3NextHParams(n_vocab=sizes["n_vocab"], n_embd=n_embd, n_layer=n_layer,
+                         n_head=read.key("attention.head_count", int),
+                         n_head_kv=read.key("attention.head_count_kv", int),
+                         head_dim=read.key("attention.key_length", int), n_rot=read.key("rope.dimension_count", int),
+                         deltanet=deltanet, attn_layers=attn_layers, moe_layers=moe_layers,
+                         n_ff=read.key("feed_forward_length", int, 1),
+                         n_ff_exp=read.key("expert_feed_forward_length", int, 1),
+                         n_ff_shexp=read.key("expert_shared_feed_forward_length", int, 1),
+                         n_expert=read.key("expert_count", int, 1) if moe_layers else 1,
+                         n_expert_used=read.key("expert_used_count", int, 1) if moe_layers else 1,
+                         norm_top_k=True, rope_base=read.key("rope.freq_base", float, 10000.0),
+                         rms_eps=sizes["rms_eps"])
+    layers = []
+    for il in range(n_layer):
+        def tensor(suffix: str, shape: tuple[int, ...], il: int = il) -> np.ndarray | None:
+            name = f"blk.{il}.{suffix}"
+            return read.tensor(name, shape) if name in read.file.tensors else None
+        shapes = layer_shapes(p, il)
+        layer = {} if il in p.attn_layers else deltanet_weights_from_gguf(tensor, deltanet)
+        for field, shape in shapes.items():
+            if field not in layer:
+                layer[field] = read.tensor(f"blk.{il}.{_GGUF_NAMES.get(field, field + '.weight')}", shape)
+        layers.append(layer)
+    token_embd, output_norm, output = head
+    return Qwen3NextModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
 FAMILY = register(Family(label="Qwen3-Next", gguf_arch=ARCH, hf_architecture="Qwen3NextForCausalLM",
-                         model_class=Qwen3NextModel, from_hf=_from_hf))
+                         model_class=Qwen3NextModel, from_hf=_from_hf, from_gguf=_from_gguf))
