@@ -184,30 +184,21 @@ def write_converted_gguf(module, path, legacy_ssm_in=False):
     gguf = pytest.importorskip("gguf", reason="writing a GGUF file needs gguf-py")
     c = module.config
     writer = gguf.GGUFWriter(path, "qwen3next")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_expert_count(c.num_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
-    writer.add_ssm_state_size(c.linear_key_head_dim)
-    writer.add_ssm_group_count(c.linear_num_key_heads)
-    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
-    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    keys = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+            "head_count": c.num_attention_heads, "head_count_kv": c.num_key_value_heads, "key_length": c.head_dim,
+            "value_length": c.head_dim, "rope_freq_base": c.rope_parameters["rope_theta"],
+            "rope_dimension_count": int(c.head_dim * c.rope_parameters["partial_rotary_factor"]),
+            "layer_norm_rms_eps": c.rms_norm_eps, "expert_count": c.num_experts,
+            "expert_used_count": c.num_experts_per_tok, "expert_feed_forward_length": c.moe_intermediate_size,
+            "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
+            "ssm_conv_kernel": c.linear_conv_kernel_dim, "ssm_state_size": c.linear_key_head_dim,
+            "ssm_group_count": c.linear_num_key_heads, "ssm_time_step_rank": c.linear_num_value_heads,
+            "ssm_inner_size": c.linear_value_head_dim * c.linear_num_value_heads, "full_attention_interval": 4,
+            "tokenizer_model": "no_vocab", "vocab_size": c.vocab_size}
+    for key, value in keys.items():   # gguf-py's add_<key>: the converter's calls
+        getattr(writer, f"add_{key}")(value)
     writer.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
-    writer.add_full_attention_interval(4)
-    writer.add_tokenizer_model("no_vocab")
-    writer.add_vocab_size(c.vocab_size)
     tensors = {name: value.detach().double().numpy() for name, value in module.state_dict().items()}
     out = {"token_embd.weight": tensors.pop("model.embed_tokens.weight"),
            "output.weight": tensors.pop("lm_head.weight"), "output_norm.weight": 1.0 + tensors.pop("model.norm.weight")}

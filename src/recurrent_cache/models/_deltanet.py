@@ -58,6 +58,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ._arrays import Array
+from ._ffn import sigmoid
 from ._ssm import causal_conv, conv_state_after, conv_window, random_conv, random_dt_bias, rms_norm, silu, softplus
 from ._storage import StateStorage
 from .hf import MAX_CONFIG_INT, as_float
@@ -353,7 +354,7 @@ def gated_deltanet(xp: Any, p: DeltaNetParams, w: dict[str, Array], u: Array, co
     if p.heads_per_key > 1:   # value head h reads key head h // heads_per_key
         q, k = xp.repeat(q, p.heads_per_key, axis=2), xp.repeat(k, p.heads_per_key, axis=2)
     g = w["ssm_a"] * softplus(xp, a + w["ssm_dt_b"])
-    beta = 1.0 / (1.0 + xp.exp(-b))
+    beta = sigmoid(xp, b)
 
     state = ssm.reshape((n_seqs, n_v, d_v, d_k))
     y, state, ssm_steps = delta_rule(xp, state, q * (1.0 / math.sqrt(d_k)), k, v, g, beta, storage_s, m)
