@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch", reason="the transformers comparison needs t
 transformers = pytest.importorskip("transformers", reason="the comparison is against transformers' Qwen3-Next")
 torch_forward = pytest.importorskip("recurrent_cache.models.torch_forward",
                                     reason="the torch backend needs array-api-compat (the torch extra)")
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet  # noqa: E402
 
 # (key heads, value heads, key head dim, value head dim): value heads sharing a key head, Dk != Dv (transformers
 # allows it, llama.cpp does not); then llama.cpp's shape (Dk == Dv), one value head per key head, d_conv 3
@@ -47,7 +46,7 @@ def module_of(config_name, dtype):
     config = transformers.Qwen3NextConfig(hidden_size=N_EMBD, num_hidden_layers=1, layer_types=["linear_attention"],
                                           **CONFIGS[config_name])
     torch.manual_seed(4)
-    module = Qwen3NextGatedDeltaNet(config, layer_idx=0)
+    module = transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet(config, layer_idx=0)
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.copy_(torch.randn_like(parameter) * 0.3)
