@@ -160,6 +160,22 @@ def test_a_config_the_package_cannot_run_is_refused_by_name(checkpoint, tmp_path
     assert "config.json" in str(refused.value)
 
 
+def test_a_transformers_4_config_gives_its_rope_from_the_top_level(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    config = json.loads((copy / "config.json").read_text())
+    del config["rope_parameters"]   # as transformers 4 saved the released checkpoints
+    config |= {"rope_theta": 5e5, "partial_rotary_factor": 0.5, "rope_scaling": None}
+    (copy / "config.json").write_text(json.dumps(config))
+    p = load_hf(copy).hparams
+    assert (p.rope_base, p.n_rot) == (5e5, 4)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="rope_scaling"):
+        load_hf(copy)
+
+
 # transformers' name (under model.layers.N.) -> llama.cpp's (blk.N.), as conversion/qwen.py's Qwen3NextModel and
 # gguf-py's tensor map name them; a dense MLP (mlp_only_layers, which llama.cpp's converter cannot map) as ffn_*
 GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",

@@ -227,8 +227,15 @@ def _layer_kinds(checkpoint: Checkpoint, n_layer: int) -> tuple[tuple[int, ...],
 
 
 def _rope(checkpoint: Checkpoint, head_dim: int) -> tuple[int, float]:
-    """n_rot and the frequency base of ``rope_parameters`` (default rope only)."""
-    rope = checkpoint.config.get("rope_parameters") or {}
+    """n_rot and the frequency base: transformers 5's ``rope_parameters``, or the top-level ``rope_theta`` /
+    ``partial_rotary_factor`` of a config saved by transformers 4 (the released checkpoints'); the default rope
+    type only."""
+    config = checkpoint.config
+    rope = config.get("rope_parameters")
+    if rope is None:
+        if config.get("rope_scaling") is not None:
+            raise checkpoint.refuse("rope_scaling", "only the default rope type is supported")
+        rope = {key: config[key] for key in ("rope_theta", "partial_rotary_factor") if key in config}
     if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
         raise checkpoint.refuse("rope_parameters", "only the default rope type is supported")
     base, factor = as_float(rope.get("rope_theta", 10000.0)), as_float(rope.get("partial_rotary_factor", 0.25))
