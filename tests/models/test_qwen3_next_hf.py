@@ -176,6 +176,23 @@ def test_a_transformers_4_config_gives_its_rope_from_the_top_level(checkpoint, t
         load_hf(copy)
 
 
+def test_the_multi_token_prediction_head_of_a_checkpoint_is_left_unread(checkpoint, tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="writing the checkpoint needs safetensors")
+    directory, module = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    tensors = safetensors_numpy.load_file(copy / "model.safetensors")
+    tensors["mtp.fc.weight"] = np.ones((32, 64), np.float32)   # what the released checkpoints carry
+    safetensors_numpy.save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    model = load_hf(copy)
+    got = run(model, model.new_cache(n_seq_max=1, kv_size=64), PROMPTS[1], [0] * 4, list(range(4)))
+    assert_close(np.stack([got[(0, pos)] for pos in range(4)]), reference(module, PROMPTS[1], torch.float64))
+    tensors["model.extra.weight"] = np.ones((2, 2), np.float32)   # anything else is still another configuration's
+    safetensors_numpy.save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="model.extra.weight"):
+        load_hf(copy)
+
+
 # transformers' name (under model.layers.N.) -> llama.cpp's (blk.N.), as conversion/qwen.py's Qwen3NextModel and
 # gguf-py's tensor map name them; a dense MLP (mlp_only_layers, which llama.cpp's converter cannot map) as ffn_*
 GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",

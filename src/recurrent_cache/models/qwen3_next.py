@@ -264,6 +264,9 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Qw
               norm_top_k=field("norm_topk_prob", bool, True), rope_base=rope_base,
               rms_eps=checkpoint.positive_float("rms_norm_eps", 1e-6, high=1.0))
     layers = [_hf_layer(checkpoint.layer_tensors(il, "model.layers"), p, il) for il in range(n_layer)]
+    # the multi-token-prediction head of the released checkpoints (mtp.*): a draft model's, not the forward's
+    # (llama.cpp's converter keeps it as extra layers its main pass does not run)
+    checkpoint.unread -= {name for name in checkpoint.unread if name.startswith("mtp.")}
     token_embd = checkpoint.tensor("model.embed_tokens.weight", (p.n_vocab, n_embd))
     output_norm = 1.0 + checkpoint.tensor("model.norm.weight", (n_embd,)).astype(np.float64)
     tied = field("tie_word_embeddings", bool, False)
