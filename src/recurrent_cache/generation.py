@@ -225,7 +225,7 @@ class DraftModel:
             raise ConfigError(f"the draft model's cache cannot take a batch of {len(tokens)} tokens "
                               f"({st.status.name})")
         rows = host_logits(self.model.forward(st))
-        return rows[np.argsort(st.out_ids, kind="stable")]   # one output per feed, by batch index
+        return rows[np.argsort(st.out_ids)]   # one output per feed: by batch index is in feed order
 
 
 class Generator:
@@ -283,6 +283,7 @@ class Generator:
         self.free_seqs = list(range(n_seq_max))
         self.stats = Stats()
         self.ids = itertools.count()
+        self.unreported: list[Event] = []   # events of forks started between steps
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -380,11 +381,15 @@ class Generator:
             raise ArgumentError(f"{len(seeds)} seeds for {n} forks")
         if parent.finished:
             raise ArgumentError(f"request {parent.id} has finished ({parent.finish_reason}): it has no state to fork")
+        children = [self.child(parent, seed) for seed in seeds]
+        cells = sum(map(self.cells_needed, children))
         if parent in self.waiting:
             if len(parent.pending) + 1 + n > self.n_seq_max:
                 raise ArgumentError(f"{len(parent.pending) + 1 + n} samples of request {parent.id} need as many "
                                     f"sequences; the generator runs {self.n_seq_max}")
-            children = [self.child(parent, seed) for seed in seeds]
+            if self.kv_size is not None and self.cells_needed(parent) + cells > self.kv_size:
+                raise ArgumentError(f"request {parent.id} and {len(parent.pending) + n} forks may need "
+                                    f"{self.cells_needed(parent) + cells} KV cells; the cache has {self.kv_size}")
             parent.forks += children
             parent.pending += children
             return children
@@ -393,12 +398,14 @@ class Generator:
         if n > len(self.free_seqs):
             raise NoFreeCellError(f"{n} forks of request {parent.id} need {n} free sequences; "
                                   f"{len(self.free_seqs)} are free")
-        children = [self.child(parent, seed) for seed in seeds]
+        if self.kv_size is not None and sum(map(self.cells_needed, self.running)) + cells > self.kv_size:
+            raise NoFreeCellError(f"{n} forks of request {parent.id} may need {cells} more KV cells than the "
+                                  f"running requests hold; the cache has {self.kv_size}")
         for child in children:
             child.seq = self.free_seqs.pop(0)
         parent.forks += children
-        if parent.prefilled:
-            self.start_forks(parent, children, [])
+        if parent.prefilled:   # their first tokens, sampled now, are the next step's first events
+            self.start_forks(parent, children, self.unreported)
         else:
             parent.pending += children     # their sequences are reserved: they join at the prompt's end
         return children
@@ -407,7 +414,9 @@ class Generator:
         """Stop ``request`` (waiting or running) and free its sequence; finished requests are left."""
         if request in self.waiting:
             self.waiting.remove(request)
-            request.finish_reason = "cancelled"
+            for r in [request, *request.pending]:
+                r.finish_reason = "cancelled"
+            request.pending = []
         elif request in self.running:
             self.release(request, "cancelled")
 
@@ -415,14 +424,14 @@ class Generator:
 
     @property
     def done(self) -> bool:
-        """Whether no request waits or runs."""
-        return not self.waiting and not self.running
+        """Whether no request waits or runs and every event has been returned."""
+        return not self.waiting and not self.running and not self.unreported
 
     def step(self) -> list[Event]:
         """One continuous-batching step: admit waiting requests into free sequences, run one
         ``init_batch`` of every running request's decode tokens and the prompt chunks that fit in
         ``n_batch``, sample, finish; the events, one per request that added tokens or finished."""
-        events: list[Event] = []
+        events, self.unreported = self.unreported, []
         self.admit()
         feeds = self.feeds()
         if not feeds:
@@ -542,9 +551,9 @@ class Generator:
             logits = host_logits(self.model.forward(st))
         stats.ubatches += st.n_ubatches
         rows: list[list[np.ndarray]] = [[] for _ in feeds]
-        out_ids = np.asarray(st.out_ids)
-        order = np.argsort(out_ids, kind="stable")   # increasing batch index: each feed's rows in position order
-        for row, batch_index in zip(logits[order], out_ids[order].tolist()):
+        # a sequence's tokens keep their order within a ubatch and across ubatches: each feed's rows
+        # come in position order, whatever order the ubatches take the feeds in
+        for row, batch_index in zip(logits, st.out_ids.tolist()):
             rows[feed_of[batch_index]].append(row)
         return rows
 
@@ -635,8 +644,9 @@ class Generator:
         if reason != "cancelled":
             self.save(request)
         seqs = [request.seq] + [child.seq for child in request.pending]
-        for child in request.pending:
-            child.finish_reason = "cancelled"
+        for child in request.pending:   # forks that never started: cancelled with it, or as empty as it
+            child.finish_reason = reason
+            child.seq = -1
         request.pending = []
         with self.stats.timing("cache"):
             for seq in seqs:

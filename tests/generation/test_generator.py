@@ -26,7 +26,8 @@ def alone(prompt: list[int], n: int, sampler: Sampler, model=MODEL) -> list[int]
     return tokens
 
 
-@pytest.mark.parametrize("n_seq_max, n_ubatch, n_batch", [(1, 64, 2048), (3, 4, 7), (4, 1, 3), (6, 16, 5)])
+@pytest.mark.parametrize("n_seq_max, n_ubatch, n_batch",
+                         [(1, 64, 2048), (3, 4, 7), (4, 1, 3), (6, 16, 5), (6, 4, 2048)])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_every_request_equals_its_solo_run(n_seq_max, n_ubatch, n_batch, temperature):
     generator = Generator(MODEL, n_seq_max=n_seq_max, n_ubatch=n_ubatch, n_batch=n_batch)
