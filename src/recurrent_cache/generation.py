@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _args
 from .batch import Batch
-from .errors import ArgumentError, ConfigError, NoFreeCellError, PositionError
+from .errors import ArgumentError, ConfigError, CoreError, NoFreeCellError
 from .memory_state import MemoryStatus
 from .models.sampling import Sampler
 from .prefix_cache import PrefixCache
@@ -588,8 +588,8 @@ class Generator:
             keep = len(request.history) - 1
             with self.stats.timing("cache"):
                 rolled_back = self.cache.seq_rm(request.seq, keep, -1)
-            if not rolled_back:
-                raise ConfigError(f"seq_rm({request.seq}, {keep}, -1) could not roll back "
+            if not rolled_back:   # n_rollback >= n_draft was checked: the cache broke its promise
+                raise CoreError(f"seq_rm({request.seq}, {keep}, -1) could not roll back "
                                   f"{request.n_cached - keep} draft tokens")
             request.n_cached = keep
             self.stats.rollbacks += 1
@@ -651,7 +651,7 @@ class Generator:
         with self.stats.timing("cache"):
             for seq in seqs:
                 if not self.cache.seq_rm(seq, -1, -1):
-                    raise PositionError(f"seq_rm({seq}, -1, -1) refused to remove a whole sequence")
+                    raise CoreError(f"seq_rm({seq}, -1, -1) refused to remove a whole sequence")
         if isinstance(self.draft, DraftModel):
             self.draft.release(request.seq)
         self.running.remove(request)
