@@ -788,6 +788,11 @@ class HybridState:
         return self._attention(self._cache.v, il)
 
     @property
+    def v_trans(self) -> bool:
+        """Whether ``v(il)`` is transposed (``HybridCache.v_trans``)."""
+        return self._cache.v_trans
+
+    @property
     def kv_cells(self) -> np.ndarray:
         """[n_tokens] int32: the KV cell of each token of the applied ubatch (ubatch order)."""
         self._current()

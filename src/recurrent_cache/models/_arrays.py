@@ -19,7 +19,7 @@ import numpy as np
 
 from ._storage import StateStorage
 
-__all__ = ["NUMPY", "Array", "Backend", "ModelWeights", "NumpyBackend"]
+__all__ = ["NUMPY", "Array", "Backend", "ModelWeights", "NumpyBackend", "layer_arrays"]
 
 # A numpy array or a tensor of an array-API library (torch); the math uses only what the standard names.
 Array = Any
@@ -33,6 +33,11 @@ class ModelWeights:
     output_norm: Array
     output: Array
     layers: list[dict[str, Array]]
+
+
+def layer_arrays(layer: Any) -> dict[str, np.ndarray]:
+    """A layer's weights by field name: a recurrent model's layer is a dataclass, a hybrid model's a dict."""
+    return dict(layer) if isinstance(layer, dict) else dict(vars(layer))
 
 
 class Backend(Protocol):
@@ -65,7 +70,7 @@ class NumpyBackend:
 
     def weights(self, model: Any, device: Any = None) -> ModelWeights:
         return ModelWeights(model.token_embd, model.output_norm, model.output,
-                            [dict(vars(layer)) for layer in model.layers])
+                            [layer_arrays(layer) for layer in model.layers])
 
     def compute_dtype(self, model: Any) -> Any:
         return model.dtype

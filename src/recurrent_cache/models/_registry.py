@@ -26,14 +26,15 @@ class Family:
     gguf_arch: str             # GGUF general.architecture, llama.cpp's name: "mamba"
     hf_architecture: str       # config.json's architectures[0]: "MambaForCausalLM"
     model_class: type
-    # (GGUF reader, the sizes every family reads, (token_embd, output_norm, output), dtype, vocab) -> model
-    from_gguf: Callable[..., Any]
     # (checkpoint, dtype, vocab) -> model
     from_hf: Callable[..., Any]
+    # (GGUF reader, the sizes every family reads, (token_embd, output_norm, output), dtype, vocab) -> model;
+    # None: the package reads no GGUF file of this family (yet)
+    from_gguf: Callable[..., Any] | None = None
     # model -> {layer field: (GGUF tensor suffix, shape as stored)}; ModelError when llama.cpp cannot run it
-    gguf_layout: Callable[[Any], dict[str, tuple[str, tuple[int, ...]]]]
+    gguf_layout: Callable[[Any], dict[str, tuple[str, tuple[int, ...]]]] | None = None
     # (gguf.GGUFWriter, model): the family's own keys
-    write_gguf_keys: Callable[[Any, Any], None]
+    write_gguf_keys: Callable[[Any, Any], None] | None = None
 
 
 _FAMILIES: list[Family] = []

@@ -133,6 +133,9 @@ class GGUFReader:
 def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
     arch = file.fields.get("general.architecture")
     family = by_gguf_arch(arch)
+    if family.from_gguf is None:
+        raise ModelError(f"architecture {arch!r} ({family.label}): this package reads its Hugging Face checkpoints, "
+                         "not its GGUF files yet")
     read = GGUFReader(file, str(arch))
     token_embd = read.tensor("token_embd.weight")
     if token_embd.ndim != 2:
@@ -208,6 +211,8 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     if file_type not in ("f32", "f16"):
         raise ModelError(f"file_type must be 'f32' or 'f16', got {file_type!r}")
     family = of_model(model)
+    if family.gguf_layout is None or family.write_gguf_keys is None:
+        raise ModelError(f"{family.label}: this package does not write its GGUF files yet")
     layout = family.gguf_layout(model)
     gguf = import_gguf()
     named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}

@@ -203,9 +203,10 @@ class Checkpoint:
                 raise ModelError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
         return self._open[path]
 
-    def layer_tensors(self, il: int) -> Callable[[str, tuple[int, ...]], np.ndarray]:
-        """``tensor`` of layer ``il``: ``(name, shape)`` reads ``backbone.layers.{il}.{name}``."""
-        return lambda name, shape: self.tensor(f"backbone.layers.{il}.{name}", shape)
+    def layer_tensors(self, il: int, prefix: str = "backbone.layers") -> Callable[[str, tuple[int, ...]], np.ndarray]:
+        """``tensor`` of layer ``il``: ``(name, shape)`` reads ``{prefix}.{il}.{name}`` (a hybrid model's
+        layers are under ``model.layers``)."""
+        return lambda name, shape: self.tensor(f"{prefix}.{il}.{name}", shape)
 
     def has(self, name: str) -> bool:
         return name in self.files

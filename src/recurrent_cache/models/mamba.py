@@ -41,7 +41,7 @@ from .gguf_io import GGUFReader
 from .hf import Checkpoint, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
-__all__ = ["ARCH", "LAYER_TENSORS", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun",
+__all__ = ["ARCH", "LAYER_TENSORS", "MambaHParams", "MambaLayer", "MambaModel", "ReferenceRun", "mamba_mixer",
            "random_model"]
 
 ARCH = "mamba"
@@ -157,29 +157,38 @@ class MambaModel(RecurrentModel):
 
     def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
               storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
-        """One Mamba block on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
+        """One Mamba block on ``u`` [n_seqs, n_tokens, n_embd] (``mamba_mixer``)."""
+        return mamba_mixer(xp, self.hparams, w, u, conv, ssm, storage_r, storage_s, m)
 
-        conv: [n_seqs, d_inner, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
-        """
-        p = self.hparams
-        n_tokens = u.shape[1]
-        xz = linear(u, w["ssm_in"])
-        z = xz[..., p.d_inner:]
-        window = conv_window(xp, conv, xz[..., :p.d_inner], storage_r)     # [n_seqs, d_inner, d_conv-1+n_tokens]
-        xc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)   # [n_seqs, n_tokens, d_inner]
 
-        dbc = linear(xc, w["ssm_x"])
-        dt = dbc[..., :p.dt_rank]
-        b = dbc[..., p.dt_rank:p.dt_rank + p.d_state]
-        c = dbc[..., p.dt_rank + p.d_state:]
-        if p.dt_b_c_rms:
-            dt, b, c = rms_norm(xp, dt, p.rms_eps), rms_norm(xp, b, p.rms_eps), rms_norm(xp, c, p.rms_eps)
-        dt = softplus(xp, linear(dt, w["ssm_dt"]) + w["ssm_dt_b"])               # [n_seqs, n_tokens, d_inner]
-        # per channel: the decay exp(dt * A[ch, :]) and the input dt * xc, over d_state
-        y, ssm, ssm_steps = selective_scan(xp, ssm, dt[..., None], w["ssm_a"], dt * xc, b, c, storage_s, m)
-        conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
-        out = linear((y + xc * w["ssm_d"]) * silu(xp, z), w["ssm_out"])
-        return out, conv, ssm, None if conv_steps is None else (conv_steps, ssm_steps)
+def mamba_mixer(xp: Any, p: MambaHParams, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
+                storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
+    """One Mamba block of sizes ``p`` on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
+
+    conv: [n_seqs, d_inner, d_conv-1] and ssm: [n_seqs, d_inner, d_state].  With ``p.dt_b_c_rms``, dt, B
+    and C are RMS-normed, and multiplied by ``w``'s ``ssm_dt_norm`` / ``ssm_b_norm`` / ``ssm_c_norm`` where
+    the layer has them (Jamba; Falcon-Mamba's norms have no weight).
+    """
+    n_tokens = u.shape[1]
+    xz = linear(u, w["ssm_in"])
+    z = xz[..., p.d_inner:]
+    window = conv_window(xp, conv, xz[..., :p.d_inner], storage_r)     # [n_seqs, d_inner, d_conv-1+n_tokens]
+    xc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)   # [n_seqs, n_tokens, d_inner]
+
+    dbc = linear(xc, w["ssm_x"])
+    dt = dbc[..., :p.dt_rank]
+    b = dbc[..., p.dt_rank:p.dt_rank + p.d_state]
+    c = dbc[..., p.dt_rank + p.d_state:]
+    if p.dt_b_c_rms:
+        dt, b, c = rms_norm(xp, dt, p.rms_eps), rms_norm(xp, b, p.rms_eps), rms_norm(xp, c, p.rms_eps)
+        if "ssm_dt_norm" in w:
+            dt, b, c = dt * w["ssm_dt_norm"], b * w["ssm_b_norm"], c * w["ssm_c_norm"]
+    dt = softplus(xp, linear(dt, w["ssm_dt"]) + w["ssm_dt_b"])               # [n_seqs, n_tokens, d_inner]
+    # per channel: the decay exp(dt * A[ch, :]) and the input dt * xc, over d_state
+    y, ssm, ssm_steps = selective_scan(xp, ssm, dt[..., None], w["ssm_a"], dt * xc, b, c, storage_s, m)
+    conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
+    out = linear((y + xc * w["ssm_d"]) * silu(xp, z), w["ssm_out"])
+    return out, conv, ssm, None if conv_steps is None else (conv_steps, ssm_steps)
 
 
 # -- random weights -------------------------------------------------------------------

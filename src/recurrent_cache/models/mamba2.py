@@ -43,7 +43,8 @@ from .gguf_io import GGUFReader
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
-__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "random_mamba2_model"]
+__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "mamba2_mixer",
+           "random_mamba2_model"]
 
 ARCH = "mamba2"
 NO_TIME_STEP_LIMIT = (0.0, math.inf)
@@ -179,38 +180,43 @@ class Mamba2Model(RecurrentModel):
 
     def mixer(self, xp: Any, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
               storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
-        """One Mamba-2 block on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
+        """One Mamba-2 block on ``u`` [n_seqs, n_tokens, n_embd] (``mamba2_mixer``)."""
+        return mamba2_mixer(xp, self.hparams, w, u, conv, ssm, storage_r, storage_s, m)
 
-        conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
-        """
-        p = self.hparams
-        n_seqs, n_tokens = u.shape[:2]
-        n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
-        zxbcdt = linear(u, w["ssm_in"])
-        z = zxbcdt[..., :p.d_inner]
-        window = conv_window(xp, conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels], storage_r)
-        xbc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)  # [n_seqs, n_tokens, channels]
-        x = xbc[..., :p.d_inner].reshape((n_seqs, n_tokens, n_head, head_dim))
-        # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave
-        per_group = n_head // n_group
-        b = xbc[..., p.d_inner:p.d_inner + n_group * d_state].reshape((n_seqs, n_tokens, n_group, d_state))
-        c = xbc[..., p.d_inner + n_group * d_state:].reshape((n_seqs, n_tokens, n_group, d_state))
-        if per_group > 1:
-            # [n_seqs, n_tokens, n_head, d_state]
-            b, c = xp.repeat(b, per_group, axis=2), xp.repeat(c, per_group, axis=2)
-        dt = softplus(xp, zxbcdt[..., p.d_inner + p.conv_channels:] + w["ssm_dt_b"])   # [n_seqs, n_tokens, n_head]
-        if p.limits_time_step:
-            dt = xp.clip(dt, *p.time_step_limit)
 
-        # per head: the decay exp(dt * A) of all its channels, and the input dt * x
-        state = ssm.reshape((n_seqs, n_head, head_dim, d_state))
-        y, state, ssm_steps = selective_scan(xp, state, dt[..., None, None], w["ssm_a"][:, None, None],
-                                             dt[..., None] * x, b, c, storage_s, m)
-        conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
-        y = (y + x * w["ssm_d"][:, None]).reshape((n_seqs, n_tokens, p.d_inner))
-        out = linear(gated_rms_norm(xp, y, z, w["ssm_norm"], n_group, p.rms_eps), w["ssm_out"])
-        steps = None if ssm_steps is None else (conv_steps, ssm_steps.reshape((n_seqs, m, p.d_inner, d_state)))
-        return out, conv, state.reshape((n_seqs, p.d_inner, d_state)), steps
+def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
+                 storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
+    """One Mamba-2 block of sizes ``p`` on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
+
+    conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
+    """
+    n_seqs, n_tokens = u.shape[:2]
+    n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
+    zxbcdt = linear(u, w["ssm_in"])
+    z = zxbcdt[..., :p.d_inner]
+    window = conv_window(xp, conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels], storage_r)
+    xbc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)  # [n_seqs, n_tokens, channels]
+    x = xbc[..., :p.d_inner].reshape((n_seqs, n_tokens, n_head, head_dim))
+    # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave
+    per_group = n_head // n_group
+    b = xbc[..., p.d_inner:p.d_inner + n_group * d_state].reshape((n_seqs, n_tokens, n_group, d_state))
+    c = xbc[..., p.d_inner + n_group * d_state:].reshape((n_seqs, n_tokens, n_group, d_state))
+    if per_group > 1:
+        # [n_seqs, n_tokens, n_head, d_state]
+        b, c = xp.repeat(b, per_group, axis=2), xp.repeat(c, per_group, axis=2)
+    dt = softplus(xp, zxbcdt[..., p.d_inner + p.conv_channels:] + w["ssm_dt_b"])   # [n_seqs, n_tokens, n_head]
+    if p.limits_time_step:
+        dt = xp.clip(dt, *p.time_step_limit)
+
+    # per head: the decay exp(dt * A) of all its channels, and the input dt * x
+    state = ssm.reshape((n_seqs, n_head, head_dim, d_state))
+    y, state, ssm_steps = selective_scan(xp, state, dt[..., None, None], w["ssm_a"][:, None, None],
+                                         dt[..., None] * x, b, c, storage_s, m)
+    conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
+    y = (y + x * w["ssm_d"][:, None]).reshape((n_seqs, n_tokens, p.d_inner))
+    out = linear(gated_rms_norm(xp, y, z, w["ssm_norm"], n_group, p.rms_eps), w["ssm_out"])
+    steps = None if ssm_steps is None else (conv_steps, ssm_steps.reshape((n_seqs, m, p.d_inner, d_state)))
+    return out, conv, state.reshape((n_seqs, p.d_inner, d_state)), steps
 
 
 def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer: int = 4,

@@ -22,21 +22,19 @@ ubatches: a batched run equals a solo run even with f16 states.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from collections.abc import Callable
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
 from .. import _args
 from ..errors import ModelError
-from ..memory_state import MemoryStatus
 from ..storage import Storage
-from ._arrays import NUMPY, Array, Backend, ModelWeights
-from ._ssm import linear, product_weight, rms_norm
+from ._arrays import NUMPY, Array, ModelWeights
+from ._ssm import rms_norm
 from ._storage import StateStorage
-from .vocab import Vocabulary
+from .language_model import LanguageModel, backend_of, checked_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -121,60 +119,13 @@ def checked_layers(layers: Sequence[Any], n_layer: int, make: Callable[..., Laye
             for il, layer in enumerate(layers)]
 
 
-def checked_tensor(array: Any, shape: tuple[int, ...], name: str, dtype: np.dtype[Any] | type,
-                   product: bool = False) -> np.ndarray:
-    """``array`` as a C-contiguous ``dtype`` array (``product``: a weight of ``_ssm.linear``, in its layout:
-    ``_ssm.product_weight``), or ``ModelError`` naming ``name``: wrong shape, not numbers, NaN or inf."""
-    array = np.asarray(array)
-    if array.shape != shape:
-        raise ModelError(f"tensor {name} has shape {array.shape}, expected {shape}")
-    if array.dtype.kind not in "fiu":
-        raise ModelError(f"tensor {name} holds {array.dtype}, not numbers")
-    with np.errstate(all="ignore"):  # an overflow to inf is reported just below
-        converted = np.ascontiguousarray(array, dtype=dtype)
-    if not np.isfinite(converted).all():
-        # NaN or inf weights would make every logit NaN: refuse them with the tensor's name
-        raise ModelError(f"tensor {name} holds {np.size(converted) - np.isfinite(converted).sum()} "
-                         f"values that are NaN or infinite (as {np.dtype(dtype).name})")
-    return product_weight(converted) if product else converted
-
-
-class RecurrentModel(ABC):
-    """A language model of recurrent layers: weights, and the forward pass over the cache.
-
-    ``output=None`` ties the output projection to ``token_embd`` (as llama.cpp
-    does when a GGUF file has no ``output.weight``).  Every weight is stored
-    in ``dtype``, the type the forward pass computes in.  Subclasses set
-    ``self.layers`` (objects with an ``attn_norm`` weight) and define ``mixer``.
-    """
+class RecurrentModel(LanguageModel):
+    """A language model of recurrent layers on a ``RecurrentCache``: its layers, and the forward pass over
+    the cache's state rows.  Subclasses set ``self.layers`` (objects with an ``attn_norm`` weight) and
+    define ``mixer``."""
 
     hparams: ModelShape
     layers: list[Any]
-
-    def __init__(self, hparams: ModelShape, token_embd: Any, output_norm: Any, output: Any = None,
-                 dtype: Any = np.float64, vocab: Vocabulary | None = None) -> None:
-        p = self.hparams = hparams
-        if vocab is None and p.n_vocab == 256:
-            vocab = Vocabulary.of_bytes()
-        if vocab is not None and len(vocab) > p.n_vocab:
-            raise ModelError(f"a vocabulary of {len(vocab)} tokens for a model of n_vocab = {p.n_vocab}")
-        if vocab is not None and len(vocab) < p.n_vocab:  # converters pad n_vocab: padding decodes to nothing
-            vocab = vocab.padded(p.n_vocab)
-        # token ids <-> bytes; None when the model has no vocabulary (token ids only)
-        self.vocab = vocab
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise ModelError(f"a model computes in float32 or float64, not {self.dtype}")
-        self.token_embd = checked_tensor(token_embd, (p.n_vocab, p.n_embd), "token_embd.weight", self.dtype)
-        self.output_norm = checked_tensor(output_norm, (p.n_embd,), "output_norm.weight", self.dtype)
-        # a tied output keeps token_embd's rows, which the embedding gathers; an own one is in linear's layout
-        self.output = (self.token_embd if output is None
-                       else checked_tensor(output, (p.n_vocab, p.n_embd), "output.weight", self.dtype, product=True))
-
-    @property
-    def tied(self) -> bool:
-        """True when the output projection is ``token_embd`` (no ``output.weight``)."""
-        return self.output is self.token_embd
 
     def new_cache(self, n_seq_max: int = 1, size: int | None = None, dtype: str = "f32", n_rollback: int = 0,
                   engine: Literal["compiled", "reference"] | None = None, storage: str | Storage = "numpy",
@@ -197,21 +148,9 @@ class RecurrentModel(ABC):
     def forward(self, st: TorchRows) -> torch.Tensor: ...
 
     def forward(self, st: Any) -> np.ndarray | torch.Tensor:
-        """Run every ubatch of ``st`` (from ``cache.init_batch``), applying each in turn.
-
-        Returns the logits of the output tokens, shape ``[n_outputs, n_vocab]``:
-        row ``i`` belongs to batch index ``st.out_ids[i]``.  Where the cache keeps
-        its states decides where the model runs: numpy rows, the numpy forward and
-        a numpy array; torch rows, the torch forward (``torch_forward.py``) on their
-        device and a torch tensor on that device, in the model's dtype.
-        """
-        if st.status != MemoryStatus.SUCCESS:
-            raise ModelError(f"cannot run a batch whose init_batch status is {st.status.name}")
-        logits = [self.forward_ubatch(st) for _ in st]
-        if not logits:
-            return np.zeros((0, self.hparams.n_vocab), self.dtype)
-        joined: np.ndarray | torch.Tensor = logits[0] if len(logits) == 1 else _namespace_of(logits[0]).concat(logits)
-        return joined
+        """``LanguageModel.forward``: numpy rows give a numpy array, torch rows a tensor on their device."""
+        logits: np.ndarray | torch.Tensor = super().forward(st)
+        return logits
 
     @overload
     def forward_ubatch(self, st: HostRows) -> np.ndarray: ...
@@ -231,7 +170,7 @@ class RecurrentModel(ABC):
         ``mixer``); the rows' library decides the backend (``_arrays.py``, ``torch_forward.py``).
         """
         r_rows, s_rows = self.state_rows(st)
-        backend, device = _backend_of(r_rows[0])
+        backend, device = backend_of(r_rows[0])
         storage_r, storage_s = backend.storage(r_rows[0]), backend.storage(s_rows[0])
         xp = backend.xp
         p = self.hparams
@@ -284,30 +223,6 @@ class RecurrentModel(ABC):
         ssm = [np.zeros((n_seqs, p.d_inner, p.d_state), self.dtype) for _ in range(p.n_layer)]
         return conv, ssm
 
-    def embedded(self, backend: Backend, weights: ModelWeights, device: Any, tokens: np.ndarray | None,
-                 embd: np.ndarray | None) -> Array:
-        """The input rows on ``backend``: ``token_embd`` of ``tokens`` (ids checked), or ``embd`` itself (a copy)
-        when tokens is None."""
-        if tokens is None:
-            return backend.from_host(self.checked_embd(embd).astype(self.dtype), device)
-        ids = backend.from_host(self.checked_tokens(tokens).astype(np.int64).reshape(-1), device)
-        return backend.xp.take(weights.token_embd, ids, axis=0)
-
-    def checked_tokens(self, tokens: Any) -> np.ndarray:
-        """``tokens`` as an array, or ``ModelError`` naming the first id outside the vocabulary."""
-        ids = np.asarray(tokens)
-        bad = (ids < 0) | (ids >= self.hparams.n_vocab)
-        if bad.any():
-            raise ModelError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.hparams.n_vocab})")
-        return ids
-
-    def checked_embd(self, embd: np.ndarray | None) -> np.ndarray:
-        """Embedding input ``[n_tokens, n_embd]`` itself, or ``ModelError`` naming its shape."""
-        if embd is None or embd.ndim != 2 or embd.shape[1] != self.hparams.n_embd:
-            raise ModelError(f"embedding input of shape {None if embd is None else embd.shape}; "
-                             f"this model has n_embd {self.hparams.n_embd}")
-        return embd
-
     def run_layers(self, xp: Any, weights: ModelWeights, x: Array, conv: list[Array], ssm: list[Array],
                    storage_r: StateStorage, storage_s: StateStorage, m: int = 0,
                    steps: StepStates | None = None) -> Array:
@@ -338,29 +253,6 @@ class RecurrentModel(ABC):
         after tokens n_tokens-1-m .. n_tokens-2 ((conv, ssm) with an axis of m
         after the first), else None.
         """
-
-    def head(self, xp: Any, weights: ModelWeights, x: Array) -> Array:
-        """``output @ (rms_norm(x) * output_norm)`` for rows ``x`` [..., n_embd]."""
-        return linear(rms_norm(xp, x, self.hparams.rms_eps) * weights.output_norm, weights.output)
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        """``head`` of numpy rows ``x`` [..., n_embd]."""
-        result: np.ndarray = self.head(np, NUMPY.weights(self), x)
-        return result
-
-
-def _backend_of(rows: Any) -> tuple[Backend, Any]:
-    """The backend that computes on state rows like ``rows``, and their device."""
-    if isinstance(rows, np.ndarray):
-        return NUMPY, None
-    from .torch_forward import TORCH   # rows of another library: torch (the only other storage)
-
-    return TORCH, TORCH.device_of(rows)
-
-
-def _namespace_of(array: Any) -> Any:
-    return NUMPY.xp if isinstance(array, np.ndarray) else _backend_of(array)[0].xp
-
 
 class ReferenceRun:
     """One sequence, one token at a time, with its own state and no cache.

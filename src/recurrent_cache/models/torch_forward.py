@@ -20,7 +20,6 @@ the model lives; on the CPU they share the model's numpy memory.
 from __future__ import annotations
 
 import weakref
-from dataclasses import fields
 from typing import Any
 
 import array_api_compat.torch as torch_xp
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ._arrays import ModelWeights
+from ._arrays import ModelWeights, layer_arrays
 from ._storage import StateStorage
 
 __all__ = ["TORCH", "TORCH_XP", "TorchBackend", "TorchNamespace", "TorchStateStorage", "device_weights"]
@@ -70,7 +69,7 @@ def device_weights(model: Any, device: torch.device) -> ModelWeights:
             token_embd=token_embd,
             output_norm=converted(model.output_norm),
             output=token_embd if model.tied else converted(model.output),
-            layers=[{f.name: converted(getattr(layer, f.name)) for f in fields(layer)} for layer in model.layers])
+            layers=[{name: converted(array) for name, array in layer_arrays(layer).items()} for layer in model.layers])
     return weights
 
 
