@@ -470,11 +470,34 @@ class Generator:
             with self.stats.timing("cache"):
                 self.cache.seq_rm(request.seq, -1, -1)
                 if self.prefix_cache is not None:
-                    request.restored = request.n_cached = self.prefix_cache.restore(request.seq, request.prompt)
+                    request.restored = request.n_cached = self.restore(request)
                     self.stats.restored_tokens += request.restored
-                plan = getattr(self.prefix_cache, "plan", None)
-                request.cuts = plan(request.prompt, request.n_cached) if plan is not None else []
+                request.cuts = self.cuts(request)
         self.stats.peak_sequences = max(self.stats.peak_sequences, self.n_seq_max - len(self.free_seqs))
+
+    def cuts(self, request: Request) -> list[int]:
+        """Where ``request``'s prefill stops to save its state: the prefix cache's ``plan``, or, for a
+        prefix cache without one (``HybridPrefixCache``), one token before the prompt's end, so that
+        the same prompt again restores all but the token whose logits it needs."""
+        if self.prefix_cache is None:
+            return []
+        plan = getattr(self.prefix_cache, "plan", None)
+        if plan is not None:
+            cuts: list[int] = plan(request.prompt, request.n_cached)
+            return cuts
+        return [len(request.prompt) - 1] if len(request.prompt) - 1 > request.n_cached else []
+
+    def restore(self, request: Request) -> int:
+        """The longest prefix of ``request``'s prompt the prefix cache holds, restored into its
+        sequence, leaving at least the last prompt token to compute (its logits give the first token):
+        a ``HybridPrefixCache`` may hold the whole prompt, and then restores all but its last token."""
+        assert self.prefix_cache is not None
+        n: int = self.prefix_cache.restore(request.seq, request.prompt)
+        if n < len(request.prompt):
+            return n
+        self.cache.seq_rm(request.seq, -1, -1)
+        shorter: int = self.prefix_cache.restore(request.seq, request.prompt[:-1])
+        return shorter
 
     def cells_needed(self, request: Request) -> int:
         """The most KV cells ``request`` and its forks can hold (a hybrid cache's budget)."""
