@@ -34,7 +34,7 @@ from .memory_state import MemoryStatus
 from .models.sampling import Sampler
 from .prefix_cache import PrefixCache
 
-__all__ = ["DEFAULT_PREFIX_BYTES", "DraftModel", "Event", "Generator", "Request", "Stats", "host_logits",
+__all__ = ["DEFAULT_PREFIX_BYTES", "DraftModel", "Event", "Generator", "Request", "Stats", "batch_of", "host_logits",
            "prompt_lookup"]
 
 POS_END = 2**31 - 1          # positions are int32 and this one means "to the end"
@@ -65,6 +65,20 @@ def prompt_lookup(history: Sequence[int], k: int) -> list[int]:
             if history[start:start + n] == suffix:
                 return history[start + n:start + n + k]
     return []
+
+
+def batch_of(parts: Sequence[tuple[Sequence[int], int, int, list[bool]]]) -> Batch:
+    """One batch of ``(tokens, first position, seq, which tokens give logits)`` parts, in order."""
+    tokens: list[int] = []
+    pos: list[int] = []
+    seq_id: list[int] = []
+    output: list[bool] = []
+    for new, first, seq, logits in parts:
+        tokens += new
+        pos += range(first, first + len(new))
+        seq_id += [seq] * len(new)
+        output += logits
+    return Batch(token=tokens, pos=pos, seq_id=seq_id, logits=output)
 
 
 @dataclass(eq=False)
@@ -210,19 +224,11 @@ class DraftModel:
 
     def run(self, feeds: Mapping[int, list[int]]) -> np.ndarray:
         """One batch of every sequence's tokens: the logits after each one's last token, in feed order."""
-        tokens: list[int] = []
-        pos: list[int] = []
-        seq_id: list[int] = []
-        output: list[bool] = []
-        for seq, new in feeds.items():
-            first = len(self.fed[seq])
-            tokens += new
-            pos += range(first, first + len(new))
-            seq_id += [seq] * len(new)
-            output += [False] * (len(new) - 1) + [True]
-        st = self.cache.init_batch(Batch(token=tokens, pos=pos, seq_id=seq_id, logits=output), self.n_ubatch)
+        batch = batch_of([(new, len(self.fed[seq]), seq, [False] * (len(new) - 1) + [True])
+                          for seq, new in feeds.items()])
+        st = self.cache.init_batch(batch, self.n_ubatch)
         if st.status != MemoryStatus.SUCCESS:
-            raise ConfigError(f"the draft model's cache cannot take a batch of {len(tokens)} tokens "
+            raise ConfigError(f"the draft model's cache cannot take a batch of {batch.n_tokens} tokens "
                               f"({st.status.name})")
         rows = host_logits(self.model.forward(st))
         return rows[np.argsort(st.out_ids)]   # one output per feed: by batch index is in feed order
@@ -549,26 +555,21 @@ class Generator:
         """One batch of ``feeds`` through the cache and the model: per feed, the logits of its
         output tokens in position order."""
         stats = self.stats
-        tokens: list[int] = []
-        pos: list[int] = []
-        seq_id: list[int] = []
-        output: list[bool] = []
         feed_of: list[int] = []   # batch index -> feed index
         for k, feed in enumerate(feeds):
-            n, first = len(feed.tokens), feed.request.n_cached
-            tokens += feed.tokens
-            pos += range(first, first + n)
-            seq_id += [feed.request.seq] * n
-            output += [True] * n if feed.every_logit else [False] * (n - 1) + [feed.last_logit]
+            n = len(feed.tokens)
             feed_of += [k] * n
             if feed.request.prefilled:
                 stats.decode_tokens += n
             else:
                 stats.prompt_tokens += n
+        batch = batch_of([(feed.tokens, feed.request.n_cached, feed.request.seq,
+                           [True] * len(feed.tokens) if feed.every_logit
+                           else [False] * (len(feed.tokens) - 1) + [feed.last_logit]) for feed in feeds])
         with stats.timing("cache"):
-            st = self.cache.init_batch(Batch(token=tokens, pos=pos, seq_id=seq_id, logits=output), self.n_ubatch)
+            st = self.cache.init_batch(batch, self.n_ubatch)
         if st.status != MemoryStatus.SUCCESS:
-            raise ConfigError(f"the cache cannot take this step's {len(tokens)} tokens of {len(feeds)} requests "
+            raise ConfigError(f"the cache cannot take this step's {batch.n_tokens} tokens of {len(feeds)} requests "
                               f"({st.status.name}): give it more room or run fewer sequences")
         with stats.timing("model"):
             logits = host_logits(self.model.forward(st))
