@@ -437,9 +437,11 @@ class Generator:
         """One continuous-batching step: admit waiting requests into free sequences, run one
         ``init_batch`` of every running request's decode tokens and the prompt chunks that fit in
         ``n_batch``, sample, finish; the events, one per request that added tokens or finished."""
+        # the drafts first: a draft source's bad token raises before anything changes
+        drafts = self.drafts([request for request in self.running if request.prefilled and request.tokens])
         events, self.unreported = self.unreported, []
         self.admit()
-        feeds = self.feeds()
+        feeds = self.feeds(drafts)
         if not feeds:
             return events
         rows = self.run(feeds)
@@ -516,11 +518,10 @@ class Generator:
             return True
         return sum(map(self.cells_needed, self.running)) + self.cells_needed(request) <= self.kv_size
 
-    def feeds(self) -> list[_Feed]:
-        """What each running request puts into this step: decode tokens (and drafts) first, then
-        prompt chunks ending at the next cut, within ``n_batch`` tokens."""
+    def feeds(self, drafts: Mapping[int, list[int]]) -> list[_Feed]:
+        """What each running request puts into this step: decode tokens (and ``drafts``, by sequence)
+        first, then prompt chunks ending at the next cut, within ``n_batch`` tokens."""
         decoding = [request for request in self.running if request.prefilled and request.tokens]
-        drafts = self.drafts(decoding)
         feeds = [_Feed(r, r.tokens[-1:] + drafts.get(r.seq, []), every_logit=bool(drafts.get(r.seq)))
                  for r in decoding]
         budget = self.n_batch - sum(len(feed.tokens) for feed in feeds)
@@ -547,8 +548,7 @@ class Generator:
             proposed = {seq: list(self.draft(r.history, room[seq])) for seq, r in by_seq.items()}
         drafts = {seq: self.checked_ids(tokens, "draft")[:room[seq]] for seq, tokens in proposed.items() if tokens}
         self.stats.drafted += sum(map(len, drafts.values()))
-        if drafts:
-            self.stats.verify_steps += 1
+        self.stats.verify_steps += bool(drafts)
         return drafts
 
     def run(self, feeds: Sequence[_Feed]) -> list[list[np.ndarray]]:

@@ -237,3 +237,28 @@ def test_bad_generator_options_raise_config_errors():
     with pytest.raises(rc.ConfigError, match="store"):
         cache = MODEL.new_cache()
         Generator(MODEL, cache, prefix_cache=rc.PrefixCache(cache, 1 << 20), store=object())
+
+
+def test_a_draft_outside_the_vocabulary_raises_before_the_step_changes_anything():
+    generator = Generator(MODEL, n_seq_max=2, draft=lambda history, k: [999], n_draft=2)
+    running = generator.submit(PROMPTS[1], max_new_tokens=4)
+    waiting = generator.submit(PROMPTS[2], max_new_tokens=4)
+    generator.submit(PROMPTS[3], max_new_tokens=4)
+    generator.step()
+    generator.cancel(running)
+    running = generator.submit(PROMPTS[1], max_new_tokens=4)
+    before = (generator.stats.steps, [r.id for r in generator.running], len(generator.waiting),
+              generator.cache.seq_pos_max(waiting.seq))
+    with pytest.raises(rc.ArgumentError, match="draft: token 999 is outside the model's vocabulary"):
+        generator.step()
+    assert (generator.stats.steps, [r.id for r in generator.running], len(generator.waiting),
+            generator.cache.seq_pos_max(waiting.seq)) == before
+
+
+def test_top_p_draws_from_the_nucleus_only():
+    logits = np.log(np.array([0.05, 0.5, 0.15, 0.3]))
+    drawn = {Sampler(1.0, 0, seed, top_p=0.75)(logits) for seed in range(200)}
+    assert drawn == {1, 3}                       # 0.5 + 0.3 pass 0.75: the two most likely only
+    assert {Sampler(1.0, 0, seed, top_p=0.1)(logits) for seed in range(50)} == {1}
+    assert {Sampler(1.0, 0, seed)(logits) for seed in range(200)} == {0, 1, 2, 3}
+    assert "top-p 0.8" in str(Sampler(1.0, 0, 1, top_p=0.8))
