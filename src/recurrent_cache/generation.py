@@ -105,6 +105,7 @@ class Request:
     pending: list[Request] = field(default_factory=list)  # forks that start at its prompt's end
     n_cached: int = 0                                    # tokens of history whose effect is in its state
     cuts: list[int] = field(default_factory=list)        # prompt lengths to stop (and save) at
+    text: bytearray = field(default_factory=bytearray)   # the generated text, kept to find stop strings
 
     @property
     def finished(self) -> bool:
@@ -247,6 +248,9 @@ class Generator:
     ``(history, k) -> up to k tokens`` (``prompt_lookup``) or a ``DraftModel`` — whose drafts of up
     to ``n_draft`` tokens the model verifies in one step, the rejected ones rolled back
     (``seq_rm(seq, p0, -1)``: the cache needs ``n_rollback >= n_draft``).
+
+    The generator owns sequences ``0 .. n_seq_max - 1`` of the cache: it clears each before a
+    request takes it.  One thread drives it, as one drives a cache.
     """
 
     def __init__(self, model: Any, cache: Any = None, *, n_seq_max: int | None = None, n_ubatch: int = 64,
@@ -631,12 +635,13 @@ class Generator:
             request.finish_reason = "length"
 
     def stopped_by_text(self, request: Request) -> bool:
-        """Whether the generated text now contains a stop string (one ending in the last token's bytes)."""
+        """Whether the generated text now holds a stop string (one that ends in the last token's bytes:
+        the text before them was checked already)."""
         if not request.stop_strings or self.vocab is None:
             return False
-        longest = max(map(len, request.stop_strings))
-        text: bytes = self.vocab.decode(request.tokens)
-        recent = text[-(longest + len(self.vocab.decode(request.tokens[-1:])) - 1):]
+        piece: bytes = self.vocab.decode(request.tokens[-1:])
+        request.text += piece
+        recent = request.text[-(max(map(len, request.stop_strings)) + len(piece) - 1):]
         return any(stop in recent for stop in request.stop_strings)
 
     def start_forks(self, parent: Request, children: list[Request], events: list[Event]) -> None:
