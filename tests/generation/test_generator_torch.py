@@ -29,3 +29,15 @@ def test_torch_storage_gives_the_numpy_tokens(host_access, temperature):
     for a, b in zip(served, expected):
         assert isinstance(a.last_logits, np.ndarray)
         assert np.max(np.abs(a.last_logits - b.last_logits)) <= 1e-5 * np.max(np.abs(b.last_logits))
+
+
+def test_a_hybrid_model_on_torch_storage_gives_the_numpy_tokens():
+    from recurrent_cache.models.jamba import random_jamba_model
+
+    jamba = random_jamba_model(seed=3)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [4, 5, 4, 5, 4]]
+    expected = Generator(jamba, n_seq_max=2, n_batch=4, draft=prompt_lookup, n_draft=2).generate(prompts,
+                                                                                                 max_new_tokens=6)
+    served = Generator(jamba, n_seq_max=2, n_batch=4, draft=prompt_lookup, n_draft=2,
+                       storage="torch").generate(prompts, max_new_tokens=6)
+    assert [r.tokens for r in served] == [r.tokens for r in expected]
