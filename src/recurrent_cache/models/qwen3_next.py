@@ -318,9 +318,10 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
     renormalised, as llama.cpp always does for qwen3next.
     """
     n_layer, n_embd = sizes["n_layer"], sizes["n_embd"]
-    recurrent = read.key("attention.recurrent_layers", list, [])
-    if recurrent:
-        if len(recurrent) < n_layer or any(not isinstance(flag, bool) for flag in recurrent[:n_layer]):
+    recurrent = read.file.fields.get(f"{read.arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        if (not isinstance(recurrent, list) or len(recurrent) < n_layer
+                or any(not isinstance(flag, bool) for flag in recurrent[:n_layer])):
             raise ModelError(f"GGUF key {read.arch}.attention.recurrent_layers is not {n_layer} booleans")
         attn_layers = tuple(il for il in range(n_layer) if not recurrent[il])
     else:
