@@ -326,6 +326,8 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
         attn_layers = tuple(il for il in range(n_layer) if not recurrent[il])
     else:
         interval = read.key("full_attention_interval", int, 4)
+        if interval < 1:
+            raise ModelError(f"GGUF key {read.arch}.full_attention_interval is {interval}, not a positive interval")
         attn_layers = tuple(il for il in range(n_layer) if (il + 1) % interval == 0)
     moe_layers = tuple(il for il in range(n_layer) if f"blk.{il}.ffn_gate_inp.weight" in read.file.tensors)
     try:
