@@ -20,7 +20,6 @@ from ..errors import GGUFError, ModelError
 from ._registry import Family, by_gguf_arch, of_model
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
 from .language_model import LanguageModel
-from .recurrent import RecurrentModel
 from .vocab import Vocabulary
 
 __all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "load_gguf", "recurrent_layers", "write_gguf"]
@@ -38,7 +37,7 @@ def import_gguf() -> ModuleType:
     return gguf
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
+def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
     """Load a Mamba-1 or Mamba-2 GGUF file written by llama.cpp's converter (or ``write_gguf``).
 
     Reads the ``mamba.*`` / ``mamba2.*`` hyper-parameters, llama.cpp's tensor
@@ -132,7 +131,7 @@ class GGUFReader:
         return self.tensor(name) if name in self.file.tensors else None
 
 
-def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
+def _load(file: GGUFFile, dtype: Any) -> LanguageModel:
     arch = file.fields.get("general.architecture")
     family = by_gguf_arch(arch)
     if family.from_gguf is None:
@@ -149,7 +148,7 @@ def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
                      d_state=read.key("ssm.state_size", int))
     sizes["rms_eps"] = read.key("attention.layer_norm_rms_epsilon", float)
     head = (token_embd, read.tensor(family.gguf_output_norm), read.optional_tensor("output.weight"))
-    model: RecurrentModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
+    model: LanguageModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
     return model
 
 
