@@ -18,6 +18,7 @@ from .mamba import MambaHParams, MambaLayer, MambaModel, random_model
 from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model, random_mamba2_model
 from .hybrid_model import HybridModel
 from .jamba import JambaHParams, JambaModel, random_jamba_model
+from .bamba import GraniteHybridHParams, GraniteHybridModel
 from .language_model import LanguageModel
 from ..errors import ModelError
 from .recurrent import RecurrentModel, ReferenceRun
@@ -25,7 +26,8 @@ from .sampling import Sampler
 from .trained import TRAINED_GGUF, held_out_prompts, trained_model, training_facts
 from .vocab import Vocabulary, escape
 
-__all__ = ["HybridModel", "JambaHParams", "JambaModel", "LanguageModel", "Mamba2HParams", "Mamba2Layer", "Mamba2Model",
+__all__ = ["GraniteHybridHParams", "GraniteHybridModel", "HybridModel", "JambaHParams", "JambaModel", "LanguageModel",
+           "Mamba2HParams", "Mamba2Layer", "Mamba2Model",
            "MambaHParams", "MambaLayer", "MambaModel", "ModelError", "RecurrentModel", "ReferenceRun", "Sampler",
            "TRAINED_GGUF", "Vocabulary", "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf",
            "load_model", "random_jamba_model", "random_mamba2_model", "random_model", "recurrent_layers",
