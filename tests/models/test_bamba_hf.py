@@ -24,23 +24,14 @@ from hybrid_scenarios import Recorder, run_scenarios
 torch = pytest.importorskip("torch", reason="the reference is transformers' BambaForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' BambaForCausalLM")
 
-TORCH_DTYPES = {np.float64: torch.float64, np.float32: torch.float32}
+from test_jamba_hf import TORCH_DTYPES, perturbed  # noqa: E402  (after the skips: it needs torch too)
+
 # Small sizes shared by the three checkpoints: 4 attention heads over 2 KV heads of 8, 4 SSM heads of 16 in
 # 2 groups.  initializer_range 0.2 (not transformers' 0.02) so that attention and every block move the logits
 # by more than the tolerance: a wrong rope or multiplier cannot hide.
 SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
              mamba_chunk_size=4, initializer_range=0.2)
-
-
-def perturbed(model: Any, seed: int) -> None:
-    """Move every norm weight, bias, A_log, D and dt_bias away from its initial value, so that a formula that
-    forgets one cannot hide behind ones and zeros."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 1 or name.endswith(("A_log", "D")):
-                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
 
 
 def saved(directory: Path, model_class: Any, config: Any) -> Path:
