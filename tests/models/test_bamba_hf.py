@@ -65,12 +65,13 @@ def granite_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def granite_dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Granite-4.0-H without experts (the shared MLP is the feed-forward), no rope, tied embeddings."""
+    """Granite-4.0-H without experts (the shared MLP is the feed-forward), no rope, attention biases, tied
+    embeddings."""
     config = transformers.GraniteMoeHybridConfig(
         **SIZES, intermediate_size=24, shared_intermediate_size=40, num_local_experts=0,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         position_embedding_type="nope", embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.4,
-        logits_scaling=3.0, tie_word_embeddings=True)
+        logits_scaling=3.0, attention_bias=True, tie_word_embeddings=True)
     return saved(tmp_path_factory.mktemp("granite-dense"), transformers.GraniteMoeHybridForCausalLM, config)
 
 
@@ -85,7 +86,7 @@ def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
     return reference
 
 
-def run_against_transformers(directory: Path, dtype: Any, storage: str) -> GraniteHybridModel:
+def run_against_transformers(directory: Path, dtype: Any, storage: Any) -> GraniteHybridModel:
     model = load_hf(directory, dtype=dtype)
     assert isinstance(model, GraniteHybridModel)
     recorder = Recorder(reference_of(directory, dtype))
@@ -124,8 +125,15 @@ def test_a_dense_granite_4_h_without_rope_equals_transformers_through_the_hybrid
         granite_dense: Path, dtype: Any, storage: str) -> None:
     model = run_against_transformers(granite_dense, dtype, storage)
     p = model.hparams
-    assert p.attn_layers == (2,) and p.n_rot == 0 and p.n_expert == 0 and p.n_ff == 40
+    assert p.attn_layers == (2,) and p.n_rot == 0 and p.n_expert == 0 and p.n_ff == 40 and p.attention_bias
     assert model.tied
+
+
+def test_the_index_path_a_gpu_runs_equals_transformers(granite_moe: Path) -> None:
+    """Torch rows the core may not touch itself (``host_access=False``: every row moved by index arrays)."""
+    from recurrent_cache.storage import TorchStorage
+
+    run_against_transformers(granite_moe, np.float32, TorchStorage("cpu", host_access=False))
 
 
 def test_both_classes_are_llama_cpps_granitehybrid_read_and_written_as_granite(bamba: Path) -> None:
