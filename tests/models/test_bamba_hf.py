@@ -186,3 +186,20 @@ def test_a_config_the_model_cannot_run_is_refused_naming_its_field(fixture: str,
                                                                       request: pytest.FixtureRequest) -> None:
     with pytest.raises(ModelError, match=field):
         load_hf(edited(request.getfixturevalue(fixture), tmp_path, **changes))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"n_expert": 2, "n_expert_used": 3}, "cannot use 3"),
+    ({"n_expert": 2, "n_expert_used": 1, "n_ff_shexp": 0}, "n_ff_shexp"),
+    ({"n_head_kv": 3}, "not a multiple of n_head_kv"),
+    ({"n_rot": 10}, "n_rot 10 is larger than head_dim 8"),
+    ({"n_ssm_head": 3}, "d_inner 64 is not a multiple of n_head 3"),
+    ({"attn_layers": (4,)}, "outside"),
+])
+def test_inconsistent_sizes_are_a_model_error(changes: dict[str, Any], message: str) -> None:
+    from recurrent_cache.models import GraniteHybridHParams
+
+    sizes: dict[str, Any] = dict(n_vocab=96, n_embd=32, n_layer=4, n_head=4, n_head_kv=2, head_dim=8, n_ff=24,
+                                 d_conv=4, d_inner=64, d_state=8, n_ssm_head=4, attn_layers=(1,), n_ff_shexp=40)
+    with pytest.raises(ModelError, match=message):
+        GraniteHybridHParams(**(sizes | changes))

@@ -130,12 +130,11 @@ class GraniteHybridHParams:
                            "d_inner", "d_state", "n_ssm_head", "n_group"))
         if any(not 0 <= il < self.n_layer for il in self.attn_layers):
             raise ModelError(f"attn_layers {self.attn_layers} name layers outside [0, {self.n_layer})")
-        if self.n_expert:
-            MoeParams(self.n_expert, self.n_expert_used, norm_top_k=True)
-            if self.n_ff_shexp < 1:
-                raise ModelError(f"a mixture of experts has a shared MLP: n_ff_shexp must be >= 1, "
-                                 f"got {self.n_ff_shexp}")
-        try:   # the parts' own checks: d_inner by SSM heads, heads by groups, heads by KV heads, n_rot
+        if self.n_expert and self.n_ff_shexp < 1:
+            raise ModelError(f"a mixture of experts has a shared MLP: n_ff_shexp must be >= 1, got {self.n_ff_shexp}")
+        try:   # the parts' own checks: experts used of experts, d_inner by SSM heads, heads by groups and KV heads
+            if self.n_expert:
+                MoeParams(self.n_expert, self.n_expert_used, norm_top_k=True)
             _ = self.mamba2, self.attention
         except ConfigError as exc:
             raise ModelError(str(exc)) from None
