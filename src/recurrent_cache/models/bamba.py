@@ -57,7 +57,10 @@ __all__ = ["ARCH", "GGUF_KEYS", "LAYER_TENSORS", "GraniteHybridHParams", "Granit
 
 ARCH = "granitehybrid"
 
-# GGUF tensor name of each layer field (``blk.N.`` + this), as llama.cpp's converter writes them.
+# GGUF tensor name of each layer field (``blk.N.`` + this), as llama.cpp's converter writes them.  It stores
+# ssm_a / ssm_d as [n_head, 1] and ssm_norm as [n_group, d_inner / n_group] (``mamba2.gguf_layer_shapes``), and
+# permutes the rows of attn_q / attn_k for llama.cpp's "normal" rope: "normal" over a file's rows is neox over
+# the checkpoint's when the whole head rotates (Granite), not for Bamba's half (``_attention``'s docstring).
 LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
     "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
