@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,10 @@ def run_against_transformers(directory: Path, dtype: Any, storage: Any) -> Grani
     model = load_hf(directory, dtype=dtype)
     assert isinstance(model, GraniteHybridModel)
     recorder = Recorder(reference_of(directory, dtype))
-    run_scenarios(model, recorder, storage=storage)
-    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache"}
+    with tempfile.TemporaryDirectory() as store:
+        run_scenarios(model, recorder, storage=storage, store_path=Path(store))
+    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache",
+                                   "prefix from a store"}
     return model
 
 
