@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ModelError
 from ..models import Mamba2Model, RecurrentModel, load_model, random_model, trained_model
 from .options import text
 
@@ -69,7 +70,10 @@ def build_model(options: argparse.Namespace) -> RecurrentModel:
 def _load_model(path: str, dtype: type[np.floating[Any]]) -> RecurrentModel:
     """The model at ``path`` (a GGUF file or a checkpoint directory): the one place the
     command line reads a model."""
-    return load_model(path, dtype=dtype)
+    model = load_model(path, dtype=dtype)
+    if not isinstance(model, RecurrentModel):   # a hybrid (Jamba) loads, but the commands run a RecurrentCache
+        raise ModelError(f"{path}: a {type(model).__name__}; the command line runs Mamba-1 and Mamba-2 models")
+    return model
 
 
 def model_name(options: argparse.Namespace) -> str:

@@ -28,12 +28,14 @@ class Family:
     model_class: type
     # (checkpoint, dtype, vocab) -> model
     from_hf: Callable[..., Any]
-    # (GGUF reader, the sizes every family reads, (token_embd, output_norm, output), dtype, vocab) -> model;
-    # None: the package reads no GGUF file of this family (yet)
+    # (GGUF reader, the sizes every family reads: n_vocab, n_embd, n_layer, (token_embd, output_norm, output),
+    # dtype, vocab) -> model; None: the package reads no GGUF file of this family (yet)
     from_gguf: Callable[..., Any] | None = None
-    # model -> {layer field: (GGUF tensor suffix, shape as stored)}; ModelError when llama.cpp cannot run it
-    gguf_layout: Callable[[Any], dict[str, tuple[str, tuple[int, ...]]]] | None = None
-    # (gguf.GGUFWriter, model): the family's own keys
+    # model -> per layer, {layer field: (GGUF tensor suffix, shape as stored)} (layers of a hybrid differ);
+    # ModelError when llama.cpp cannot run the model
+    gguf_layout: Callable[[Any], list[dict[str, tuple[str, tuple[int, ...]]]]] | None = None
+    # (gguf.GGUFWriter, model): every key of the family's architecture but the embedding width, the block
+    # count and the vocabulary size, which every family writes
     write_gguf_keys: Callable[[Any, Any], None] | None = None
 
 

@@ -1,4 +1,9 @@
-"""Models in GGUF files: Mamba-1 (``mamba``) and Mamba-2 (``mamba2``), with llama.cpp's keys and tensor names.
+"""Models in GGUF files, with llama.cpp's keys and tensor names: Mamba-1 (``mamba``), Mamba-2 (``mamba2``) and
+the hybrid families that register ``from_gguf`` / ``gguf_layout`` (Jamba: ``jamba``).
+
+Each family reads its own keys (``GGUFReader``) and says which tensor each layer field is
+(``gguf_layout``: one mapping per layer, since a hybrid's layers differ); this module reads and writes
+what every family shares (the embedding, the head, the vocabulary, the file itself).
 
 ``load_gguf`` needs numpy only (``gguf_file.py`` parses the file) unless a
 tensor is quantized; ``write_gguf`` uses the ``gguf`` package, as llama.cpp's
@@ -18,10 +23,11 @@ from ..atomic_write import atomic_write
 from ..errors import GGUFError, ModelError
 from ._registry import by_gguf_arch, of_model
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
-from .recurrent import RecurrentModel
+from .language_model import LanguageModel
 from .vocab import Vocabulary
 
-__all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "load_gguf", "recurrent_layers", "write_gguf"]
+__all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "layer_layout", "load_gguf", "recurrent_layers",
+           "tensor_suffix", "write_gguf", "write_recurrent_keys", "write_ssm_sizes"]
 
 GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
                 "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
@@ -36,10 +42,11 @@ def import_gguf() -> ModuleType:
     return gguf
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
-    """Load a Mamba-1 or Mamba-2 GGUF file written by llama.cpp's converter (or ``write_gguf``).
+def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
+    """Load a GGUF file written by llama.cpp's converter (or ``write_gguf``): Mamba-1, Mamba-2 or a hybrid
+    family that reads GGUF (Jamba).
 
-    Reads the ``mamba.*`` / ``mamba2.*`` hyper-parameters, llama.cpp's tensor
+    Reads the ``{arch}.*`` hyper-parameters, llama.cpp's tensor
     names and the vocabulary (``tokenizer.ggml.tokens``; none for a byte-level
     model).  f32, f16, bf16 and f64 tensors need numpy only; quantized tensors
     are dequantized by the ``gguf`` package.  Without ``output.weight`` the
@@ -60,7 +67,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> Recurren
     except OSError as exc:
         raise ModelError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
     except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a key of the wrong type
-        raise ModelError(f"{name}: not a valid Mamba GGUF file: {exc}") from None
+        raise ModelError(f"{name}: not a valid GGUF model file: {exc}") from None
 
 
 def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
@@ -129,8 +136,38 @@ class GGUFReader:
     def optional_tensor(self, name: str) -> np.ndarray | None:
         return self.tensor(name) if name in self.file.tensors else None
 
+    def has(self, name: str) -> bool:
+        """Whether the file holds tensor ``name``."""
+        return name in self.file.tensors
 
-def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
+    def ssm_sizes(self) -> dict[str, Any]:
+        """The sizes of a Mamba block and the RMS norms' epsilon (``ssm.conv_kernel``, ``ssm.inner_size``,
+        ``ssm.state_size``, ``attention.layer_norm_rms_epsilon``), as the hyper-parameters name them."""
+        return dict(d_conv=self.key("ssm.conv_kernel", int), d_inner=self.key("ssm.inner_size", int),
+                    d_state=self.key("ssm.state_size", int),
+                    rms_eps=self.key("attention.layer_norm_rms_epsilon", float))
+
+    def per_layer(self, name: str, n_layer: int, default: int | None = None) -> tuple[int, ...]:
+        """Key ``name`` as one integer per layer: llama.cpp's per-layer arrays (``attention.head_count_kv``)
+        hold ``n_layer`` integers, or one integer for every layer."""
+        full = f"{self.arch}.{name}"
+        value = self.file.fields.get(full, default)
+        if value is None:
+            raise ModelError(f"GGUF key {full} is missing")
+        values = list(value) if isinstance(value, (list, tuple)) else [value] * n_layer
+        if len(values) != n_layer or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+            raise ModelError(f"GGUF key {full} is {value!r}, not one integer >= 0 or {n_layer} of them")
+        return tuple(values)
+
+    def layers(self, n_layer: int, layout: Callable[[int], dict[str, tuple[str, tuple[int, ...]]]]
+               ) -> list[dict[str, np.ndarray]]:
+        """Every layer's weights by field: ``layout(il)`` maps layer ``il``'s fields to their GGUF tensor
+        suffix and shape (``blk.{il}.{suffix}``), as ``gguf_layout`` writes them."""
+        return [{field: self.tensor(f"blk.{il}.{suffix}", shape) for field, (suffix, shape) in layout(il).items()}
+                for il in range(n_layer)]
+
+
+def _load(file: GGUFFile, dtype: Any) -> LanguageModel:
     arch = file.fields.get("general.architecture")
     family = by_gguf_arch(arch)
     if family.from_gguf is None:
@@ -141,11 +178,9 @@ def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
     if token_embd.ndim != 2:
         raise ModelError(f"tensor token_embd.weight has shape {token_embd.shape}, not 2-D")
     sizes = dict(n_vocab=int(token_embd.shape[0]), n_embd=read.key("embedding_length", int),
-                 n_layer=read.key("block_count", int), d_conv=read.key("ssm.conv_kernel", int),
-                 d_inner=read.key("ssm.inner_size", int), d_state=read.key("ssm.state_size", int),
-                 rms_eps=read.key("attention.layer_norm_rms_epsilon", float))
+                 n_layer=read.key("block_count", int))
     head = (token_embd, read.tensor("output_norm.weight"), read.optional_tensor("output.weight"))
-    model: RecurrentModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
+    model: LanguageModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
     return model
 
 
@@ -186,11 +221,12 @@ def _stays_f32(name: str, array: np.ndarray) -> bool:
             or not name.endswith(".weight"))
 
 
-def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: str = "f32",
+def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: str = "f32",
                name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
                token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None,
                merges: Sequence[str] | None = None) -> None:
-    """Write a Mamba-1 or Mamba-2 ``model`` as a GGUF file that llama.cpp loads.
+    """Write ``model`` (Mamba-1, Mamba-2, or a hybrid family that writes GGUF: Jamba) as a GGUF file that
+    llama.cpp loads.
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
     "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
@@ -200,8 +236,9 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     takes token ids, or bytes when it has 256 tokens.  ``tokens`` (with
     ``token_types``, the ``eos`` token id and BPE ``merges``) are written as
     ``tokenizer.ggml.*`` of a ``tokenizer`` model, as llama.cpp's converter
-    writes them ("gpt2": byte-level BPE pieces).  A Mamba-2 model whose
-    ``time_step_limit`` clamps is refused: llama.cpp has no such key.
+    writes them ("gpt2": byte-level BPE pieces).  A model llama.cpp would run
+    differently is refused (``ModelError``): a Mamba-2 ``time_step_limit`` that
+    clamps, a Jamba whose ``d_inner`` is not ``2 * n_embd``.
 
     A finite weight beyond the range of the type it is stored in (f16's
     65504) raises ``ModelError`` naming the tensor and the value, before
@@ -218,9 +255,10 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
     if not model.tied:
         named["output.weight"] = model.output
-    for il, layer in enumerate(model.layers):
-        for field_name, (suffix, shape) in layout.items():
-            named[f"blk.{il}.{suffix}"] = np.reshape(getattr(layer, field_name), shape)
+    for il, (layer, fields) in enumerate(zip(model.layers, layout, strict=True)):
+        for field_name, (suffix, shape) in fields.items():
+            weight = layer[field_name] if isinstance(layer, dict) else getattr(layer, field_name)
+            named[f"blk.{il}.{suffix}"] = np.reshape(weight, shape)
     stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
                                    or _stays_f32(tensor_name, array) else np.float16)
               for tensor_name, array in named.items()}
@@ -228,6 +266,51 @@ def write_gguf(model: RecurrentModel, path: str | os.PathLike[str], file_type: s
     with atomic_write(os.fspath(path)) as temporary:
         _write(gguf, model, temporary, family.gguf_arch, family.write_gguf_keys, file_type, stored, name, tokens,
                token_types, tokenizer, eos, merges)
+
+
+# llama.cpp's tensor names of the attention fields ``_attention.attention`` reads
+_ATTENTION_TENSORS = {"wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+                      "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+                      "bo": "attn_output.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+# llama.cpp's tensors without a ".weight" suffix
+_BARE_TENSORS = frozenset({"ssm_a", "ssm_d"})
+
+
+def tensor_suffix(field: str) -> str:
+    """The GGUF name (after ``blk.{il}.``) of a hybrid layer's weight field, as llama.cpp names it: the
+    field with ``.weight`` (``ssm_in.weight``), a field ending in ``_b`` as a bias (``ssm_dt_b`` ->
+    ``ssm_dt.bias``), ``ssm_a`` and ``ssm_d`` bare, attention's ``wq`` .. ``k_norm`` as ``attn_q.weight``
+    .. ``attn_k_norm.weight``."""
+    if field in _ATTENTION_TENSORS:
+        return _ATTENTION_TENSORS[field]
+    if field in _BARE_TENSORS:
+        return field
+    if field.endswith("_b"):
+        return f"{field[:-2]}.bias"
+    return f"{field}.weight"
+
+
+def layer_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """One layer's ``gguf_layout`` entry from its fields' numpy shapes, where those are the GGUF file's
+    (ggml's ``ne`` reversed) and the names llama.cpp's (``tensor_suffix``)."""
+    return {field: (tensor_suffix(field), shape) for field, shape in shapes.items()}
+
+
+def write_recurrent_keys(writer: Any, p: Any) -> None:
+    """The keys of a pure recurrent model (Mamba-1, Mamba-2): the Mamba block's sizes of hyper-parameters
+    ``p``, and the attention keys llama.cpp requires as placeholders."""
+    writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
+    writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
+    writer.add_head_count(0)           # likewise
+    write_ssm_sizes(writer, p)
+
+
+def write_ssm_sizes(writer: Any, p: Any) -> None:
+    """``ssm.conv_kernel``, ``ssm.inner_size`` and ``ssm.state_size`` of hyper-parameters ``p``
+    (``GGUFReader.ssm_sizes`` reads them back)."""
+    writer.add_ssm_conv_kernel(p.d_conv)
+    writer.add_ssm_inner_size(p.d_inner)
+    writer.add_ssm_state_size(p.d_state)
 
 
 def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) -> np.ndarray:
@@ -247,24 +330,17 @@ def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) 
     return converted
 
 
-def _write(gguf: ModuleType, model: RecurrentModel, path: str, arch: str, family_keys: Callable[[Any, Any], None],
+def _write(gguf: ModuleType, model: LanguageModel, path: str, arch: str, family_keys: Callable[[Any, Any], None],
            file_type: str,
            stored: dict[str, np.ndarray], name: str, tokens: Sequence[str] | None, token_types: Sequence[int] | None,
            tokenizer: str, eos: int | None, merges: Sequence[str] | None) -> None:
     """The GGUF file of ``write_gguf`` at ``path``: its keys, then the ``stored`` tensors."""
-    p = model.hparams
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)
-    writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
-    writer.add_embedding_length(p.n_embd)
-    writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
-    writer.add_head_count(0)           # likewise
-    writer.add_block_count(p.n_layer)
-    writer.add_ssm_conv_kernel(p.d_conv)
-    writer.add_ssm_inner_size(p.d_inner)
-    writer.add_ssm_state_size(p.d_state)
+    writer.add_embedding_length(model.hparams.n_embd)
+    writer.add_block_count(model.hparams.n_layer)
     family_keys(writer, model)
-    writer.add_vocab_size(p.n_vocab)
+    writer.add_vocab_size(model.hparams.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
     if tokens is None:
         writer.add_tokenizer_model("no_vocab")
