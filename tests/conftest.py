@@ -108,29 +108,51 @@ def needs_torch(item: pytest.Item) -> bool:
                                        if not name.startswith("_"))
 
 
-# The slowest tests (pytest --durations on 2 cores), by node id prefix: each runs the demo, a
-# subprocess build, mypy, a long state machine, or a command in a real process (a second or more
+# The slowest tests (pytest --durations on 2 cores), by node id prefix, heaviest first: each runs the
+# demo, a subprocess build, mypy, a long state machine, or a command in a real process (a second or more
 # each: the package's import alone is most of one).  The fast lane (python -m pytest) leaves them to
 # CI's second stage and to -m "".
-SLOW = ("tests/tooling/test_transcripts.py::", "tests/tooling/test_types_and_lint.py::", "tests/tooling/test_bench_",
-        "tests/core/test_compiled_matches_reference.py::TestCoreMatchesReference", "tests/core/test_prepare.py::",
+SLOW = ("tests/tooling/test_types_and_lint.py::",
+        "tests/core/test_compiled_matches_reference.py::TestCoreMatchesReference",
+        "tests/cli/test_cli_output.py::", "tests/prefix/test_prefix_cache_machine.py::",
         "tests/core/test_hostile_callers.py::test_former_crashers_raise_package_errors[huge cache sizes]",
-        "tests/prefix/test_prefix_cache_machine.py::",
-        "tests/prefix/test_prefix_cache_trust.py::test_saves_racing_a_thread",
-        "tests/capi/test_capi_examples.py::", "tests/stores/test_stores_shared.py::",
-        "tests/stores/test_prefix_cache_store.py::test_another_process", "tests/models/test_speculative.py::test_demo_",
-        "tests/models/test_byte_model.py::test_held_out_bits_per_byte_recorded_and_reproduced",
-        "tests/cli/test_demo_prefix_cache.py::", "tests/cli/test_demo.py::test_command_line_entry_point",
-        "tests/cli/test_cli_output.py::", "tests/cli/test_generate.py::test_streams_in_a_real_process",
+        "tests/tooling/test_transcripts.py::", "tests/tooling/test_bench_", "tests/capi/test_capi_examples.py::",
+        "tests/cli/test_demo_prefix_cache.py::", "tests/stores/test_prefix_cache_store.py::test_another_process",
+        "tests/stores/test_stores_shared.py::", "tests/prefix/test_prefix_cache_trust.py::test_saves_racing_a_thread",
+        "tests/models/test_speculative.py::test_demo_", "tests/core/test_prepare.py::",
+        "tests/cli/test_demo.py::test_command_line_entry_point",
+        "tests/cli/test_generate.py::test_streams_in_a_real_process",
         "tests/formats/test_atomic_write.py::", "tests/formats/test_inspect.py::test_command_line_entry_point",
         "tests/formats/test_inspect_layers.py::test_a_recorded_hybrid_through_the_command",
+        "tests/models/test_byte_model.py::test_held_out_bits_per_byte_recorded_and_reproduced",
         "tests/formats/test_state_format.py::test_ml_dtypes_is_imported_by_a_bf16_cache_only")
+
+
+def start_rank(item: pytest.Item) -> int:
+    """When a test's file should start: the files holding a hypothesis state machine first (one test of
+    many seconds), then those holding ``SLOW`` tests (heaviest first, in ``SLOW``'s order), then the
+    rest.  Two workers given the files longest first finish together (pyproject: --no-loadscope-reorder;
+    xdist's own order, by test count, left the one-test machines and the five mypy tests to the end)."""
+    if getattr(getattr(item, "obj", None), "_hypothesis_state_machine_class", None) is not None:
+        return -1
+    return next((index for index, prefix in enumerate(SLOW) if item.nodeid.startswith(prefix)), len(SLOW))
+
+
+def in_start_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` file by file, each file at its earliest test's ``start_rank`` (a file stays whole, so its
+    module fixtures are built once, with or without workers); ties keep the collection order."""
+    file_rank: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        file_rank[path] = min(file_rank.get(path, len(SLOW)), start_rank(item))
+    return sorted(items, key=lambda item: file_rank[item.nodeid.split("::", 1)[0]])
 
 
 def pytest_collection_modifyitems(items):
     """Mark ``slow`` and ``needs_torch`` (see the module's docstring) and, without torch, skip the
     latter saying what to install; apply ``torch_xfail`` / ``torch_skip`` to the torch run of a test
-    (``rc`` = "torch") only."""
+    (``rc`` = "torch") only; put the files in ``in_start_order``."""
+    items[:] = in_start_order(items)
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)

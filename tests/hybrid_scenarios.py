@@ -11,7 +11,9 @@ logit:
 * a fork (``seq_cp`` of a whole sequence) that then decodes its own tokens, its parent its own;
 * a sequence moved through its state bytes into a second memory, decoded there, and back;
 * a rollback: three drafted tokens in one step, two rejected (``seq_rm``), another token decoded;
-* a prefix: ``HybridPrefixCache`` restoring a saved history into a new sequence, which continues.
+* a prefix: ``HybridPrefixCache`` restoring a saved history into a new sequence, which continues; and
+  with ``store_path``, a history saved through a ``DirectoryStore`` and restored from it by a fresh
+  memory (its own ``HybridPrefixCache`` over the same directory), which continues.
 
 ``Recorder`` keeps the worst error per scenario so a test can report it.
 """
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import recurrent_cache as rc
 from recurrent_cache.hybrid_prefix import HybridPrefixCache
+from recurrent_cache.stores import DirectoryStore
 
 Reference = Callable[[Sequence[int]], np.ndarray]
 
@@ -86,8 +90,8 @@ def _decode(model: Any, cache: Any, steps: dict[int, list[int]], histories: dict
     return out
 
 
-def run_scenarios(model: Any, recorder: Recorder, *, storage: str = "numpy",
-                  seed: int = 0) -> None:
+def run_scenarios(model: Any, recorder: Recorder, *, storage: Any = "numpy", seed: int = 0,
+                  store_path: Path | None = None) -> None:
     """Every scenario of the module's docstring on ``model``, against ``recorder``'s reference."""
     n_vocab = model.hparams.n_vocab
     rng = np.random.default_rng(seed)
@@ -145,3 +149,17 @@ def run_scenarios(model: Any, recorder: Recorder, *, storage: str = "numpy",
     histories[4] = list(histories[3])
     for seq, rows in _decode(model, cache, {4: draw(1), 3: draw(1)}, histories).items():
         recorder.check("prefix cache", histories[seq], rows, [len(histories[seq]) - 1])
+
+    if store_path is not None:
+        # a prefix from a store: sequence 0's history saved through a DirectoryStore, restored by a fresh memory
+        saving = HybridPrefixCache(cache, max_bytes=1 << 24, block_size=4, store=DirectoryStore(store_path),
+                                   namespace="scenario")
+        assert saving.save(0, histories[0])
+        fresh = new_cache()
+        restoring = HybridPrefixCache(fresh, max_bytes=1 << 24, block_size=4, store=DirectoryStore(store_path),
+                                      namespace="scenario")
+        assert restoring.restore(1, histories[0]) == len(histories[0])
+        assert restoring.stats()["store_hits"] == 1
+        restored = {1: list(histories[0])}
+        for seq, rows in _decode(model, fresh, {1: draw(1)}, restored).items():
+            recorder.check("prefix from a store", restored[seq], rows, [len(restored[seq]) - 1])

@@ -257,7 +257,10 @@ cdef int kv_find_slot(const KvTable* t, int32_t n, bint cont, int32_t* slot) noe
             slot[found] = cell
             found += 1
             cell = next_free(t, cell + 1, t.size)
-        cell = next_free(t, 0, head)
+        # wrap around only when the cells from head on did not suffice: the scan below head costs
+        # O(head / 64), which a decode step found right after head must not pay
+        if found < n:
+            cell = next_free(t, 0, head)
         while found < n:
             slot[found] = cell
             found += 1
@@ -597,9 +600,6 @@ cdef object one_ubatch(ubatches):
 cdef class KVCells:
     """``size`` KV cells of one stream (``kv_reference.KVCells``'s interface and semantics)."""
 
-    cdef KvTable t
-    cdef readonly str swa_type
-
     def __cinit__(self, size, n_seq_max=1, n_swa=0, swa_type="none"):
         check_config(size, n_seq_max, n_swa, swa_type)
         if kv_init(&self.t, size, n_seq_max, n_swa, kv_reference.SWA_TYPES.index(swa_type)) != KV_OK:
@@ -671,7 +671,10 @@ cdef class KVCells:
     def n_kv(self, int pad=kv_reference.N_KV_PAD):
         if pad < 1:
             raise E.ArgumentError(f"pad must be >= 1, got {pad}")
-        return min(self.t.size, max(pad, (<int64_t>self.t.top + pad - 1) // pad * pad))
+        return self.padded_n_kv(pad)
+
+    cdef int32_t padded_n_kv(self, int32_t pad) noexcept nogil:
+        return <int32_t>min(<int64_t>self.t.size, max(<int64_t>pad, (<int64_t>self.t.top + pad - 1) // pad * pad))
 
     def check(self):
         cdef int64_t where = -1
@@ -731,14 +734,19 @@ cdef class KVCells:
         checked_offsets(pos, flat, offsets, "apply_arrays")
         if cells.shape[0] != pos.shape[0]:
             raise kv_error(kv_reference.CODES["CELL_COUNT"], cells.shape[0], pos.shape[0])
+        self.apply_tokens(<int32_t>pos.shape[0], &cells[0], &pos[0], &flat[0], &offsets[0])
+
+    cdef int apply_tokens(self, int32_t n, const int32_t* cells, const int32_t* pos, const int32_t* flat,
+                          const int32_t* offsets) except -1:
         cdef int64_t a = 0, b = 0
         cdef int code
         with nogil:
-            code = kv_check_tokens(&self.t, <int32_t>pos.shape[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+            code = kv_check_tokens(&self.t, n, pos, flat, offsets, &a, &b)
             if code == KV_OK:
-                code = kv_apply(&self.t, <int32_t>pos.shape[0], &cells[0], &pos[0], &flat[0], &offsets[0], &a, &b)
+                code = kv_apply(&self.t, n, cells, pos, flat, offsets, &a, &b)
         if code != KV_OK:
             raise kv_error(code, a, b)
+        return 0
 
     cdef tuple tokens(self, pos, seq_ids):
         """token_arrays, then the range checks."""
@@ -762,23 +770,29 @@ cdef class KVCells:
         slots = np.empty(bounds[-1], dtype=np.int32)
         cdef const int32_t[::1] b_view = bounds, p_view = positions, f_view = flat, o_view = offsets
         cdef int32_t[::1] s_view = slots
+        if not self.prepare_tokens(<int32_t>b_view.shape[0] - 1, &b_view[0], &p_view[0], &f_view[0], &o_view[0],
+                                   &s_view[0]):
+            return None
+        ends = bounds.tolist()
+        return [slots[start:end] for start, end in zip(ends[:-1], ends[1:])]
+
+    cdef int prepare_tokens(self, int32_t n_ubatch, const int32_t* bounds, const int32_t* pos, const int32_t* flat,
+                            const int32_t* offsets, int32_t* slots) except -1:
         cdef int64_t a = 0, b = 0
         cdef int code = KV_OK
         cdef int32_t u
-        for u in range(b_view.shape[0] - 1):
-            code = kv_check_tokens(&self.t, b_view[u + 1] - b_view[u], &p_view[b_view[u]], &f_view[0],
-                                   &o_view[b_view[u]], &a, &b)
+        for u in range(n_ubatch):
+            code = kv_check_tokens(&self.t, bounds[u + 1] - bounds[u], pos + bounds[u], flat, offsets + bounds[u],
+                                   &a, &b)
             if code != KV_OK:
                 raise kv_error(code, a, b)
         with nogil:
-            code = kv_prepare(&self.t, <int32_t>b_view.shape[0] - 1, &b_view[0], &p_view[0], &f_view[0], &o_view[0],
-                              &s_view[0], &a, &b)
+            code = kv_prepare(&self.t, n_ubatch, bounds, pos, flat, offsets, slots, &a, &b)
         if code == KV_NO_SLOT:
-            return None
+            return 0
         if code != KV_OK:
             raise kv_error(code, a, b)
-        ends = bounds.tolist()
-        return [slots[start:end] for start, end in zip(ends[:-1], ends[1:])]
+        return 1
 
     def load(self, pos, flat, offsets):
         """Every cell replaced by a whole context's (``kv_reference.KVCells.load``)."""

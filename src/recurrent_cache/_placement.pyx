@@ -9,7 +9,6 @@ plan computed once — docs/concepts.md §2 FIX —, rows and history moved) and
 the checks and the messages; this module owns the loops and the C arrays.
 """
 
-cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport free, realloc
@@ -38,18 +37,8 @@ CODES = {
 }
 
 
-@cython.final
 cdef class Placement:
     """The ubatches of one batch and the copy plan of the last one applied (engine object)."""
-
-    cdef MemoryCore core
-    cdef Split split
-    cdef const int32_t[::1] seq_id_flat   # [n_entries] the batch's seq ids (kept alive here)
-    cdef readonly int32_t head            # first row of the last applied ubatch
-    cdef readonly int32_t n_kv            # cells from head its plan covers
-    cdef int32_t* copy_src_buf            # [capacity] the last plan, copied out of the table's
-    cdef uint8_t* zero_buf                # [capacity] scratch (another placement reuses that)
-    cdef int32_t capacity
 
     def __cinit__(self):
         self.copy_src_buf = NULL
@@ -175,10 +164,40 @@ cdef class Placement:
             return np.zeros(0, dtype=np.int64)
         return np.asarray(<int64_t[:self.split.n_outputs]>self.split.out_ids).copy()
 
-    cdef inline int _check(self, int32_t u) except -1:
+    cdef int _check(self, int32_t u) except -1:
         if not 0 <= u < self.split.n_ubatches:
             raise IndexError(f"ubatch {u} of {self.split.n_ubatches}")
         return 0
+
+    # -- the C-level accessor (_placement.pxd) ------------------------------------------
+
+    cdef int64_t token_entries(self) noexcept nogil:
+        cdef int64_t entries = 0
+        cdef int32_t u, g
+        for u in range(self.split.n_ubatches):
+            for g in range(self.split.ub_group_start[u], self.split.ub_group_start[u + 1]):
+                entries += <int64_t>self.split.group_n_seq_id[g] * self.split.ub_n_seq_tokens[u]
+        return entries
+
+    cdef void token_arrays(self, int32_t* bounds, int32_t* pos, int32_t* offsets, int32_t* flat) noexcept nogil:
+        cdef int32_t u, g, k, j, n_ids, token
+        cdef int32_t entry = 0
+        cdef const int32_t* ids
+        offsets[0] = 0
+        for u in range(self.split.n_ubatches + 1):
+            bounds[u] = self.split.ub_token_start[u]
+        for u in range(self.split.n_ubatches):
+            token = self.split.ub_token_start[u]
+            for g in range(self.split.ub_group_start[u], self.split.ub_group_start[u + 1]):
+                ids = &self.seq_id_flat[self.split.group_seq_offset[g]]
+                n_ids = self.split.group_n_seq_id[g]
+                for k in range(self.split.ub_n_seq_tokens[u]):   # token k of the group: the group's ids
+                    pos[token] = self.positions[self.split.order[token]]
+                    for j in range(n_ids):
+                        flat[entry + j] = ids[j]
+                    entry += n_ids
+                    token += 1
+                    offsets[token] = entry
 
 
 def split_batch(MemoryCore core, object seq_id_flat, object seq_id_offset, object pos, object logits,
@@ -213,6 +232,7 @@ def split_batch(MemoryCore core, object seq_id_flat, object seq_id_offset, objec
     p = Placement.__new__(Placement)
     p.core = core
     p.seq_id_flat = flat
+    p.positions = positions
     p.head = -1
     with nogil:
         code = split_cells(&p.split, &core.core.cells, <int32_t>n_tokens, &flat[0], &offsets[0],

@@ -117,7 +117,8 @@ class _Inspection:
     suffices); otherwise a whole-cache blob (seq_id -1, size = the largest of
     its cell count and its largest seq id + 1).  Its cells must pass the cell
     rules of ``parse_blob`` for that size; every r tensor must have one known
-    type and a row size of 1 to 2**31 - 1 whole elements, every s tensor too.
+    type and a row size of 1 to 2**31 - 1 whole elements, every s tensor too (or of 0: a
+    conv-only state).
     """
 
     def __init__(self, layers: tuple[int, ...] | None = None) -> None:
@@ -152,9 +153,10 @@ class _Inspection:
                              f"a cache stores {' or '.join(f'{t.name} ({t.type_id})' for t in GGML_TYPES.values())}")
         type_name, itemsize = GGML_TYPES[type_id].name, GGML_TYPES[type_id].itemsize
         if first:
-            if row_bytes % itemsize or not 1 <= row_bytes // itemsize <= _LIMIT:
+            least = 1 if name == "r" else 0   # an s row may hold nothing (LFM2's conv-only state)
+            if row_bytes % itemsize or not least <= row_bytes // itemsize <= _LIMIT:
                 raise StateError(f"state blob layer {layer} {name} row size {row_bytes} at byte {offset + 4} is "
-                                 f"not n_embd x {itemsize} bytes ({type_name}) with n_embd in [1, {_LIMIT}]")
+                                 f"not n_embd x {itemsize} bytes ({type_name}) with n_embd in [{least}, {_LIMIT}]")
             self.fits.update({f"dtype_{name}": type_name, f"n_embd_{name}": row_bytes // itemsize})
         elif (type_name, row_bytes) != (self.fits[f"dtype_{name}"], self.fits[f"n_embd_{name}"] * itemsize):
             # without a filter, a hybrid's first s section is read as the r of layer k (k < n_layer)

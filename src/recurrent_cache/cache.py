@@ -52,7 +52,9 @@ class RecurrentCache:
     ``size`` cells (default ``max(1, n_seq_max)``) each hold the state of one
     sequence, or of several sequences that share it after a fork.  Per layer
     ``il`` the states live in ``r[il]`` (size, n_embd_r) — the rolling state,
-    Mamba's conv window — and ``s[il]`` (size, n_embd_s) — the SSM / WKV state.
+    Mamba's conv window — and ``s[il]`` (size, n_embd_s) — the SSM / WKV state;
+    ``n_embd_s = 0`` for a model with a conv state only (LFM2's short convolution:
+    rows of no values, written in state bytes as llama.cpp writes them, a row size of 0).
     Row ``c`` belongs to cell ``c``.  The arrays are allocated once and never
     reallocated, so views of them stay valid for the cache's lifetime.
 

@@ -14,7 +14,7 @@ ubatch to both halves, on slots both found at ``init_batch``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -130,6 +130,11 @@ class HybridCache:
         recurrent = self._recurrent
         self._recurrent_bytes = len(recurrent.layers) * (STATE_TYPES[recurrent.dtype_r].itemsize * recurrent.n_embd_r
                                                          + STATE_TYPES[recurrent.dtype_s].itemsize * recurrent.n_embd_s)
+        # the compiled engine places a batch's KV tokens straight from its split's C arrays (_hybrid_step)
+        self._compiled_plan: Callable[[_engines.KVTable, _engines.Placement], KvPlan | None] | None = None
+        if engine_of.name == "compiled" and self._attn_layers:
+            from . import _hybrid_step
+            self._compiled_plan = _hybrid_step.prepare
         self._generation = 0
         self._guard = ThreadGuard()
 
@@ -156,6 +161,26 @@ class HybridCache:
     @property
     def kv_size(self) -> int:
         return self._kv.size
+
+    @property
+    def n_embd_r(self) -> int:
+        """The width of a recurrent layer's r row (``RecurrentCache.n_embd_r``)."""
+        return self._recurrent.n_embd_r
+
+    @property
+    def n_embd_s(self) -> int:
+        """The width of a recurrent layer's s row."""
+        return self._recurrent.n_embd_s
+
+    @property
+    def dtype_r(self) -> str:
+        """The storage type of the r rows ("f32", "f16", "bf16")."""
+        return self._recurrent.dtype_r
+
+    @property
+    def dtype_s(self) -> str:
+        """The storage type of the s rows."""
+        return self._recurrent.dtype_s
 
     @property
     def n_embd_k(self) -> int:
@@ -504,37 +529,43 @@ class HybridCache:
         and find every ubatch's cells in both halves.  Raises, changing nothing, for a batch either
         half cannot take; a batch that does not fit gives a state whose status is
         ``FAILED_PREPARE``."""
-        self._enter()
+        guard = self._guard   # (the decode step's hot path: the guard without _enter's frame)
+        guard.enter()
         try:
             recurrent = self._recurrent.init_batch(batch, n_ubatch, embd_pooled, logits_all)
-            tokens: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-            slots: list[np.ndarray] | None = []
+            plan: KvPlan | None = None
             if recurrent.status is MemoryStatus.SUCCESS:
-                tokens = [_kv_tokens(recurrent.planned(u)) for u in range(recurrent.n_ubatches)]
-                slots = self._kv.prepare(tokens) if self._attn_layers else \
-                    [np.empty(0, dtype=np.int32) for _ in tokens]
-            status = recurrent.status if slots is not None else MemoryStatus.FAILED_PREPARE
-            return HybridState(self, recurrent, tokens, slots or [], status, self._apply_kv, self._kv_mask)
+                plan = self._plan_kv(recurrent)
+            status = recurrent.status if plan is not None else MemoryStatus.FAILED_PREPARE
+            return HybridState(self, recurrent, plan, status, self._apply_kv, self._kv_mask)
         finally:
-            self._leave()
+            guard.leave()
 
-    def _apply_kv(self, state_generation: int, cells: np.ndarray,
-                  tokens: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[int, int]:
-        """A state's ubatch into the KV half, on the slot ``init_batch`` found: the new generation and
-        the cells to attend to (``n_kv``).  Raises ``UsageError``, changing nothing, for a stale state."""
-        self._enter()
+    def _plan_kv(self, recurrent: MemoryState) -> KvPlan | None:
+        """The KV half of a split batch: each ubatch's cells, found with the ones before placed (the
+        table left as it was), or None when they fit nowhere."""
+        placement = recurrent.placement
+        if self._compiled_plan is not None and placement is not None:
+            return self._compiled_plan(self._kv, placement)
+        return _TokenPlan.prepare(self._kv, recurrent, bool(self._attn_layers))
+
+    def _apply_kv(self, state_generation: int, plan: KvPlan, u: int) -> tuple[int, int]:
+        """Ubatch ``u`` of a state into the KV half, on the cells ``init_batch`` found: the new
+        generation and the cells to attend to (``n_kv``).  Raises ``UsageError``, changing nothing,
+        for a stale state."""
+        guard = self._guard
+        guard.enter()
         try:
             if state_generation != self._generation:
                 raise UsageError("the cache changed after this state was prepared (a sequence operation, a "
                                  "state_read or another state's apply): call init_batch again")
-            if self._attn_layers:
-                self._kv.apply_arrays(cells, *tokens)
+            n_kv = plan.apply(u, self._kv_pad)
             self._generation += 1
-            return self._generation, self._kv.n_kv(self._kv_pad)
+            return self._generation, n_kv
         finally:
-            self._leave()
+            guard.leave()
 
-    def _kv_mask(self, tokens: tuple[np.ndarray, np.ndarray, np.ndarray], n_kv: int, sliding: bool) -> np.ndarray:
+    def _kv_mask(self, tokens: KvTokens, n_kv: int, sliding: bool) -> np.ndarray:
         pos, flat, offsets = tokens
         out = np.empty((pos.size, n_kv), dtype=np.float32)
         self._kv.mask(pos, _seq_lists(flat, offsets), out, sliding)
@@ -628,6 +659,50 @@ class HybridCache:
                 f"kv_used={self._kv.used}, engine={self.engine!r})")
 
 
+KvTokens = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+class KvPlan(Protocol):
+    """The KV half of one ``init_batch``: each ubatch's tokens and cells (``_hybrid_step.KvPlan`` on the
+    compiled engine, ``_TokenPlan`` on the reference)."""
+
+    def apply(self, u: int, pad: int) -> int: ...
+    def cells(self, u: int) -> np.ndarray: ...
+    def tokens(self, u: int) -> KvTokens: ...
+
+
+class _TokenPlan:
+    """``KvPlan`` from the recurrent half's ubatches (``MemoryState.planned``) as numpy arrays, through
+    the KV table's Python interface: the reference engine's, and a model without attention layers
+    (whose table is never touched)."""
+
+    __slots__ = ("_table", "_tokens", "_slots", "_attend")
+
+    def __init__(self, table: _engines.KVTable, tokens: list[KvTokens], slots: list[np.ndarray],
+                 attend: bool) -> None:
+        self._table = table
+        self._tokens = tokens
+        self._slots = slots
+        self._attend = attend
+
+    @classmethod
+    def prepare(cls, table: _engines.KVTable, recurrent: MemoryState, attend: bool) -> _TokenPlan | None:
+        tokens = [_kv_tokens(recurrent.planned(u)) for u in range(recurrent.n_ubatches)]
+        slots = table.prepare(tokens) if attend else [np.empty(0, dtype=np.int32) for _ in tokens]
+        return None if slots is None else cls(table, tokens, slots, attend)
+
+    def apply(self, u: int, pad: int) -> int:
+        if self._attend:
+            self._table.apply_arrays(self._slots[u], *self._tokens[u])
+        return self._table.n_kv(pad)
+
+    def cells(self, u: int) -> np.ndarray:
+        return self._slots[u]
+
+    def tokens(self, u: int) -> KvTokens:
+        return self._tokens[u]
+
+
 def _kv_tokens(ubatch: Ubatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A ubatch's tokens for the KV table: positions, every token's seq ids back to back (each token
     lists its group's), and their offsets ``[n_tokens + 1]``."""
@@ -661,18 +736,15 @@ class HybridState:
     cache changed after its ``init_batch`` (or after its last ``apply``) other than through it.
     """
 
-    __slots__ = ("_cache", "_recurrent", "_tokens", "_slots", "status", "_generation", "_u", "_applied",
-                 "_n_kv", "_masks", "_apply_kv", "_build_mask")
+    __slots__ = ("_cache", "_recurrent", "_plan", "status", "_generation", "_u", "_applied", "_n_kv", "_masks",
+                 "_apply_kv", "_build_mask")
 
-    def __init__(self, cache: HybridCache, recurrent: MemoryState,
-                 tokens: list[tuple[np.ndarray, np.ndarray, np.ndarray]], slots: list[np.ndarray],
-                 status: MemoryStatus,
-                 apply_kv: Callable[[int, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]], tuple[int, int]],
-                 build_mask: Callable[[tuple[np.ndarray, np.ndarray, np.ndarray], int, bool], np.ndarray]) -> None:
+    def __init__(self, cache: HybridCache, recurrent: MemoryState, plan: KvPlan | None, status: MemoryStatus,
+                 apply_kv: Callable[[int, KvPlan, int], tuple[int, int]],
+                 build_mask: Callable[[KvTokens, int, bool], np.ndarray]) -> None:
         self._cache = cache
         self._recurrent = recurrent
-        self._tokens = tokens
-        self._slots = slots
+        self._plan = plan            # None: no ubatch to apply (status is not SUCCESS)
         self.status = status
         self._generation = cache.generation
         self._u = 0
@@ -686,13 +758,13 @@ class HybridState:
 
     def apply(self) -> bool:
         """Place the current ubatch in both halves. Returns True."""
-        if self.status != MemoryStatus.SUCCESS:
+        if self.status is not MemoryStatus.SUCCESS or self._plan is None:
             raise UsageError(f"apply() on a state whose status is {self.status.name}")
         if self._applied:
             raise UsageError(f"ubatch {self._u} is already applied; call next() first")
         # the KV half first, on the slot init_batch found on the table as it still is (a stale state
         # is refused there before anything changes); then the recurrent half's own prepared ubatch
-        self._generation, self._n_kv = self._apply_kv(self._generation, self._slots[self._u], self._tokens[self._u])
+        self._generation, self._n_kv = self._apply_kv(self._generation, self._plan, self._u)
         self._recurrent.apply()
         self._masks.clear()
         self._applied = True
@@ -796,7 +868,8 @@ class HybridState:
     def kv_cells(self) -> np.ndarray:
         """[n_tokens] int32: the KV cell of each token of the applied ubatch (ubatch order)."""
         self._current()
-        return self._slots[self._u]
+        assert self._plan is not None
+        return self._plan.cells(self._u)
 
     @property
     def n_kv(self) -> int:
@@ -812,7 +885,8 @@ class HybridState:
         sliding = as_flag(sliding, "sliding")
         mask = self._masks.get(sliding)
         if mask is None:
-            mask = self._masks[sliding] = self._build_mask(self._tokens[self._u], self._n_kv, sliding)
+            assert self._plan is not None
+            mask = self._masks[sliding] = self._build_mask(self._plan.tokens(self._u), self._n_kv, sliding)
         return mask
 
     def __repr__(self) -> str:

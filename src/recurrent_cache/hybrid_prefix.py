@@ -34,9 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from ._args import count, tokens as token_array
-from .errors import ArgumentError, PositionError
+from ._args import count, text, tokens as token_array
+from .errors import ArgumentError, NoFreeCellError, PositionError, StateError
+from .formats.geometry import Geometry
 from .hybrid import HybridCache
+from .stores.snapshot import hybrid_key_text
+from .stores.tier import HybridStoreTier
 from .storage import Tensor
 
 __all__ = ["HybridPrefixCache", "JUNCTION_WEIGHT"]
@@ -77,9 +80,18 @@ class HybridPrefixCache:
     """Keep and restore hybrid prefixes: ``save(seq, tokens)`` after prefilling, ``restore(seq,
     tokens)`` before, ``match(tokens)`` to ask.  ``cache`` is the ``HybridCache`` both act on."""
 
-    def __init__(self, cache: HybridCache, max_bytes: int, block_size: int = 16) -> None:
+    def __init__(self, cache: HybridCache, max_bytes: int, block_size: int = 16, store: Any = None,
+                 namespace: str | None = None) -> None:
         if not isinstance(cache, HybridCache):
             raise ArgumentError(f"HybridPrefixCache needs a HybridCache, got {type(cache).__name__}")
+        self._tier: HybridStoreTier | None = None
+        if store is not None:
+            if namespace is None:
+                raise ArgumentError("a store needs a namespace: the model's identity (its file's hash, its name and "
+                                    "revision), so that no other model's states are read")
+            geometry = Geometry(cache.n_layer, cache.n_embd_r, cache.n_embd_s, cache.dtype_r, cache.dtype_s,
+                                layers=cache.recr_layers)
+            self._tier = HybridStoreTier(store, text(namespace, "namespace"), geometry, hybrid_key_text(cache))
         self._cache = cache
         self._max_bytes = count(max_bytes, "max_bytes", 1, int32_only=False)
         self._block = count(block_size, "block_size", 1)
@@ -91,7 +103,9 @@ class HybridPrefixCache:
         self._clock = 0.0
         self._used = 0
         self._order = itertools.count()
-        self._stats = {"saved": 0, "refused": 0, "evicted": 0, "restored": 0, "tokens_restored": 0}
+        self._stats = {"saved": 0, "refused": 0, "evicted": 0, "restored": 0, "tokens_restored": 0,
+                       "store_lookups": 0, "store_hits": 0, "store_tokens_restored": 0, "store_puts": 0,
+                       "store_written": 0}
 
     # -- asking --------------------------------------------------------------------------
 
@@ -109,8 +123,14 @@ class HybridPrefixCache:
         return self._count
 
     def stats(self) -> dict[str, int]:
-        """Counts: snapshots saved, refused, evicted, restores and tokens restored; snapshots and bytes held."""
-        return dict(self._stats, snapshots=self._count, bytes=self._used)
+        """Counts: snapshots saved, refused, evicted, restores and tokens restored; snapshots and bytes held;
+        with a store, its lookups, hits, tokens restored from it, puts and confirmed writes, and the
+        entries it rejected (``store_damaged``) and calls that raised (``store_errors``)."""
+        stats = dict(self._stats, snapshots=self._count, bytes=self._used)
+        if self._tier is not None:
+            tier = self._tier.stats()
+            stats |= {"store_damaged": tier["damaged"], "store_errors": tier["errors"]}
+        return stats
 
     # -- saving and restoring ----------------------------------------------------------------
 
@@ -118,6 +138,9 @@ class HybridPrefixCache:
         """Keep what ``seq`` holds after exactly ``tokens`` (it must hold positions ``0 .. len - 1``
         and nothing else); False when the budget does not let it in (nothing is kept then).
         Saving a prefix already kept counts a use of it."""
+        return self._save(seq, tokens, to_store=True)
+
+    def _save(self, seq: int, tokens: Sequence[int] | np.ndarray, to_store: bool) -> bool:
         data = self._bytes(tokens)
         n = len(data) // 4
         if n == 0:
@@ -130,6 +153,9 @@ class HybridPrefixCache:
         if state.pos.size != n or not np.array_equal(state.pos, np.arange(n)):
             raise PositionError(f"save: sequence {seq} holds positions {_shown(state.pos)}, not exactly 0 .. {n - 1} "
                                 f"for {n} tokens")
+        if to_store and self._tier is not None:   # the store takes it even when memory does not
+            self._stats["store_puts"] += 1
+            self._stats["store_written"] += self._tier.put(np.frombuffer(data, "<i4"), self._cache.state_write(seq))
         full = n // self._block * self._block
         path = self._blocks_for(data, full, state.k, state.v)
         snapshot = _Snapshot(path, data[full * 4:], n, state.k[:, full:], state.v[:, full:], state.r, state.s,
@@ -158,8 +184,13 @@ class HybridPrefixCache:
     def restore(self, seq: int, tokens: Sequence[int] | np.ndarray) -> int:
         """Give ``seq`` (which must hold nothing) the longest kept prefix of ``tokens``: its KV cells at
         positions ``0 .. n - 1`` with their rows and its recurrent state after token ``n - 1``.
-        Returns ``n`` (0: nothing kept, ``seq`` unchanged)."""
-        found = self._longest(self._bytes(tokens))
+        Returns ``n`` (0: nothing kept, ``seq`` unchanged).  With a store, a longer prefix it holds wins
+        (read with ``HybridCache.state_read``, then kept in memory too, as budget allows)."""
+        data = self._bytes(tokens)
+        found = self._longest(data)
+        from_store = 0 if self._tier is None else self._from_store(seq, data, 0 if found is None else found.length)
+        if from_store:
+            return from_store
         if found is None:
             return 0
         blocks = []
@@ -176,6 +207,37 @@ class HybridPrefixCache:
         self._stats["restored"] += 1
         self._stats["tokens_restored"] += found.length
         return found.length
+
+    def _from_store(self, seq: int, data: bytes, held: int) -> int:
+        """Restore ``seq`` from the store when it holds a prefix of ``data`` longer than ``held``
+        tokens: the whole prompt, all but its last token, or a multiple of ``block_size``, longest
+        first (the lengths ``save`` is asked for by a serving loop).  Returns the tokens restored; 0,
+        ``seq`` unchanged, on a miss or an entry the cache refuses."""
+        assert self._tier is not None
+        if self._cache.seq_pos_max(seq) >= 0:
+            raise ArgumentError(f"restore: sequence {seq} holds positions already; it must hold nothing")
+        tokens = np.frombuffer(data, "<i4")
+        n = tokens.size
+        lengths = sorted({length for length in (n, n - 1, *range(n // self._block * self._block, 0, -self._block))
+                          if length > held}, reverse=True)
+        if not lengths:
+            return 0
+        self._stats["store_lookups"] += 1
+        found = self._tier.fetch(tokens, lengths)
+        if found is None:
+            return 0
+        length, state = found
+        try:
+            self._cache.state_read(state, seq)
+        except (StateError, NoFreeCellError):   # an entry this cache cannot take: a miss, nothing changed
+            self._tier.damaged(length)
+            return 0
+        self._stats["store_hits"] += 1
+        self._stats["store_tokens_restored"] += length
+        self._stats["restored"] += 1
+        self._stats["tokens_restored"] += length
+        self._save(seq, tokens[:length], to_store=False)   # promoted into memory as budget allows
+        return length
 
     # -- the trie ---------------------------------------------------------------------------
 

@@ -365,6 +365,13 @@ class MemoryState:
         return int(self._placement.n_ubatches)
 
     @property
+    def placement(self) -> Placement | None:
+        """The engine's split of this batch (None for ``init_full``), to read its ubatches' tokens
+        from: a hybrid memory places them in its KV table too (``_hybrid_step``, at the C level).
+        Applying goes through ``apply()``, which checks the state is not stale."""
+        return self._placement
+
+    @property
     def head(self) -> int:
         """First cell (row) of the applied ubatch; -1 before the first apply()."""
         return 0 if self._placement is None else int(self._placement.head)

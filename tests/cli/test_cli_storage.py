@@ -1,6 +1,10 @@
 """``--storage torch [--device D]`` on the command line: every demo mode and generate serve from a
 torch-storage cache with the torch forward, and verify against the numpy forward; the combinations
-that cannot be served are refused in one line."""
+that cannot be served are refused in one line.
+
+The demo runs in this process (``cli.main``: the same exit status and output, without a new
+interpreter importing torch for each mode); generate runs in a real process, the command line
+as a user starts it."""
 
 from __future__ import annotations
 
@@ -25,15 +29,16 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", [[], ["--fork"], ["--speculative", "3"], ["--prefix-cache"]],
                          ids=["plain", "fork", "speculative", "prefix-cache"])
-def test_every_demo_mode_serves_from_torch_storage_and_verifies(mode, device):
-    result = run("demo", *mode, "--storage", "torch", "--device", device, "--quiet", "--n-predict", "12")
+def test_every_demo_mode_serves_from_torch_storage_and_verifies(capsys, mode, device):
+    result = run_in_process(capsys, "demo", *mode, "--storage", "torch", "--device", device, "--quiet",
+                            "--n-predict", "12")
     assert result.returncode == 0, result.stderr
     assert f"states on torch {device}" in result.stdout
     assert "verification     PASSED" in result.stdout
 
 
-def test_a_corrupted_torch_state_fails_the_verification():
-    result = run("demo", "--storage", "torch", "--quiet", "--corrupt-step", "3")
+def test_a_corrupted_torch_state_fails_the_verification(capsys):
+    result = run_in_process(capsys, "demo", "--storage", "torch", "--quiet", "--corrupt-step", "3")
     assert result.returncode == 1 and "VERIFICATION FAILED" in result.stderr
 
 

@@ -206,8 +206,10 @@ def test_public_calls_use_the_one_wording(rc):
         cache.state_write(2)
     with pytest.raises(ConfigError, match=not_integer("n_layer", True)):
         rc.RecurrentCache(True, 2, 3)
-    with pytest.raises(ConfigError, match=outside("n_embd_s", 0, "1", "2**31")):
-        rc.RecurrentCache(1, 2, 0)
+    with pytest.raises(ConfigError, match=outside("n_embd_r", 0, "1", "2**31")):
+        rc.RecurrentCache(1, 0, 3)
+    with pytest.raises(ConfigError, match=outside("n_embd_s", -1, "0", "2**31")):
+        rc.RecurrentCache(1, 2, -1)
     with pytest.raises(ArgumentError, match="^embd_pooled must be True or False, got 2$"):
         cache.init_batch(rc.Batch(token=[1], seq_id=[0], pos=[0]), embd_pooled=2)
     assert cache.cell(np.int64(1)) == cache.cell(1)

@@ -150,7 +150,7 @@ class CoreMatchesReference(RuleBasedStateMachine):
     # -- setup -------------------------------------------------------------------
 
     @initialize(size=SIZES, n_layer=st.integers(0, 2), n_embd_r=st.integers(1, 4),
-                n_embd_s=st.integers(1, 4), dtype_r=DTYPES, dtype_s=DTYPES, data=st.data())
+                n_embd_s=st.integers(0, 4), dtype_r=DTYPES, dtype_s=DTYPES, data=st.data())
     def build(self, size, n_layer, n_embd_r, n_embd_s, dtype_r, dtype_s, data):
         kwargs = dict(n_layer=n_layer, n_embd_r=n_embd_r, n_embd_s=n_embd_s,
                       dtype_r=dtype_r, dtype_s=dtype_s,

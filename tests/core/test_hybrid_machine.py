@@ -41,12 +41,13 @@ def outcome(fn):
 
 class HybridMachine(RuleBasedStateMachine):
     @initialize(layout=LAYOUTS, kv_size=st.integers(4, 40), n_seq_max=st.integers(1, 5),
-                n_rollback=st.sampled_from([0, 0, 2, 4]), v_trans=st.booleans())
-    def build(self, layout, kv_size, n_seq_max, n_rollback, v_trans):
+                n_rollback=st.sampled_from([0, 0, 2, 4]), v_trans=st.booleans(),
+                n_embd_s=st.sampled_from([3, 0]))   # 0: a conv-only recurrent state (LFM2)
+    def build(self, layout, kv_size, n_seq_max, n_rollback, v_trans, n_embd_s):
         attn, recr = layout
         self.caches = [HybridCache(N_LAYER, attn_layers=attn, recr_layers=recr, n_embd_k=2, n_embd_v=3, n_embd_r=2,
-                                   n_embd_s=3, kv_size=kv_size, n_seq_max=n_seq_max, dtype_k="f32", dtype_v="f32",
-                                   v_trans=v_trans, n_rollback=n_rollback, engine=engine)
+                                   n_embd_s=n_embd_s, kv_size=kv_size, n_seq_max=n_seq_max, dtype_k="f32",
+                                   dtype_v="f32", v_trans=v_trans, n_rollback=n_rollback, engine=engine)
                        for engine in ("compiled", "reference")]
         self.histories = [Histories(n_seq_max) for _ in self.caches]
         self.prefixes = [HybridPrefixCache(cache, 1 << 20, block_size=3) for cache in self.caches]

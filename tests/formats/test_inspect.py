@@ -143,8 +143,8 @@ def some_cache_reads(data, n_layer, tensors):
     if n_layer:
         (type_r, bytes_r), (type_s, bytes_s) = tensors[0], tensors[n_layer]
         if type_r not in names or type_s not in names or bytes_r % sizes[type_r] or bytes_s % sizes[type_s] \
-                or not bytes_r or not bytes_s:
-            return False   # no cache has this layer 0, so none passes the checks of layer 0
+                or not bytes_r:
+            return False   # no cache has this layer 0, so none passes the checks of layer 0 (s may be 0 wide)
         shape = dict(n_embd_r=bytes_r // sizes[type_r], n_embd_s=bytes_s // sizes[type_s],
                      dtype_r=names[type_r], dtype_s=names[type_s])
     else:

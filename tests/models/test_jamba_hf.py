@@ -11,6 +11,7 @@ import pytest
 
 from recurrent_cache.errors import ModelError
 from recurrent_cache.models import JambaModel, load_hf
+from recurrent_cache.storage import TorchStorage
 
 from hybrid_scenarios import Recorder, run_scenarios
 
@@ -58,14 +59,19 @@ def reference_of(directory: Path, dtype: Any) -> Any:
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("storage", ["numpy", "torch"])
-def test_jamba_equals_transformers_through_the_hybrid_memory(checkpoint: Path, dtype: Any, storage: str) -> None:
+@pytest.mark.parametrize("storage", ["numpy", "torch", "torch-index"])
+def test_jamba_equals_transformers_through_the_hybrid_memory(checkpoint: Path, tmp_path: Path, dtype: Any,
+                                                             storage: Any) -> None:
+    """torch-index: torch storage without host access, the path a GPU's rows take (on the CPU here)."""
+    if storage == "torch-index":
+        storage = TorchStorage("cpu", host_access=False)
     model = load_hf(checkpoint, dtype=dtype)
     assert isinstance(model, JambaModel)
     assert model.hparams.attn_layers == (1, 3) and model.hparams.moe_layers == (1, 3)
     recorder = Recorder(reference_of(checkpoint, dtype))
-    run_scenarios(model, recorder, storage=storage)
-    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache"}
+    run_scenarios(model, recorder, storage=storage, store_path=tmp_path / "store")
+    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache",
+                                   "prefix from a store"}
 
 
 def test_a_jamba_config_with_an_attention_offset_beyond_its_period_is_refused(checkpoint: Path,

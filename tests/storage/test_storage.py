@@ -127,11 +127,12 @@ class Lockstep:
     every step would leave the filing a later call does untested."""
 
     def __init__(self, storages: list[Storage], dtype: str, n_rollback: int, layers: tuple[int, ...] | None,
-                 n_layer: int = 3, size: int = 6, engine: str = "compiled", history_every_step: bool = True) -> None:
+                 n_layer: int = 3, size: int = 6, engine: str = "compiled", history_every_step: bool = True,
+                 n_embd_s: int = 6) -> None:
         options = dict(n_seq_max=size, dtype_r=dtype, dtype_s=dtype, n_rollback=n_rollback, layers=layers)
         self.history_every_step = history_every_step
-        self.caches = [rc.RecurrentCache(n_layer, 4, 6, storage="numpy", engine="compiled", **options)]
-        self.caches += [rc.RecurrentCache(n_layer, 4, 6, storage=storage, engine=engine, **options)
+        self.caches = [rc.RecurrentCache(n_layer, 4, n_embd_s, storage="numpy", engine="compiled", **options)]
+        self.caches += [rc.RecurrentCache(n_layer, 4, n_embd_s, storage=storage, engine=engine, **options)
                         for storage in storages]
         self.layers = self.caches[0].layers
         self.prefix = [PrefixCache(cache, max_bytes=3 * 10 * 4 * n_layer * 2, block_size=2) for cache in self.caches]
@@ -248,9 +249,10 @@ class Lockstep:
 
 
 def run(storages: list[Storage], dtype: str, n_rollback: int, layers: tuple[int, ...] | None, seed: int,
-        n_ops: int = 60, engine: str = "compiled", history_every_step: bool = True) -> Lockstep:
+        n_ops: int = 60, engine: str = "compiled", history_every_step: bool = True, n_embd_s: int = 6) -> Lockstep:
     rng = random.Random(seed)
-    lock = Lockstep(storages, dtype, n_rollback, layers, engine=engine, history_every_step=history_every_step)
+    lock = Lockstep(storages, dtype, n_rollback, layers, engine=engine, history_every_step=history_every_step,
+                    n_embd_s=n_embd_s)
     for _ in range(n_ops):
         if rng.random() < 0.5:
             lock.batch(rng)

@@ -3,7 +3,7 @@
 In the spirit of llama.cpp's ``llama-parallel -np 5 -ns 8``: ``--clients``
 clients, each with a prompt (the start of a held-out standard-library file, or
 one written by hand), are served by ``--parallel`` sequence slots with
-continuous batching (``serving.Server``).  ``--fork`` instead runs one prompt
+continuous batching (``recurrent_cache.generation.Generator``).  ``--fork`` instead runs one prompt
 and forks it (``seq_cp``) into ``--parallel`` sequences that continue with
 different sampling seeds.  ``--prefix-cache`` (``demo_prefix``) and
 ``--speculative K`` (``demo_speculative``) are the other modes; ``--write-model``
@@ -26,6 +26,7 @@ import argparse
 import sys
 import time
 
+from ..generation import Generator, Stats
 from ..models import RecurrentModel, ModelError, write_gguf
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
@@ -33,7 +34,7 @@ from .clients import make_clients, print_clients
 from .model_options import (add_model_options, add_storage_options, build_model, model_name, storage_refusal,
                             where_states_live)
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in, text
-from .serving import Client, Server, Stats, new_cache, progress_bar
+from .serving import Client, new_cache, progress_bar, serve
 from .verification import TOLERANCE, fail, verify
 
 __all__ = ["DEFAULTS", "EXAMPLES", "main", "parse_args", "refusal"]
@@ -171,18 +172,15 @@ def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:
                            same_prompt=options.fork)
     cache = new_cache(model, options.parallel, options.dtype, storage=options.storage, device=options.device)
     progress = progress_bar(sum(client.n_predict for client in clients), options.quiet)
-    server = Server(model, cache, options.ubatch, progress, options.corrupt_step)
+    generator = Generator(model, cache, n_ubatch=options.ubatch)
     start = time.perf_counter()
-    if options.fork:
-        server.serve_forks(clients)
-    else:
-        server.serve(clients)
+    served = serve(generator, clients, progress, options.corrupt_step, fork=options.fork)
     seconds = time.perf_counter() - start
     progress.close()
 
-    report(options, model, clients, server.stats, seconds, cache.size)
-    if server.corruption:
-        print(f"testing          {server.corruption}")
+    report(options, model, clients, generator.stats, seconds, cache.size)
+    if served.corruption:
+        print(f"testing          {served.corruption}")
     problems, worst = verify(model, clients, options.dtype)
     if problems:
         return fail(f": {len(problems)} mismatches with the solo runs",
@@ -209,6 +207,8 @@ def report(options: argparse.Namespace, model: RecurrentModel, clients: list[Cli
           f"{generated} generated")
     print(f"steps            {stats.steps} init_batch, {stats.ubatches} ubatches")
     print(f"throughput       {processed / seconds:.0f} tokens/s ({seconds:.2f} s)")
-    print(f"peak cells used  {stats.peak_used} of {cells}")
-    print(f"time             cache {shares['cache']:.1f}% (init_batch, apply, next, seq ops) · "
-          f"model {shares['model']:.1f}% · other {100.0 - shares['cache'] - shares['model']:.1f}%")
+    # a recurrent cache gives each running sequence one cell
+    print(f"peak cells used  {stats.peak_sequences} of {cells}")
+    print(f"time             cache {shares['cache']:.1f}% (init_batch, seq ops) · "
+          f"model {shares['model']:.1f}% (apply and forward) · "
+          f"other {100.0 - shares['cache'] - shares['model']:.1f}%")

@@ -7,7 +7,8 @@ greedily.  Turns are requests, served with continuous batching on
 ``--parallel`` sequence slots: a request that finishes frees its slot and
 queues its conversation's next turn behind the other clients' requests.
 
-Each request first ``restore``s the longest prefix the ``PrefixCache`` holds
+The package's ``Generator`` serves them with a ``PrefixCache``: each request
+first ``restore``s the longest prefix the ``PrefixCache`` holds
 (a shared system prompt, or the whole previous turn), then prefills the rest
 in chunks that end at ``plan``'s cuts (the block grid, junctions with earlier
 prompts, the end of the prompt), ``save``-ing at each, in the same
@@ -33,19 +34,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 import recurrent_cache as rc
 
+from ..generation import Generator
 from ..models import RecurrentModel, ReferenceRun, Sampler
 from .model_options import model_identity, model_name, where_states_live
 from .options import USER_ERROR
-from .serving import Client, Server, new_cache
+from .serving import Client, Served, new_cache, serve
 from .verification import TOLERANCE, fail, relative_difference
 
-__all__ = ["ConversationServer", "Turn", "make_conversations", "run"]
+__all__ = ["Turn", "make_conversations", "next_turn", "run", "serve_conversations"]
 
 TURNS = 3
 N_SYSTEM_PROMPTS = 2
@@ -73,78 +76,39 @@ class Turn(Client):
     """One turn of conversation ``number``: a request whose prompt is everything said so far."""
 
     turn: int = 0
-    restored: int = 0   # prompt tokens restored from a snapshot
 
 
-class ConversationServer(Server):
-    """Turns of conversations as requests: each restores its longest cached prefix, prefills the
-    rest in chunks that end at the prefix cache's cuts (saving at each), and queues its
-    conversation's next turn when done.  Without a prefix cache, every prompt is computed whole."""
-
-    def __init__(self, model: RecurrentModel, cache: rc.RecurrentCache, n_ubatch: int,
-                 conversations: list[list[list[int]]], prefix_cache: rc.PrefixCache | None,
-                 corrupt_step: int | None = None) -> None:
-        super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
-        self.conversations = conversations
-        self.prefix_cache = prefix_cache
-        self.served: list[Turn] = []   # the finished turns, in order
-
-    def serve_conversations(self, n_predict: int) -> None:
-        """Every conversation, turn after turn, greedily."""
-        self.serve(Turn(number, turns[0], n_predict, Sampler()) for number, turns in enumerate(self.conversations))
-
-    def admit(self, client: Client) -> None:
-        super().admit(client)
-        turn = self.as_turn(client)
-        self.cache.seq_rm(turn.slot, -1, -1)
-        if self.prefix_cache is not None:
-            turn.restored = turn.n_cached = self.prefix_cache.restore(turn.slot, turn.prompt)
-            turn.cuts = self.prefix_cache.plan(turn.prompt, turn.n_cached)
-
-    def finish(self, client: Client) -> list[Client]:
-        """Save the conversation so far; its next turn, if any."""
-        turn = self.as_turn(client)
-        self.served.append(turn)
-        if self.prefix_cache is not None:   # the state covers the prompt and every generated token but the last
-            self.prefix_cache.save(turn.slot, turn.prompt + turn.tokens[:-1])
-        turns = self.conversations[turn.number]
-        if turn.turn + 1 == len(turns):
-            return []
-        prompt = turn.prompt + turn.tokens + turns[turn.turn + 1]
-        return [Turn(turn.number, prompt, turn.n_predict, Sampler(), turn=turn.turn + 1)]
-
-    @staticmethod
-    def as_turn(client: Client) -> Turn:
-        """``client``, which this server only ever admits as a ``Turn``."""
+def next_turn(conversations: list[list[list[int]]]) -> Callable[[Client], Client | None]:
+    """What follows a finished turn: its conversation's next turn, whose prompt is everything said so far."""
+    def follow_up(client: Client) -> Client | None:
         if not isinstance(client, Turn):
             raise TypeError(f"a conversation serves turns, not {client!r}")
-        return client
-
-    def end_step(self) -> list[Client]:
-        follow_ups = super().end_step()
-        if self.prefix_cache is not None:
-            for client in self.running.values():   # a chunk ended at a cut: snapshot it
-                if client.cuts and client.n_cached == client.cuts[0]:
-                    self.prefix_cache.save(client.slot, client.prompt[:client.n_cached])
-                    client.cuts.pop(0)
-        return follow_ups
+        turns = conversations[client.number]
+        if client.turn + 1 == len(turns):
+            return None
+        prompt = client.prompt + client.tokens + turns[client.turn + 1]
+        return Turn(client.number, prompt, client.n_predict, Sampler(), turn=client.turn + 1)
+    return follow_up
 
 
-def serve(model: RecurrentModel, options: argparse.Namespace, conversations: list[list[list[int]]],
-          prefix_cache: bool, store: rc.stores.DirectoryStore | rc.stores.RedisStore | None = None,
-          namespace: str = "") -> tuple[ConversationServer, float, dict[str, int]]:
-    """All turns of all conversations through one cache, with or without a PrefixCache (and its
-    store): the server, the seconds it took, and the prefix cache's stats."""
+def serve_conversations(model: RecurrentModel, options: argparse.Namespace, conversations: list[list[list[int]]],
+                        prefix_cache: bool, store: rc.stores.DirectoryStore | rc.stores.RedisStore | None = None,
+                        namespace: str = "") -> tuple[list[Turn], Generator, Served, float, dict[str, int]]:
+    """All turns of all conversations through one cache, greedily, with or without a PrefixCache (and
+    its store): the finished turns, the generator, what it served, the seconds it took, and the prefix
+    cache's stats."""
     cache = new_cache(model, options.parallel, options.dtype, storage=options.storage,
                       device=options.device)
     pc = (rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store, namespace=namespace)
           if prefix_cache else None)
-    server = ConversationServer(model, cache, options.ubatch, conversations, pc,
-                                options.corrupt_step if prefix_cache else None)
+    generator = Generator(model, cache, n_ubatch=options.ubatch, prefix_cache=pc)
+    first_turns = [Turn(number, turns[0], options.n_predict, Sampler()) for number, turns in enumerate(conversations)]
     start = time.perf_counter()
-    server.serve_conversations(options.n_predict)
+    served = serve(generator, first_turns, corrupt_step=options.corrupt_step if prefix_cache else None,
+                   follow_up=next_turn(conversations))
     seconds = time.perf_counter() - start
-    return server, seconds, pc.stats() if pc is not None else {}
+    turns = [turn for turn in served.finished if isinstance(turn, Turn)]
+    return turns, generator, served, seconds, pc.stats() if pc is not None else {}
 
 
 def verify(model: RecurrentModel, runs: list[list[Turn]], conversations: list[list[list[int]]], n_predict: int,
@@ -190,10 +154,9 @@ def run(options: argparse.Namespace, model: RecurrentModel) -> int:
         except (rc.ArgumentError, ImportError, OSError) as exc:
             print(f"demo: --store: {exc}", file=sys.stderr)
             return USER_ERROR
-    with_pc, with_seconds, stats = serve(model, options, conversations, prefix_cache=True, store=store,
-                                         namespace=namespace)
-    without, without_seconds, _ = serve(model, options, conversations, prefix_cache=False)
-    requests = with_pc.served
+    requests, with_pc, with_run, with_seconds, stats = serve_conversations(model, options, conversations, True,
+                                                                            store, namespace)
+    without, without_pc, _, without_seconds, _ = serve_conversations(model, options, conversations, False)
     n_requests = len(requests)
     hits = sum(r.restored > 0 for r in requests)
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -217,14 +180,14 @@ def run(options: argparse.Namespace, model: RecurrentModel) -> int:
         print(f"namespace        {namespace}")
     saved = prompt_tokens - computed
     print(f"prefill          {computed} of {prompt_tokens} prompt tokens computed with the prefix "
-          f"cache, {without.stats.prompt_tokens} without: {saved} saved ({100.0 * saved / prompt_tokens:.1f}%)")
+          f"cache, {without_pc.stats.prompt_tokens} without: {saved} saved ({100.0 * saved / prompt_tokens:.1f}%)")
     served = prompt_tokens + n_requests * options.n_predict
     print(f"throughput       {served / with_seconds:.0f} tokens/s with the prefix cache ({with_seconds:.2f} s), "
           f"{served / without_seconds:.0f} without ({without_seconds:.2f} s): {without_seconds / with_seconds:.2f}x "
           f"(prompt + generated tokens served per second)")
-    if with_pc.corruption:
-        print(f"testing          {with_pc.corruption}")
-    problems, worst = verify(model, [requests, without.served], conversations, options.n_predict, options.dtype)
+    if with_run.corruption:
+        print(f"testing          {with_run.corruption}")
+    problems, worst = verify(model, [requests, without], conversations, options.n_predict, options.dtype)
     if problems:
         return fail(f": {len(problems)} mismatches with the solo runs",
                     "served requests differ from running each conversation alone", problems)

@@ -3,7 +3,8 @@
 Every running client drafts up to K tokens by *prompt lookup* — the tokens that
 followed the most recent earlier occurrence of its last n-gram (n = 3, 2, 1) in
 its own prompt and output; no second model — and the model verifies all the
-clients' ``1 + K`` tokens in one batch.  The accepted drafts are kept, plus the
+clients' ``1 + K`` tokens in one batch (the package's ``Generator`` with
+``draft=prompt_lookup``).  The accepted drafts are kept, plus the
 model's own token at the first mismatch; the rest is rolled back with
 ``seq_rm(seq, p0, -1)``, which the cache answers from its history
 (``n_rollback = K``, docs/rollback.md) with no recomputation.
@@ -17,118 +18,38 @@ tokens per model step and the throughput of both.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
-import numpy as np
-
-import recurrent_cache as rc
-
+from ..generation import Generator, prompt_lookup as draft
 from ..models import RecurrentModel
 from .clients import make_clients, print_clients
 from .model_options import model_name, where_states_live
-from .serving import Client, Feed, Server, new_cache
+from .serving import Client, Served, new_cache, serve
 from .verification import TOLERANCE, fail, verify
 
-__all__ = ["SpeculativeServer", "draft", "run"]
+__all__ = ["draft", "run", "serve_greedy"]
 
-NGRAMS = (3, 2, 1)   # the suffix lengths prompt lookup tries, longest first
-
-
-def draft(history: list[int], k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
-    suffix n-gram of ``history`` (prompt lookup decoding); [] when none occurs earlier."""
-    for n in NGRAMS:
-        if len(history) <= n:
-            continue
-        suffix = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start:start + n] == suffix:
-                return history[start + n:start + n + k]
-    return []
-
-
-@dataclasses.dataclass
-class SpeculationStats:
-    drafted: int = 0      # draft tokens proposed
-    accepted: int = 0     # draft tokens the model agreed with
-    rollbacks: int = 0    # seq_rm calls that rolled a sequence back
-    verify_steps: int = 0  # init_batch steps after the prompts
-
-
-class SpeculativeServer(Server):
-    """The serving loop, verifying every client's drafts in its decode steps."""
-
-    def __init__(self, model: RecurrentModel, cache: rc.RecurrentCache, n_ubatch: int, k: int,
-                 corrupt_step: int | None = None) -> None:
-        super().__init__(model, cache, n_ubatch, corrupt_step=corrupt_step)
-        self.k = k
-        self.speculation = SpeculationStats()
-
-    def step(self) -> None:
-        if any(client.prefilled for client in self.running.values()):
-            self.speculation.verify_steps += 1
-        super().step()
-
-    def feed(self, client: Client) -> Feed:
-        """The prompt; then the last token and up to K drafts, every position with logits."""
-        if not client.prefilled:
-            return super().feed(client)
-        room = client.n_predict - len(client.tokens) - 1   # drafts beyond n_predict are useless
-        drafts = draft(client.prompt + client.tokens, min(self.k, room)) if room > 0 else []
-        self.speculation.drafted += len(drafts)
-        return Feed(client, client.tokens[-1:] + drafts, "all" if drafts else "last")
-
-    def settle(self, feed: Feed, rows: list[np.ndarray]) -> None:
-        """Keep the drafts the model agrees with and its own next token; roll the rest back."""
-        client = feed.client
-        if not client.prefilled:   # the prompt
-            super().settle(feed, rows)
-            return
-        drafts = feed.tokens[1:]
-        accepted = 0
-        while accepted < len(drafts):
-            logits = rows[accepted]
-            if client.sampler(logits) != drafts[accepted]:
-                break
-            client.last_logits = logits
-            client.tokens.append(drafts[accepted])
-            accepted += 1
-        self.speculation.accepted += accepted
-        # the inputs that stand: the last token and the accepted drafts
-        client.n_cached += 1 + accepted
-        if accepted < len(drafts):
-            with self.stats.timing("cache"):
-                rolled_back = self.cache.seq_rm(client.slot, client.n_cached, -1)
-            if not rolled_back:
-                raise RuntimeError(f"seq_rm({client.slot}, {client.n_cached}, -1) could not roll back "
-                                   f"{len(drafts) - accepted} rejected draft tokens")
-            self.speculation.rollbacks += 1
-        if not client.done:
-            client.accept(rows[accepted])
-
-
-def serve(model: RecurrentModel, options: argparse.Namespace, k: int,
-          corrupt_step: int | None = None) -> tuple[list[Client], Server, SpeculationStats, float]:
-    """The demo's clients, greedy, served with drafts of up to ``k`` tokens (0: plain decoding):
-    the clients, the server, what speculation did, and the seconds it took."""
+def serve_greedy(model: RecurrentModel, options: argparse.Namespace, k: int,
+                 corrupt_step: int | None = None) -> tuple[list[Client], Generator, Served, float]:
+    """The demo's clients, greedy, served with prompt-lookup drafts of up to ``k`` tokens (0: plain
+    decoding): the clients, the generator (its stats say what speculation did), what it served, and
+    the seconds it took."""
     clients = make_clients(model, options.clients, options.n_predict, 0.0, 0, options.seed)
     cache = new_cache(model, options.parallel, options.dtype, n_rollback=k, storage=options.storage,
                       device=options.device)
-    server = (SpeculativeServer(model, cache, options.ubatch, k, corrupt_step) if k else
-              Server(model, cache, options.ubatch, corrupt_step=corrupt_step))
+    generator = Generator(model, cache, n_ubatch=options.ubatch, draft=draft if k else None, n_draft=k)
     start = time.perf_counter()
-    server.serve(clients)
+    served = serve(generator, clients, corrupt_step=corrupt_step)
     seconds = time.perf_counter() - start
-    speculation = server.speculation if isinstance(server, SpeculativeServer) else SpeculationStats()
-    return clients, server, speculation, seconds
+    return clients, generator, served, seconds
 
 
 def run(options: argparse.Namespace, model: RecurrentModel) -> int:
     """The two runs, the report and the verification; the exit status."""
     k = options.speculative
-    plain_clients, plain, _, plain_seconds = serve(model, options, 0)
-    clients, server, spec, seconds = serve(model, options, k, options.corrupt_step)
+    plain_clients, plain, _, plain_seconds = serve_greedy(model, options, 0)
+    clients, server, speculative_run, seconds = serve_greedy(model, options, k, options.corrupt_step)
+    spec = server.stats
     generated = sum(len(client.tokens) for client in clients)
     print(f"model            {model.hparams.describe()} ({model_name(options)})")
     print(f"cache            {options.parallel} cells, {options.dtype} states{where_states_live(options)}, "
@@ -148,8 +69,8 @@ def run(options: argparse.Namespace, model: RecurrentModel) -> int:
     print(f"throughput       {generated / seconds:.0f} generated tokens/s ({seconds:.2f} s) vs "
           f"{generated / plain_seconds:.0f} without speculation ({plain_seconds:.2f} s): "
           f"{plain_seconds / seconds:.2f}x")
-    if server.corruption:
-        print(f"testing          {server.corruption}")
+    if speculative_run.corruption:
+        print(f"testing          {speculative_run.corruption}")
     problems = []
     for served, alone in zip(clients, plain_clients):
         if served.tokens != alone.tokens:

@@ -1,8 +1,8 @@
 """``python -m recurrent_cache generate "def fibonacci(n):"``: one prompt, streamed token by token.
 
-The serving loop (``serving.Server``) with one client on a one-cell cache:
-the prompt in one ``init_batch`` (split into ubatches of ``--ubatch``
-tokens), then one ``init_batch`` per generated token; the model reads and
+The package's generation loop (``recurrent_cache.generation.Generator``) with
+one request on a one-cell cache: the prompt in one ``init_batch`` (split into
+ubatches of ``--ubatch`` tokens), then one ``init_batch`` per generated token; the model reads and
 writes the sequence's state through ``st.r(il)`` / ``st.s(il)``.  The text
 goes to stdout as it is generated; the figures (speed, the cache's cells,
 positions and state size) go to stderr at the end, so
@@ -26,11 +26,12 @@ import sys
 import time
 from typing import TextIO
 
+from ..generation import Generator
 from ..models import RecurrentModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .model_options import add_model_options, add_storage_options, build_model, storage_refusal
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
-from .serving import Client, Server, new_cache
+from .serving import Client, new_cache
 from .verification import TOLERANCE, verify
 
 __all__ = ["EXAMPLES", "TextStream", "generate", "main", "parse_args"]
@@ -130,32 +131,31 @@ def generate(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: 
 
 
 def serve(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
-          dtype: str, stream: TextStream | None = None, storage: str = "numpy",
-          device: str | None = None) -> tuple[Client, dict[str, float]]:
-    """``generate`` on a cache in ``storage`` (on ``device``): the served client and the figures."""
+              dtype: str, stream: TextStream | None = None, storage: str = "numpy",
+              device: str | None = None) -> tuple[Client, dict[str, float]]:
+    """``generate`` on a cache in ``storage`` (on ``device``): the served client and the figures.
+
+    One request to the package's ``Generator``, streamed as its tokens come; the cache's figures are
+    read while the sequence still holds its state."""
     cache = new_cache(model, 1, dtype, storage=storage, device=device)
-    eos = model.vocab.eos if model.vocab is not None else None
-    server = Server(model, cache, n_ubatch)
+    generator = Generator(model, cache, n_ubatch=n_ubatch)
     client = Client(0, prompt, n_predict, sampler)
-    server.admit(client)
+    request = generator.submit(prompt, max_new_tokens=n_predict, temperature=sampler.temperature,
+                               top_k=sampler.top_k, top_p=sampler.top_p, seed=sampler.seed)
+    figures: dict[str, float] = {"size": cache.size}
     start = time.perf_counter()
-    server.step()
-    prompt_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    while True:
-        if stream is not None and model.vocab is not None:
-            stream.write(model.vocab.decode(client.tokens[-1:]))
-        if client.done or client.tokens[-1] == eos:
-            break
-        server.step()
-    figures = {
-        "prompt_seconds": prompt_seconds,
-        "generate_seconds": time.perf_counter() - start,
-        "state_bytes": cache.state_size(0),
-        "cells_used": cache.used,
-        "size": cache.size,
-        "pos_max": cache.seq_pos_max(0),
-    }
+    while not generator.done:
+        for event in generator.step():
+            if stream is not None and model.vocab is not None:
+                stream.write(model.vocab.decode(event.tokens))
+        if "prompt_seconds" not in figures and (request.tokens or request.finished):
+            figures["prompt_seconds"] = time.perf_counter() - start
+            start = time.perf_counter()
+        if not request.finished:
+            figures.update(state_bytes=cache.state_size(request.seq), cells_used=cache.used)
+    figures["generate_seconds"] = time.perf_counter() - start
+    figures["pos_max"] = request.n_cached - 1   # where its state was when it finished
+    client.tokens, client.last_logits = request.tokens, request.last_logits
     return client, figures
 
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler(options.temperature, options.top_k, options.seed)
     if model.vocab is None:   # token ids in, token ids out: no vocabulary gives them text
         client, figures = serve(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype,
-                                storage=options.storage, device=options.device)
+                                    storage=options.storage, device=options.device)
         print(" ".join(map(str, prompt + client.tokens)))
     else:
         stream = TextStream(sys.stdout)
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(options.prompt)
         else:
             stream.write(model.vocab.decode(prompt))   # the ids' text, escaped as generated text is
-        client, figures = serve(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype, stream,
-                                options.storage, options.device)
+        client, figures = serve(model, prompt, options.n_predict, sampler, options.ubatch, options.dtype,
+                                    stream, options.storage, options.device)
         stream.write(b"", final=True)
         sys.stdout.write("\n")
     sys.stdout.flush()
@@ -196,10 +196,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({len(prompt) / figures['prompt_seconds']:.0f} tokens/s, ubatches of {options.ubatch}); "
           f"generated {len(client.tokens)} tokens in {figures['generate_seconds']:.3f} s "
           f"({len(client.tokens) / figures['generate_seconds']:.0f} tokens/s)", file=sys.stderr)
-    print(f"--- cache: {figures['cells_used']} of {figures['size']} cell used, holding sequence 0 up to "
-          f"position {figures['pos_max']}; its state is {figures['state_bytes']:,} bytes "
-          f"({options.dtype}; {p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values) "
-          f"whatever the length", file=sys.stderr)
+    if "state_bytes" in figures:
+        print(f"--- cache: {figures['cells_used']} of {figures['size']} cell used, holding sequence 0 up to "
+              f"position {figures['pos_max']}; its state is {figures['state_bytes']:,} bytes "
+              f"({options.dtype}; {p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values) "
+              f"whatever the length", file=sys.stderr)
+    else:   # nothing to read: the sequence was removed in the step that finished it
+        print(f"--- cache: the request finished in its first step (up to position {figures['pos_max']}), "
+              f"and its sequence was removed", file=sys.stderr)
     if options.storage != "numpy":
         return verify_against_numpy(model, client, options)
     return 0

@@ -29,7 +29,7 @@ def _geometry_fields(error: type[Exception], n_layer: Any, n_embd_r: Any, n_embd
     """The fields of a ``Geometry``, checked (``error`` for a bad one) and normalised to int."""
     fields: dict[str, Any] = {
         "n_layer": _args.count(n_layer, "n_layer", 0, error), "n_embd_r": _args.count(n_embd_r, "n_embd_r", 1, error),
-        "n_embd_s": _args.count(n_embd_s, "n_embd_s", 1, error)}
+        "n_embd_s": _args.count(n_embd_s, "n_embd_s", 0, error)}
     for name, value in (("dtype_r", dtype_r), ("dtype_s", dtype_s)):
         if not isinstance(value, str) or value not in STATE_TYPES:
             raise error(f"unknown {name} {value!r} (expected one of {', '.join(STATE_TYPES)})")

@@ -28,15 +28,18 @@ class Family:
     model_class: type
     # (checkpoint, dtype, vocab) -> model
     from_hf: Callable[..., Any]
-    # (GGUF reader, the sizes every family reads: n_vocab, n_embd, n_layer, (token_embd, output_norm, output),
-    # dtype, vocab) -> model; None: the package reads no GGUF file of this family (yet)
+    # (GGUF reader, the sizes every family reads, (token_embd, output_norm, output), dtype, vocab) -> model;
+    # None: the package reads no GGUF file of this family (yet)
     from_gguf: Callable[..., Any] | None = None
-    # model -> per layer, {layer field: (GGUF tensor suffix, shape as stored)} (layers of a hybrid differ);
-    # ModelError when llama.cpp cannot run the model
-    gguf_layout: Callable[[Any], list[dict[str, tuple[str, tuple[int, ...]]]]] | None = None
-    # (gguf.GGUFWriter, model): every key of the family's architecture but the embedding width, the block
-    # count and the vocabulary size, which every family writes
+    # model -> {layer field: (GGUF tensor suffix, shape as stored)}; ModelError when llama.cpp cannot run it
+    gguf_layout: Callable[[Any], dict[str, tuple[str, tuple[int, ...]]]] | None = None
+    # (gguf.GGUFWriter, model): the family's own keys
     write_gguf_keys: Callable[[Any, Any], None] | None = None
+    # True: its reader and writer take every key past the common ones (a hybrid's feed-forward and head
+    # counts); False: gguf_io reads and writes the Mamba families' ssm.* sizes (and zero head counts)
+    gguf_own_keys: bool = False
+    # the GGUF tensor of the final norm (llama.cpp's lfm2 names it token_embd_norm)
+    gguf_output_norm: str = "output_norm.weight"
 
 
 _FAMILIES: list[Family] = []

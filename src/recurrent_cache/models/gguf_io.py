@@ -1,9 +1,11 @@
 """Models in GGUF files, with llama.cpp's keys and tensor names: Mamba-1 (``mamba``), Mamba-2 (``mamba2``) and
-the hybrid families that register ``from_gguf`` / ``gguf_layout`` (Jamba: ``jamba``).
+the hybrid families that register ``from_gguf`` / ``gguf_layout`` (LFM2: ``lfm2``, Jamba: ``jamba``; Qwen3-Next
+reads only).
 
-Each family reads its own keys (``GGUFReader``) and says which tensor each layer field is
-(``gguf_layout``: one mapping per layer, since a hybrid's layers differ); this module reads and writes
-what every family shares (the embedding, the head, the vocabulary, the file itself).
+Each hybrid family reads and writes its own keys (``gguf_own_keys``: ``GGUFReader``'s ``per_layer`` for
+llama.cpp's per-layer arrays, ``ssm_sizes`` for a Mamba block's) and names its layers' tensors
+(``tensor_suffix``, llama.cpp's names); this module reads and writes what every family shares (the
+embedding, the head, the vocabulary, the file itself).
 
 ``load_gguf`` needs numpy only (``gguf_file.py`` parses the file) unless a
 tensor is quantized; ``write_gguf`` uses the ``gguf`` package, as llama.cpp's
@@ -21,13 +23,13 @@ import numpy as np
 
 from ..atomic_write import atomic_write
 from ..errors import GGUFError, ModelError
-from ._registry import by_gguf_arch, of_model
+from ._registry import Family, by_gguf_arch, of_model
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
 from .language_model import LanguageModel
 from .vocab import Vocabulary
 
 __all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "layer_layout", "load_gguf", "recurrent_layers",
-           "tensor_suffix", "write_gguf", "write_recurrent_keys", "write_ssm_sizes"]
+           "tensor_suffix", "write_gguf", "write_ssm_sizes"]
 
 GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
                 "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
@@ -44,7 +46,7 @@ def import_gguf() -> ModuleType:
 
 def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
     """Load a GGUF file written by llama.cpp's converter (or ``write_gguf``): Mamba-1, Mamba-2 or a hybrid
-    family that reads GGUF (Jamba).
+    family that reads GGUF (Jamba, LFM2, Qwen3-Next).
 
     Reads the ``{arch}.*`` hyper-parameters, llama.cpp's tensor
     names and the vocabulary (``tokenizer.ggml.tokens``; none for a byte-level
@@ -140,31 +142,23 @@ class GGUFReader:
         """Whether the file holds tensor ``name``."""
         return name in self.file.tensors
 
-    def ssm_sizes(self) -> dict[str, Any]:
-        """The sizes of a Mamba block and the RMS norms' epsilon (``ssm.conv_kernel``, ``ssm.inner_size``,
-        ``ssm.state_size``, ``attention.layer_norm_rms_epsilon``), as the hyper-parameters name them."""
+    def ssm_sizes(self) -> dict[str, int]:
+        """A Mamba block's sizes (``ssm.conv_kernel``, ``ssm.inner_size``, ``ssm.state_size``), named as the
+        hyper-parameters name them (``write_ssm_sizes`` writes them)."""
         return dict(d_conv=self.key("ssm.conv_kernel", int), d_inner=self.key("ssm.inner_size", int),
-                    d_state=self.key("ssm.state_size", int),
-                    rms_eps=self.key("attention.layer_norm_rms_epsilon", float))
+                    d_state=self.key("ssm.state_size", int))
 
-    def per_layer(self, name: str, n_layer: int, default: int | None = None) -> tuple[int, ...]:
+    def per_layer(self, name: str, n_layer: int) -> tuple[int, ...]:
         """Key ``name`` as one integer per layer: llama.cpp's per-layer arrays (``attention.head_count_kv``)
-        hold ``n_layer`` integers, or one integer for every layer."""
+        hold ``n_layer`` integers >= 0, or one integer for every layer."""
         full = f"{self.arch}.{name}"
-        value = self.file.fields.get(full, default)
+        value = self.file.fields.get(full)
         if value is None:
             raise ModelError(f"GGUF key {full} is missing")
         values = list(value) if isinstance(value, (list, tuple)) else [value] * n_layer
         if len(values) != n_layer or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
             raise ModelError(f"GGUF key {full} is {value!r}, not one integer >= 0 or {n_layer} of them")
         return tuple(values)
-
-    def layers(self, n_layer: int, layout: Callable[[int], dict[str, tuple[str, tuple[int, ...]]]]
-               ) -> list[dict[str, np.ndarray]]:
-        """Every layer's weights by field: ``layout(il)`` maps layer ``il``'s fields to their GGUF tensor
-        suffix and shape (``blk.{il}.{suffix}``), as ``gguf_layout`` writes them."""
-        return [{field: self.tensor(f"blk.{il}.{suffix}", shape) for field, (suffix, shape) in layout(il).items()}
-                for il in range(n_layer)]
 
 
 def _load(file: GGUFFile, dtype: Any) -> LanguageModel:
@@ -179,7 +173,11 @@ def _load(file: GGUFFile, dtype: Any) -> LanguageModel:
         raise ModelError(f"tensor token_embd.weight has shape {token_embd.shape}, not 2-D")
     sizes = dict(n_vocab=int(token_embd.shape[0]), n_embd=read.key("embedding_length", int),
                  n_layer=read.key("block_count", int))
-    head = (token_embd, read.tensor("output_norm.weight"), read.optional_tensor("output.weight"))
+    if not family.gguf_own_keys:
+        sizes.update(d_conv=read.key("ssm.conv_kernel", int), d_inner=read.key("ssm.inner_size", int),
+                     d_state=read.key("ssm.state_size", int))
+    sizes["rms_eps"] = read.key("attention.layer_norm_rms_epsilon", float)
+    head = (token_embd, read.tensor(family.gguf_output_norm), read.optional_tensor("output.weight"))
     model: LanguageModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
     return model
 
@@ -215,9 +213,9 @@ def _dequantized(file: GGUFFile, info: TensorInfo) -> np.ndarray:
 
 
 # Tensors llama.cpp's converter keeps in f32 in an f16 file: every 1-D tensor,
-# ssm_conv1d, ssm_norm and everything not named ".weight" (ssm_a, ssm_d).
+# ssm_conv1d, LFM2's shortconv.conv, ssm_norm and everything not named ".weight" (ssm_a, ssm_d).
 def _stays_f32(name: str, array: np.ndarray) -> bool:
-    return (array.ndim <= 1 or ".ssm_conv1d." in name or ".ssm_norm." in name
+    return (array.ndim <= 1 or ".ssm_conv1d." in name or ".shortconv.conv." in name or ".ssm_norm." in name
             or not name.endswith(".weight"))
 
 
@@ -225,8 +223,8 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
                name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
                token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None,
                merges: Sequence[str] | None = None) -> None:
-    """Write ``model`` (Mamba-1, Mamba-2, or a hybrid family that writes GGUF: Jamba) as a GGUF file that
-    llama.cpp loads.
+    """Write ``model`` as a GGUF file that llama.cpp loads: Mamba-1, Mamba-2 or a hybrid family that writes
+    GGUF (Jamba, LFM2).
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
     "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
@@ -252,20 +250,22 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
         raise ModelError(f"{family.label}: this package does not write its GGUF files yet")
     layout = family.gguf_layout(model)
     gguf = import_gguf()
-    named = {"token_embd.weight": model.token_embd, "output_norm.weight": model.output_norm}
+    named = {"token_embd.weight": model.token_embd, family.gguf_output_norm: model.output_norm}
     if not model.tied:
         named["output.weight"] = model.output
-    for il, (layer, fields) in enumerate(zip(model.layers, layout, strict=True)):
-        for field_name, (suffix, shape) in fields.items():
-            weight = layer[field_name] if isinstance(layer, dict) else getattr(layer, field_name)
-            named[f"blk.{il}.{suffix}"] = np.reshape(weight, shape)
+    for il, layer in enumerate(model.layers):
+        # a hybrid's layers are dicts of the fields of their kind; a recurrent model's, dataclasses
+        fields = layer if isinstance(layer, dict) else vars(layer)
+        for field_name, (suffix, shape) in layout.items():
+            if field_name in fields:
+                named[f"blk.{il}.{suffix}"] = np.reshape(fields[field_name], shape)
     stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
                                    or _stays_f32(tensor_name, array) else np.float16)
               for tensor_name, array in named.items()}
     # written whole or not at all: a failure part-way (a full disk) leaves what was at ``path``
     with atomic_write(os.fspath(path)) as temporary:
-        _write(gguf, model, temporary, family.gguf_arch, family.write_gguf_keys, file_type, stored, name, tokens,
-               token_types, tokenizer, eos, merges)
+        _write(gguf, model, temporary, family, family.write_gguf_keys, file_type, stored, name, tokens, token_types,
+               tokenizer, eos, merges)
 
 
 # llama.cpp's tensor names of the attention fields ``_attention.attention`` reads
@@ -290,19 +290,18 @@ def tensor_suffix(field: str) -> str:
     return f"{field}.weight"
 
 
-def layer_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """One layer's ``gguf_layout`` entry from its fields' numpy shapes, where those are the GGUF file's
-    (ggml's ``ne`` reversed) and the names llama.cpp's (``tensor_suffix``)."""
-    return {field: (tensor_suffix(field), shape) for field, shape in shapes.items()}
-
-
-def write_recurrent_keys(writer: Any, p: Any) -> None:
-    """The keys of a pure recurrent model (Mamba-1, Mamba-2): the Mamba block's sizes of hyper-parameters
-    ``p``, and the attention keys llama.cpp requires as placeholders."""
-    writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
-    writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
-    writer.add_head_count(0)           # likewise
-    write_ssm_sizes(writer, p)
+def layer_layout(layers: Sequence[dict[str, tuple[int, ...]]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A hybrid's ``gguf_layout`` from each layer's fields and numpy shapes (``layer_shapes`` of every
+    layer), where those shapes are the GGUF file's (ggml's ``ne`` reversed) and the names llama.cpp's
+    (``tensor_suffix``).  ``ModelError`` when one field has two shapes in different layers (llama.cpp's
+    per-layer widths), which one layout cannot say."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for il, shapes in enumerate(layers):
+        for field, shape in shapes.items():
+            if layout.setdefault(field, (tensor_suffix(field), shape))[1] != shape:
+                raise ModelError(f"layer {il}'s {field} is {shape}, another layer's {layout[field][1]}: "
+                                 "layers of different widths are not written")
+    return layout
 
 
 def write_ssm_sizes(writer: Any, p: Any) -> None:
@@ -330,17 +329,24 @@ def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) 
     return converted
 
 
-def _write(gguf: ModuleType, model: LanguageModel, path: str, arch: str, family_keys: Callable[[Any, Any], None],
+def _write(gguf: ModuleType, model: LanguageModel, path: str, family: Family, family_keys: Callable[[Any, Any], None],
            file_type: str,
            stored: dict[str, np.ndarray], name: str, tokens: Sequence[str] | None, token_types: Sequence[int] | None,
            tokenizer: str, eos: int | None, merges: Sequence[str] | None) -> None:
     """The GGUF file of ``write_gguf`` at ``path``: its keys, then the ``stored`` tensors."""
-    writer = gguf.GGUFWriter(path, arch)
+    p: Any = model.hparams
+    writer = gguf.GGUFWriter(path, family.gguf_arch)
     writer.add_name(name)
-    writer.add_embedding_length(model.hparams.n_embd)
-    writer.add_block_count(model.hparams.n_layer)
+    writer.add_context_length(2**20)  # the converter's placeholder: a recurrent model has no limit
+    writer.add_embedding_length(p.n_embd)
+    if not family.gguf_own_keys:
+        writer.add_feed_forward_length(0)  # unused, but llama.cpp requires the key
+        writer.add_head_count(0)           # likewise
+    writer.add_block_count(p.n_layer)
+    if not family.gguf_own_keys:
+        write_ssm_sizes(writer, p)
     family_keys(writer, model)
-    writer.add_vocab_size(model.hparams.n_vocab)
+    writer.add_vocab_size(p.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)
     if tokens is None:
         writer.add_tokenizer_model("no_vocab")

@@ -268,9 +268,9 @@ GGUF_KEYS = {"n_embd": "embedding_length", "n_layer": "block_count", "n_head": "
              "rms_eps": "attention.layer_norm_rms_epsilon"}
 
 
-def gguf_layout(p: JambaHParams) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
-    """Per layer, each field's GGUF tensor (after ``blk.{il}.``) and shape as llama.cpp's jamba stores it."""
-    return [layer_layout(layer_shapes(p, il)) for il in range(p.n_layer)]
+def gguf_layout(p: JambaHParams) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each layer field's GGUF tensor (after ``blk.{il}.``) and shape as llama.cpp's jamba stores it."""
+    return layer_layout([layer_shapes(p, il) for il in range(p.n_layer)])
 
 
 def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
@@ -291,12 +291,14 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
     p = JambaHParams(**sizes, **read.ssm_sizes(), n_head=n_head, n_head_kv=widths[0] if widths else n_head,
                      n_ff=read.key(GGUF_KEYS["n_ff"], int), dt_rank=read.key(GGUF_KEYS["dt_rank"], int),
                      attn_layers=attn_layers, moe_layers=moe_layers, **experts)
-    layers = read.layers(n_layer, gguf_layout(p).__getitem__)
+    layout = gguf_layout(p)
+    layers = [{field: read.tensor(f"blk.{il}.{layout[field][0]}", shape) for field, shape in
+               layer_shapes(p, il).items()} for il in range(n_layer)]
     token_embd, output_norm, output = head
     return JambaModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
 
 
-def _gguf_layout(model: JambaModel) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
+def _gguf_layout(model: JambaModel) -> dict[str, tuple[str, tuple[int, ...]]]:
     p = model.hparams
     if p.d_inner != 2 * p.n_embd:
         raise ModelError(f"d_inner {p.d_inner} is not 2 * n_embd = {2 * p.n_embd}: llama.cpp's jamba runs "
@@ -305,8 +307,8 @@ def _gguf_layout(model: JambaModel) -> list[dict[str, tuple[str, tuple[int, ...]
 
 
 def _write_gguf_keys(writer: Any, model: JambaModel) -> None:
+    """Every jamba key but those all families write (``GGUF_KEYS``; head_count_kv per layer)."""
     p = model.hparams
-    writer.add_context_length(2**20)   # no positional encoding: the placeholder of a recurrent model
     writer.add_feed_forward_length(p.n_ff)
     writer.add_head_count(p.n_head)
     writer.add_head_count_kv([p.n_head_kv if il in p.attn_layers else 0 for il in range(p.n_layer)])
@@ -319,4 +321,4 @@ def _write_gguf_keys(writer: Any, model: JambaModel) -> None:
 
 FAMILY = register(Family(label="Jamba", gguf_arch=ARCH, hf_architecture="JambaForCausalLM", model_class=JambaModel,
                          from_hf=_from_hf, from_gguf=_from_gguf, gguf_layout=_gguf_layout,
-                         write_gguf_keys=_write_gguf_keys))
+                         write_gguf_keys=_write_gguf_keys, gguf_own_keys=True))

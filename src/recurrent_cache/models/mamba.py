@@ -37,7 +37,7 @@ from ._ssm import (causal_conv, conv_state_after, conv_window, linear, random_co
                    rms_norm, selective_scan, silu, softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, ReferenceRun, check_sizes, checked_layers
-from .gguf_io import GGUFReader, write_recurrent_keys
+from .gguf_io import GGUFReader
 from .hf import Checkpoint, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
@@ -241,7 +241,7 @@ def random_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer
 def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
                vocab: Vocabulary | None) -> MambaModel:
     """The model of a GGUF file of architecture ``mamba`` (``load_gguf``)."""
-    hparams = MambaHParams(**sizes, **read.ssm_sizes(), dt_rank=read.key("ssm.time_step_rank", int),
+    hparams = MambaHParams(**sizes, dt_rank=read.key("ssm.time_step_rank", int),
                            dt_b_c_rms=read.key("ssm.dt_b_c_rms", bool, False))
     shapes = layer_shapes(hparams)
     layers = [MambaLayer(**{field: read.tensor(f"blk.{il}.{suffix}", shapes[field])
@@ -251,13 +251,12 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
     return MambaModel(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
 
 
-def _gguf_layout(model: MambaModel) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
+def _gguf_layout(model: MambaModel) -> dict[str, tuple[str, tuple[int, ...]]]:
     shapes = layer_shapes(model.hparams)
-    return [{field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}] * model.hparams.n_layer
+    return {field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}
 
 
 def _write_gguf_keys(writer: Any, model: MambaModel) -> None:
-    write_recurrent_keys(writer, model.hparams)
     writer.add_ssm_time_step_rank(model.hparams.dt_rank)
     writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
     writer.add_ssm_dt_b_c_rms(model.hparams.dt_b_c_rms)

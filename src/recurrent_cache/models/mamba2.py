@@ -39,7 +39,7 @@ from ._ssm import (causal_conv, conv_state_after, conv_window, gated_rms_norm, l
                    random_head, selective_scan, softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, check_sizes, checked_layers
-from .gguf_io import GGUFReader, write_recurrent_keys
+from .gguf_io import GGUFReader
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
@@ -259,7 +259,7 @@ def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, 
 def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
                vocab: Vocabulary | None) -> Mamba2Model:
     """The model of a GGUF file of architecture ``mamba2`` (``load_gguf``)."""
-    hparams = Mamba2HParams(**sizes, **read.ssm_sizes(), n_head=read.key("ssm.time_step_rank", int),
+    hparams = Mamba2HParams(**sizes, n_head=read.key("ssm.time_step_rank", int),
                             n_group=read.key("ssm.group_count", int, 1))
     shapes, stored = layer_shapes(hparams), gguf_layer_shapes(hparams)
 
@@ -272,16 +272,15 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
     return Mamba2Model(hparams, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
 
 
-def _gguf_layout(model: Mamba2Model) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
+def _gguf_layout(model: Mamba2Model) -> dict[str, tuple[str, tuple[int, ...]]]:
     if model.hparams.limits_time_step:
         raise ModelError(f"time_step_limit {model.hparams.time_step_limit} clamps dt; llama.cpp's mamba2 "
                          "does not, so the GGUF file would be another model")
     shapes = gguf_layer_shapes(model.hparams)
-    return [{field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}] * model.hparams.n_layer
+    return {field: (suffix, shapes[field]) for field, suffix in LAYER_TENSORS.items()}
 
 
 def _write_gguf_keys(writer: Any, model: Mamba2Model) -> None:
-    write_recurrent_keys(writer, model.hparams)
     writer.add_ssm_time_step_rank(model.hparams.n_head)
     writer.add_ssm_group_count(model.hparams.n_group)
     writer.add_layer_norm_rms_eps(model.hparams.rms_eps)

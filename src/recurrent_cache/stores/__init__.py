@@ -63,9 +63,9 @@ from typing import Any, Union
 from .base import Store
 from .directory import DirectoryStore
 from .redis_store import RedisStore
-from .snapshot import (Geometry, check_entry, decode_snapshot, encode_snapshot, prefix_keys, restore_rows,
-                       sequence_rows, snapshot_key)
-from .tier import StoreTier
+from .snapshot import (Geometry, check_entry, decode_hybrid_snapshot, decode_snapshot, encode_hybrid_snapshot,
+                       encode_snapshot, hybrid_key_text, prefix_keys, restore_rows, sequence_rows, snapshot_key)
+from .tier import HybridStoreTier, StoreTier
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
@@ -81,4 +81,5 @@ def open_store(target: Union[str, "os.PathLike[str]"], **options: Any) -> Union[
 
 
 __all__ = ["Store", "DirectoryStore", "RedisStore", "open_store", "Geometry", "snapshot_key", "prefix_keys",
-           "encode_snapshot", "decode_snapshot", "check_entry", "sequence_rows", "restore_rows", "StoreTier"]
+           "encode_snapshot", "decode_snapshot", "check_entry", "sequence_rows", "restore_rows", "StoreTier",
+           "HybridStoreTier", "hybrid_key_text", "encode_hybrid_snapshot", "decode_hybrid_snapshot"]

@@ -37,9 +37,11 @@ from .. import _args
 from ..errors import ArgumentError
 from ..formats.blob import seq_file_header, sequence_blob_header
 from ..formats.geometry import Geometry
-from ..formats.layouts import CELL, CELL_COUNT, DATA_HEADER, GGSQ, GGSQ_V2, TENSOR_HEADER, SeqFileFormat
+from ..formats.layouts import (CELL, CELL_COUNT, DATA_HEADER, GGSQ, GGSQ_V2, KV_DATA_HEADER, KV_STREAMS,
+                               KV_V_TRANS_HEADER, MAX_TOKENS, TENSOR_HEADER, SeqFileFormat)
 
-__all__ = ["Geometry", "snapshot_key", "encode_snapshot", "decode_snapshot", "check_entry",
+__all__ = ["Geometry", "snapshot_key", "encode_snapshot", "decode_snapshot", "check_entry", "hybrid_key_text",
+           "encode_hybrid_snapshot", "decode_hybrid_snapshot",
            "sequence_rows", "restore_rows", "prefix_keys", "ggsq_declared_length",
            "entry_ggsq_length", "key_digest", "make_trailer", "TRAILER_SIZE"]
 
@@ -63,13 +65,17 @@ def snapshot_key(namespace: str, geometry: Geometry, tokens: Any) -> str:
     return prefix_keys(namespace, geometry, token_array, [token_array.size])[0]
 
 
-def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequence[int]) -> list[str]:
+def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequence[int],
+                attention: str | None = None) -> list[str]:
     """``snapshot_key(namespace, geometry, tokens[:n])`` for every ``n`` of ``lengths``, in that order.
 
     The tokens are hashed once, whatever the number of lengths: the hashed
     message is the length-prefixed namespace and geometry, then the tokens,
     then their byte count (last, so that the hash of every prefix is a copy
     of one running hash; the message still parses one way only).
+    ``attention``: a hybrid memory's KV layout (``hybrid_key_text``), hashed as
+    one more length-prefixed part after the geometry; a recurrent cache's keys
+    (None) are as they always were.
     """
     _args.text(namespace, "namespace")
     if not isinstance(geometry, Geometry):
@@ -80,7 +86,10 @@ def prefix_keys(namespace: str, geometry: Geometry, tokens: Any, lengths: Sequen
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= n_tokens:
             raise ArgumentError(f"prefix length {n!r} is outside [0, {n_tokens}]")
     running = hashlib.sha256()
-    for part in (namespace.encode("utf-8", "surrogatepass"), geometry.key_text().encode()):
+    parts = [namespace.encode("utf-8", "surrogatepass"), geometry.key_text().encode()]
+    if attention is not None:
+        parts.append(attention.encode())
+    for part in parts:
         running.update(struct.pack("<Q", len(part)))
         running.update(part)
     keys: dict[int, str] = {}
@@ -152,18 +161,65 @@ def encode_snapshot(key: str, tokens: Any, r_rows: Sequence[Any], s_rows: Sequen
     return entry
 
 
+def hybrid_key_text(cache: Any) -> str:
+    """What a store key holds of a ``HybridCache``'s attention half (its recurrent half is its
+    ``Geometry``): the attention layers, K / V widths and types, and V's layout."""
+    return (f"attn_layers={','.join(map(str, cache.attn_layers))};n_embd_k={cache.n_embd_k};"
+            f"n_embd_v={cache.n_embd_v};dtype_k={cache.dtype_k};dtype_v={cache.dtype_v};v_trans={int(cache.v_trans)}")
+
+
+def encode_hybrid_snapshot(key: str, tokens: Any, blob: Any) -> bytearray:
+    """The entry for a hybrid sequence's state after ``tokens`` under ``key``: the ggsq file
+    ``llama_state_seq_save_file`` writes for it — header, tokens, then ``blob``, the sequence's
+    state (``HybridCache.state_write(seq)``: its KV section, then its recurrent section) — and
+    the trailer."""
+    token_array = _args.tokens(tokens)
+    if token_array.size == 0:
+        raise ArgumentError("a snapshot needs at least one token (the state after no token is zeros)")
+    data = memoryview(blob).cast("B")
+    head = seq_file_header(token_array.size) + token_array.astype("<i4").tobytes()
+    entry = bytearray(len(head) + len(data) + TRAILER_SIZE)
+    view = memoryview(entry)
+    view[:len(head)] = head
+    end = len(head) + len(data)
+    view[len(head):end] = data
+    view[end:] = make_trailer(zlib.crc32(view[:end]), end, key_digest(key))
+    return entry
+
+
+def decode_hybrid_snapshot(entry: Any, key: str, tokens: Any, *, verify_crc: bool = True) -> memoryview | None:
+    """The sequence state (a view of ``entry``) of an intact hybrid entry written under ``key`` for
+    exactly ``tokens``; None for anything else (damaged, foreign, another token list).  The state
+    itself is checked by ``HybridCache.state_read``, which changes nothing when it refuses it."""
+    try:
+        view = memoryview(entry).cast("B")
+    except TypeError:
+        return None
+    token_array = _args.tokens(tokens)
+    intact = check_entry(key, view) if verify_crc else entry_ggsq_length(key, view) is not None
+    if token_array.size == 0 or not intact:
+        return None
+    head = seq_file_header(token_array.size) + token_array.astype("<i4").tobytes()
+    if len(view) - TRAILER_SIZE < len(head) or view[:len(head)] != head:
+        return None
+    return view[len(head):len(view) - TRAILER_SIZE]
+
+
 def ggsq_declared_length(read_at: Callable[[int, int], bytes], file_size: int) -> int | None:
     """The length a ggsq file of ``file_size`` bytes says it has, from its headers alone; None if
     they are not a snapshot's.
 
     ``read_at(offset, n)`` returns up to ``n`` bytes of the file at ``offset``.
-    Reads the file header, the blob header and the first r and s tensor
-    headers (every layer's rows of one kind have one size in a snapshot): four
-    small reads, however large the file.  For a store that meets files it did
-    not write and must not read more than an entry can be.  A layer filter
-    writes fewer sections than ``n_layer`` and the headers do not say how many:
-    a count (at most ``n_layer``) must fill ``file_size`` exactly with the s
-    header where that count puts it.
+    A recurrent snapshot: reads the file header, the blob header and the first
+    r and s tensor headers (every layer's rows of one kind have one size in a
+    snapshot): four small reads, however large the file.  A hybrid snapshot
+    (``encode_hybrid_snapshot``: a KV section before the recurrent one): also
+    the KV section's cell list (one read) and two tensor headers per attention
+    layer.  For a store that meets files it did not write and must not read
+    more than an entry can be.  A layer filter writes fewer sections than
+    ``n_layer`` and the headers do not say how many: a count (at most
+    ``n_layer``) must fill ``file_size`` exactly with the s header where that
+    count puts it.
     """
     def unpack(layout: struct.Struct, offset: int) -> tuple[Any, ...] | None:
         data = read_at(offset, layout.size)
@@ -173,6 +229,16 @@ def ggsq_declared_length(read_at: Callable[[int, int], bytes], file_size: int) -
     if file_header is None or file_header[:2] not in ((GGSQ.magic, GGSQ.version), (GGSQ_V2.magic, GGSQ_V2.version)):
         return None
     blob_at = GGSQ.header.size + 4 * file_header[2]
+    length = _recurrent_section_length(unpack, blob_at, file_size)
+    if length is None:
+        recurrent_at = _kv_section_end(unpack, read_at, blob_at, file_size)
+        length = None if recurrent_at is None else _recurrent_section_length(unpack, recurrent_at, file_size)
+    return length
+
+
+def _recurrent_section_length(unpack: Callable[[struct.Struct, int], tuple[Any, ...] | None], blob_at: int,
+                              file_size: int) -> int | None:
+    """The end of a one-cell recurrent section at ``blob_at`` that ends the file, or None."""
     # a snapshot's blob: one cell (pos, no seq ids), then v_trans and n_layer
     cell_count = unpack(CELL_COUNT, blob_at)
     if cell_count is None or cell_count[0] != 1:
@@ -183,10 +249,10 @@ def ggsq_declared_length(read_at: Callable[[int, int], bytes], file_size: int) -
         return None
     n_layer = data_header[1]
     tensors_at = data_at + DATA_HEADER.size
+    if file_size == tensors_at:   # no layer, or a filter that keeps none
+        return int(tensors_at)
     if n_layer == 0:
-        return int(tensors_at)
-    if file_size == tensors_at:   # a filter that keeps no layer
-        return int(tensors_at)
+        return None
     r_header = unpack(TENSOR_HEADER, tensors_at)
     if r_header is None:
         return None
@@ -202,6 +268,45 @@ def ggsq_declared_length(read_at: Callable[[int, int], bytes], file_size: int) -
         if s_header is not None and s_header[1] == s_bytes:
             return int(file_size)
     return None
+
+
+def _kv_section_end(unpack: Callable[[struct.Struct, int], tuple[Any, ...] | None],
+                    read_at: Callable[[int, int], bytes], at: int, file_size: int) -> int | None:
+    """Where one sequence's KV section at ``at`` ends (one stream, every cell of one seq id, as
+    ``HybridCache.state_write(seq)`` writes it), from its headers; None when it is not one or
+    does not fit in the file."""
+    streams = unpack(KV_STREAMS, at)
+    cell_count = unpack(CELL_COUNT, at + KV_STREAMS.size)
+    if streams is None or cell_count is None or streams[0] != 1 or not 1 <= cell_count[0] <= MAX_TOKENS:
+        return None
+    n_cells = cell_count[0]
+    at += KV_STREAMS.size + CELL_COUNT.size
+    cell_bytes = n_cells * (CELL.size + 4)   # pos, n_seq_id = 1, the seq id
+    if at + cell_bytes > file_size:
+        return None
+    cells = np.frombuffer(read_at(at, cell_bytes), dtype="<u4")
+    if cells.size != 3 * n_cells or not (cells[1::3] == 1).all():
+        return None
+    at += cell_bytes
+    header = unpack(KV_DATA_HEADER, at)
+    if header is None or header[0] not in (0, 1):
+        return None
+    v_trans, n_layer = header
+    at += KV_DATA_HEADER.size
+    for kind in range(2 * n_layer):
+        if kind >= n_layer and v_trans:
+            v_header = unpack(KV_V_TRANS_HEADER, at)
+            if v_header is None:
+                return None
+            at += KV_V_TRANS_HEADER.size + v_header[2] * n_cells * v_header[1]
+        else:
+            k_header = unpack(TENSOR_HEADER, at)
+            if k_header is None:
+                return None
+            at += TENSOR_HEADER.size + n_cells * k_header[1]
+        if at > file_size:
+            return None
+    return int(at)
 
 
 def entry_ggsq_length(key: str, entry: Any) -> int | None:

@@ -1,0 +1,308 @@
+"""Nemotron-H (NVIDIA): a pattern of Mamba-2, attention and MLP-only layers on a ``HybridCache`` — as
+transformers' ``NemotronHForCausalLM`` and llama.cpp's ``nemotron_h`` compute it.
+
+Each layer is one block, a pre-norm and a residual::
+
+    u = rms_norm(x) * attn_norm
+    x = x + mamba2(u)            # "M": Mamba-2 with its grouped gated norm (mamba2.mamba2_mixer)
+    x = x + attention(u)         # "*": GQA, no positional encoding, scale 1/sqrt(head_dim)
+    x = x + ffn_down @ relu(ffn_up @ u)²    # "-": a non-gated MLP (relu², _ffn.mlp)
+
+The layer kinds come from ``hybrid_override_pattern`` (a string of M, *, -) or transformers'
+``layers_block_type`` ("linear_attention", "full_attention", "mlp").  MLP layers hold neither K/V
+nor recurrent rows.  The Mamba-2 block has ``mamba_num_heads`` heads of ``mamba_head_dim`` (so
+d_inner need not be ``expand * hidden_size``), ``n_groups`` groups of B / C and of the gated norm.
+Mixture-of-experts layers ("E", "moe": a sigmoid router with a score bias and group-limited
+selection, non-gated relu² experts and a shared expert) are refused by the loader, not computed.
+
+transformers computes every RMS norm in float32 (also in a float64 model) and returns float32
+logits; the package computes in the model's dtype, so a float64 model differs from transformers
+by float32's rounding (within 1e-6 of the largest logit on the test's checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, ModelError
+from ._arrays import Array
+from ._attention import AttentionParams
+from ._ffn import mlp
+from ._registry import Family, register
+from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
+from .hf import Checkpoint, as_float, built
+from .hybrid_model import HybridModel, LayerRun, flat_mixer
+from .mamba2 import NO_TIME_STEP_LIMIT, Mamba2HParams, mamba2_mixer
+from .recurrent import check_sizes
+from .vocab import Vocabulary
+
+__all__ = ["GGUF_KEYS", "GGUF_TENSORS", "LAYER_KINDS", "NemotronHHParams", "NemotronHModel",
+           "random_nemotron_h_model"]
+
+ARCH = "nemotron_h"
+
+MAMBA, ATTENTION, MLP = "M", "*", "-"
+LAYER_KINDS = (MAMBA, ATTENTION, MLP)
+# transformers' layers_block_type names of the pattern's characters
+_BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
+                "mlp": MLP}
+_REFUSED_KINDS = {"E": "mixture-of-experts", "moe": "mixture-of-experts"}
+
+_PRODUCTS = frozenset({"wq", "wk", "wv", "wo", "ssm_in", "ssm_out", "ffn_up", "ffn_down"})
+
+# llama.cpp's GGUF name of each layer field (``blk.N.`` + this), as its converter writes them (for GGUF I/O).
+# ssm_a / ssm_d are stored [n_head, 1] and ssm_norm [n_group, d_inner / n_group] there.
+GGUF_TENSORS = {
+    "attn_norm": "attn_norm.weight",
+    "ssm_in": "ssm_in.weight", "ssm_conv1d": "ssm_conv1d.weight", "ssm_conv1d_b": "ssm_conv1d.bias",
+    "ssm_dt_b": "ssm_dt.bias", "ssm_a": "ssm_a", "ssm_d": "ssm_d", "ssm_norm": "ssm_norm.weight",
+    "ssm_out": "ssm_out.weight",
+    "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
+    "ffn_up": "ffn_up.weight", "ffn_down": "ffn_down.weight",
+}
+
+# The GGUF key (``nemotron_h.`` + this) each hyper-parameter is read from (llama.cpp's llama-arch.cpp).  The
+# layer kinds are per-layer arrays: attention.head_count_kv is 0 on Mamba and MLP layers, feed_forward_length
+# is 0 on Mamba and attention layers (a layer with both 0 is a Mamba layer).
+GGUF_KEYS = {
+    "n_embd": "embedding_length", "n_head": "attention.head_count", "n_head_kv": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "n_ff": "feed_forward_length", "d_conv": "ssm.conv_kernel",
+    "d_inner": "ssm.inner_size", "d_state": "ssm.state_size", "n_ssm_head": "ssm.time_step_rank",
+    "n_group": "ssm.group_count", "rms_eps": "attention.layer_norm_rms_epsilon",
+}
+
+
+@dataclass(frozen=True)
+class NemotronHHParams:
+    """The sizes of a Nemotron-H model (transformers' ``NemotronHConfig``; llama.cpp's ``nemotron_h.*`` keys):
+    ``pattern`` has one character per layer (M Mamba-2, * attention, - MLP)."""
+
+    n_vocab: int
+    n_embd: int
+    pattern: str
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    d_conv: int
+    d_inner: int
+    d_state: int
+    n_ssm_head: int
+    n_group: int = 1
+    rms_eps: float = 1e-5
+    time_step_limit: tuple[float, float] = NO_TIME_STEP_LIMIT
+
+    def __post_init__(self) -> None:
+        check_sizes(self, ("n_vocab", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "d_conv", "d_inner",
+                           "d_state", "n_ssm_head", "n_group"))
+        if not self.pattern or set(self.pattern) - set(LAYER_KINDS):
+            raise ModelError(f"layer pattern {self.pattern!r} is not a non-empty string of "
+                             f"{', '.join(LAYER_KINDS)}")
+        try:   # their own classes check the Mamba-2 and attention sizes (built once, kept)
+            _ = self.mamba, self.attention
+        except ConfigError as exc:
+            raise ModelError(str(exc)) from None
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.pattern)
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(il for il, kind in enumerate(self.pattern) if kind == ATTENTION)
+
+    @property
+    def recr_layers(self) -> tuple[int, ...]:
+        return tuple(il for il, kind in enumerate(self.pattern) if kind == MAMBA)
+
+    @cached_property
+    def attention(self) -> AttentionParams:
+        return AttentionParams(self.n_embd, self.n_head, self.n_head_kv, self.head_dim)
+
+    @cached_property
+    def mamba(self) -> Mamba2HParams:
+        return Mamba2HParams(self.n_vocab, self.n_embd, self.n_layer, self.d_conv, self.d_inner, self.d_state,
+                             self.n_ssm_head, self.n_group, self.rms_eps, self.time_step_limit)
+
+    @property
+    def n_embd_r(self) -> int:
+        return self.mamba.n_embd_r
+
+    @property
+    def n_embd_s(self) -> int:
+        return self.mamba.n_embd_s
+
+    def describe(self) -> str:
+        return (f"Nemotron-H, {self.n_layer} layers ({self.pattern}), n_embd {self.n_embd}, attention "
+                f"{self.n_head}/{self.n_head_kv} heads of {self.head_dim}, MLP {self.n_ff}, Mamba-2 "
+                f"{self.n_ssm_head} heads of {self.d_inner // self.n_ssm_head}, {self.n_group} groups, "
+                f"d_state {self.d_state}, vocab {self.n_vocab}")
+
+
+def layer_shapes(p: NemotronHHParams, il: int) -> dict[str, tuple[int, ...]]:
+    """Layer ``il``'s weight fields and their numpy shapes (ggml's ``ne`` reversed)."""
+    kind = p.pattern[il]
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (p.n_embd,)}
+    if kind == MAMBA:
+        m = p.mamba
+        shapes |= {"ssm_in": (m.d_in_proj, p.n_embd), "ssm_conv1d": (m.conv_channels, p.d_conv),
+                   "ssm_conv1d_b": (m.conv_channels,), "ssm_dt_b": (p.n_ssm_head,), "ssm_a": (p.n_ssm_head,),
+                   "ssm_d": (p.n_ssm_head,), "ssm_norm": (p.d_inner,), "ssm_out": (p.n_embd, p.d_inner)}
+    elif kind == ATTENTION:
+        n_q, n_kv = p.n_head * p.head_dim, p.attention.n_embd_k
+        shapes |= {"wq": (n_q, p.n_embd), "wk": (n_kv, p.n_embd), "wv": (n_kv, p.n_embd), "wo": (p.n_embd, n_q)}
+    else:
+        shapes |= {"ffn_up": (p.n_ff, p.n_embd), "ffn_down": (p.n_embd, p.n_ff)}
+    return shapes
+
+
+class NemotronHModel(HybridModel):
+    """A Nemotron-H language model on a ``HybridCache`` (``HybridModel``)."""
+
+    hparams: NemotronHHParams
+
+    def __init__(self, hparams: NemotronHHParams, token_embd: Any, layers: Sequence[dict[str, Any]],
+                 output_norm: Any, output: Any = None, dtype: Any = np.float64,
+                 vocab: Vocabulary | None = None) -> None:
+        m = hparams.mamba
+        self._mixer = flat_mixer(lambda *args: mamba2_mixer(args[0], m, *args[1:]),
+                                 (m.conv_channels, m.d_conv - 1), (m.d_inner, m.d_state))
+        super().__init__(hparams, token_embd, layers, output_norm, output, dtype, vocab)
+
+    def layer_shapes(self, il: int) -> dict[str, tuple[int, ...]]:
+        return layer_shapes(self.hparams, il)
+
+    def products(self) -> frozenset[str]:
+        return _PRODUCTS
+
+    def block(self, run: LayerRun, il: int, w: dict[str, Array], x: Array) -> Array:
+        p, xp = self.hparams, run.xp
+        u = rms_norm(xp, x, p.rms_eps) * w["attn_norm"]
+        kind = p.pattern[il]
+        if kind == MAMBA:
+            return x + run.recurrent(il, self._mixer, w, u)
+        if kind == ATTENTION:
+            return x + run.attention(il, w, u, p.attention)
+        return x + mlp(xp, w, u, activation="relu2")
+
+
+def random_nemotron_h_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, pattern: str = "M-*M-",
+                            n_head: int = 4, n_head_kv: int = 2, head_dim: int = 16, n_ff: int = 128,
+                            d_state: int = 16, d_conv: int = 4, n_ssm_head: int = 8, ssm_head_dim: int = 16,
+                            n_group: int = 2, tied: bool = False, dtype: Any = np.float64) -> NemotronHModel:
+    """A Nemotron-H model with seeded random weights (the Mamba layers initialised as ``mamba_ssm`` does)."""
+    p = NemotronHHParams(n_vocab=n_vocab, n_embd=n_embd, pattern=pattern, n_head=n_head, n_head_kv=n_head_kv,
+                         head_dim=head_dim, n_ff=n_ff, d_conv=d_conv, d_inner=n_ssm_head * ssm_head_dim,
+                         d_state=d_state, n_ssm_head=n_ssm_head, n_group=n_group)
+    rng = np.random.default_rng(seed)
+    layers = []
+    for il, kind in enumerate(pattern):
+        layer: dict[str, Any] = {}
+        for name, shape in layer_shapes(p, il).items():
+            layer[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
+                           else rng.standard_normal(shape) / np.sqrt(shape[-1] * p.n_layer))
+        if kind == MAMBA:
+            layer["ssm_conv1d"], layer["ssm_conv1d_b"] = random_conv(rng, p.mamba.conv_channels, d_conv)
+            layer["ssm_dt_b"] = random_dt_bias(rng, n_ssm_head)
+            layer["ssm_a"] = -np.arange(1, n_ssm_head + 1, dtype=np.float64)
+            layer["ssm_d"] = np.ones(n_ssm_head)
+        layers.append(layer)
+    token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
+    return NemotronHModel(p, token_embd, layers, output_norm, output, dtype=dtype)
+
+
+# -- Hugging Face checkpoints (transformers' NemotronHForCausalLM) ----------------------------------
+
+
+def _pattern(checkpoint: Checkpoint) -> str:
+    """The layer kinds of the config: ``layers_block_type`` (transformers >= 5) or ``hybrid_override_pattern``."""
+    config = checkpoint.config
+    types = config.get("layers_block_type")
+    if types is None:
+        pattern = checkpoint.field("hybrid_override_pattern", str)
+        name, kinds = "hybrid_override_pattern", list(pattern)
+    elif isinstance(types, list) and all(isinstance(t, str) for t in types):
+        name, kinds = "layers_block_type", types
+    else:
+        raise checkpoint.refuse("layers_block_type", "not a list of layer type names")
+    refused = sorted({_REFUSED_KINDS[k] for k in kinds if k in _REFUSED_KINDS})
+    if refused:
+        raise checkpoint.refuse(name, f"{refused[0]} layers are not supported")
+    unknown = sorted({k for k in kinds if k not in _BLOCK_TYPES and k not in LAYER_KINDS})
+    if unknown or not kinds:
+        raise checkpoint.refuse(name, f"unknown layer kinds {unknown}" if unknown else "no layers")
+    return "".join(_BLOCK_TYPES.get(k, k) for k in kinds)
+
+
+def _time_step_limit(checkpoint: Checkpoint) -> tuple[float, float]:
+    limit = checkpoint.config.get("time_step_limit", NO_TIME_STEP_LIMIT)
+    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
+            or (as_float(limit[1]) is None and limit[1] != math.inf)):
+        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
+    return float(limit[0]), float(limit[1])
+
+
+def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> NemotronHModel:
+    """The model of a ``NemotronHForCausalLM`` checkpoint directory (``load_hf``)."""
+    field = checkpoint.field
+    for name, default in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if field(name, str, default) != default:
+            raise checkpoint.refuse(name, f"only {default} is supported (as in llama.cpp)")
+    for name in ("mlp_bias", "use_bias", "attention_bias"):
+        if field(name, bool, False):
+            raise checkpoint.refuse(name, "biases are not supported (transformers' NemotronH has none there)")
+    if field("residual_in_fp32", bool, False):
+        raise checkpoint.refuse("residual_in_fp32", "a float32 residual stream is not supported")
+    pattern = _pattern(checkpoint)
+    n_embd, n_head = field("hidden_size", int), field("num_attention_heads", int)
+    n_ssm_head = field("mamba_num_heads", int, 128)
+    p = built(checkpoint, NemotronHHParams, n_vocab=field("vocab_size", int), n_embd=n_embd, pattern=pattern,
+              n_head=n_head, n_head_kv=field("num_key_value_heads", int, n_head),
+              head_dim=field("head_dim", int, max(1, n_embd // n_head)), n_ff=field("intermediate_size", int),
+              d_conv=field("conv_kernel", int, 4), d_inner=n_ssm_head * field("mamba_head_dim", int, 64),
+              d_state=field("ssm_state_size", int, 128), n_ssm_head=n_ssm_head, n_group=field("n_groups", int, 8),
+              rms_eps=checkpoint.positive_float("layer_norm_epsilon", 1e-5, high=1.0),
+              time_step_limit=_time_step_limit(checkpoint))
+    prefix = "backbone" if checkpoint.has("backbone.embeddings.weight") else "model"
+    conv_bias = field("use_conv_bias", bool, True)
+    layers = [_hf_layer(checkpoint.layer_tensors(il, f"{prefix}.layers"), p, il, conv_bias) for il in range(p.n_layer)]
+    token_embd = checkpoint.tensor(f"{prefix}.embeddings.weight", (p.n_vocab, n_embd))
+    output_norm = checkpoint.tensor(f"{prefix}.norm_f.weight", (n_embd,))
+    tied = field("tie_word_embeddings", bool, False)
+    if tied:
+        checkpoint.unread.discard("lm_head.weight")
+    output = None if tied else checkpoint.tensor("lm_head.weight", (p.n_vocab, n_embd))
+    return built(checkpoint, NemotronHModel, hparams=p, token_embd=token_embd, layers=layers,
+                 output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)
+
+
+def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: NemotronHHParams, il: int,
+              conv_bias: bool) -> dict[str, np.ndarray]:
+    shapes = layer_shapes(p, il)
+    layer = {"attn_norm": weight("norm.weight", shapes["attn_norm"])}
+    kind = p.pattern[il]
+    if kind == MAMBA:
+        names = {"ssm_in": "in_proj.weight", "ssm_conv1d": "conv1d.weight", "ssm_dt_b": "dt_bias", "ssm_d": "D",
+                 "ssm_norm": "norm.weight", "ssm_out": "out_proj.weight"}
+        for field, name in names.items():
+            layer[field] = weight(f"mixer.{name}", shapes[field])
+        layer["ssm_conv1d_b"] = (weight("mixer.conv1d.bias", shapes["ssm_conv1d_b"]) if conv_bias
+                                 else np.zeros(shapes["ssm_conv1d_b"], np.float32))
+        layer["ssm_a"] = -np.exp(weight("mixer.A_log", shapes["ssm_a"]).astype(np.float64))
+    elif kind == ATTENTION:
+        for field, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            layer[field] = weight(f"mixer.{name}.weight", shapes[field])
+    else:
+        for field, name in (("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+            layer[field] = weight(f"mixer.{name}.weight", shapes[field])
+    return layer
+
+
+FAMILY = register(Family(label="Nemotron-H", gguf_arch=ARCH, hf_architecture="NemotronHForCausalLM",
+                         model_class=NemotronHModel, from_hf=_from_hf))
