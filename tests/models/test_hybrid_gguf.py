@@ -1,15 +1,17 @@
-"""Hybrid families in GGUF files (issue 27's second bullet), without llama.cpp at hand: Jamba.
+"""Hybrid families in GGUF files (issue 27's second bullet), without llama.cpp at hand: Jamba and Nemotron-H.
 
 ``load_gguf`` reads the tiny Jamba llama.cpp ran in ``tests/data/llamacpp_hybrid`` (its per-layer
 ``head_count_kv``, 0 on the Mamba layers) and, on the package's hybrid memory, continues the recorded
 script, and each recorded llama.cpp state blob, to llama.cpp's own next-token logits.  ``write_gguf``
 writes a Jamba that ``load_gguf`` reads back as the same model; what llama.cpp could not run is refused
-before anything is written.  The runs in llama.cpp itself are in ``test_hybrid_gguf_llamacpp.py``.
+before anything is written.  The same for Nemotron-H (``tests/data/llamacpp_current``'s recorded
+``nemotron_h`` run).  The runs in llama.cpp itself are in ``test_hybrid_gguf_llamacpp.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,8 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
-from recurrent_cache.models import JambaModel, load_gguf, random_jamba_model, write_gguf
+from recurrent_cache.models import (JambaModel, NemotronHModel, load_gguf, random_jamba_model, random_nemotron_h_model,
+                                    write_gguf)
 from recurrent_cache.models.gguf_io import recurrent_layers
 
 pytest.importorskip("gguf", reason="writing GGUF files needs the gguf package")
@@ -190,3 +193,62 @@ def test_a_jamba_gguf_with_a_bad_per_layer_head_count_kv_is_refused(tmp_path: Pa
     path = _rewritten(DATA / "tiny_jamba4.gguf", tmp_path / "bad.gguf", {"jamba.attention.head_count_kv": heads_kv})
     with pytest.raises(ModelError, match=message):
         load_gguf(path)
+
+
+# -- Nemotron-H (llama.cpp's nemotron_h) ------------------------------------------------------------------
+
+CURRENT = Path(__file__).resolve().parents[1] / "data" / "llamacpp_current"
+
+
+def _nemotron_record() -> dict[str, Any]:
+    with gzip.open(CURRENT / "records.jsonl.gz", "rt") as lines:
+        return next(record for record in map(json.loads, lines) if record["scenario"] == "nemotron_h_unified")
+
+
+def test_llamacpps_nemotron_h_state_is_continued_by_the_package_as_by_llamacpp() -> None:
+    """tests/data/llamacpp_current's tiny Nemotron-H (Mamba-2, attention, MLP, Mamba-2 by its per-layer
+    head_count_kv and feed_forward_length): each sequence's state bytes restored, then its two recorded
+    continuation tokens decoded one per step, to llama.cpp's logits."""
+    model = load_gguf(CURRENT / "tiny_nemotron_h.gguf", dtype=np.float32)
+    assert isinstance(model, NemotronHModel) and model.hparams.pattern == "M*-M"
+    assert (model.hparams.n_group, model.hparams.n_ssm_head, model.hparams.head_dim) == (2, 4, 8)
+    record = _nemotron_record()
+    continued = 0
+    for sequence in record["sequences"]:
+        seq = sequence["seq_id"]
+        if not sequence.get("continuation"):
+            continue
+        cache = model.new_cache(n_seq_max=record["context"]["n_seq_max"], kv_size=256, dtype_kv="f16")
+        data = (CURRENT / record["scenario"] / f"seq{seq}.blob").read_bytes()
+        assert cache.state_read(data, seq) == len(data)
+        for i, (token, logits) in enumerate(zip(sequence["continuation"], sequence["continuation_logits"],
+                                                strict=True)):
+            assert_close(decode(model, cache, [(token, sequence["next_pos"] + i, seq)])[0], logits)
+        continued += 1
+    assert continued == 4
+
+
+def test_a_nemotron_h_written_as_gguf_reads_back_as_the_same_model(tmp_path: Path) -> None:
+    model = random_nemotron_h_model(seed=2, n_vocab=40, n_embd=32, pattern="M*-M-*", n_head=4, n_head_kv=2,
+                                    head_dim=12, n_ff=24, d_state=8, n_ssm_head=4, ssm_head_dim=12, n_group=2)
+    path = tmp_path / "nemotron_h.gguf"
+    write_gguf(model, path)
+    back = load_gguf(path)
+    assert isinstance(back, NemotronHModel)
+    assert back.hparams == dataclasses.replace(model.hparams, rms_eps=float(np.float32(model.hparams.rms_eps)))
+    assert recurrent_layers(path) == (0, 3)
+    for il, (written, read) in enumerate(zip(model.layers, back.layers, strict=True)):
+        assert set(written) == set(read), il
+        for field in written:
+            np.testing.assert_array_equal(read[field], written[field].astype(np.float32), err_msg=f"{il} {field}")
+
+
+def test_a_nemotron_h_whose_time_step_limit_clamps_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model = random_nemotron_h_model(seed=2, n_embd=32, pattern="M*", n_head=4, n_head_kv=2, head_dim=8,
+                                    d_state=8, n_ssm_head=4, ssm_head_dim=16)
+    clamped = NemotronHModel(dataclasses.replace(model.hparams, time_step_limit=(0.0, 0.1)), model.token_embd,
+                             model.layers, model.output_norm, model.output)
+    path = tmp_path / "clamped.gguf"
+    with pytest.raises(ModelError, match=r"time_step_limit \(0.0, 0.1\) clamps dt"):
+        write_gguf(clamped, path)
+    assert not path.exists()

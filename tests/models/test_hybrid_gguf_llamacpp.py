@@ -2,6 +2,7 @@
 ``JambaForCausalLM`` saved by transformers is converted by the package and run by llama.cpp (every
 position's logits), converted by llama.cpp's own ``convert_hf_to_gguf.py`` and run by the package, and
 a sequence's state bytes go from llama.cpp to the package and back, each continuing as the other would.
+A tiny random ``NemotronHForCausalLM`` converted by the package runs in llama.cpp as in transformers.
 
 Marked ``llamacpp_live``; skipped unless llama-cpp-python, torch, transformers and gguf import.  The
 converter test needs llama.cpp's source tree: ``LLAMA_CPP_SOURCE`` names the directory holding
@@ -212,3 +213,40 @@ def test_the_packages_state_after_its_prompt_is_continued_by_llamacpp_as_by_the_
     assert relative_error(got, expected) <= LLAMACPP_TOLERANCE
     tokens = PROMPTS[0] + FOLLOWING[0]
     assert relative_error(got, reference(tokens)[len(PROMPTS[0]):]) <= LLAMACPP_TOLERANCE
+
+
+# -- Nemotron-H ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nemotron_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Nemotron-H of every layer kind (Mamba-2 in 2 groups, attention with heads of 12, MLP),
+    every norm, bias, A_log and D moved off its initial value."""
+    config = transformers.NemotronHConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "attention", "mlp"], intermediate_size=48,
+        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=12, n_groups=2, conv_kernel=4, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 1 or name.endswith(("A_log", "D")):
+                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    directory = tmp_path_factory.mktemp("nemotron_h")
+    model.save_pretrained(directory)
+    return Path(directory)
+
+
+def test_the_packages_nemotron_h_gguf_runs_in_llamacpp_as_transformers(nemotron_checkpoint: Path,
+                                                                      tmp_path: Path) -> None:
+    path = tmp_path / "nemotron_h.gguf"
+    convert_hf_to_gguf(nemotron_checkpoint, path)
+    tokens = PROMPTS[0] + FOLLOWING[0]
+    reference = transformers.NemotronHForCausalLM.from_pretrained(nemotron_checkpoint, dtype=torch.float64).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    with LlamaModel(path) as model, llama.Context(model, Setting(n_seq_max=1)) as ctx:
+        got = ctx.decode([(token, pos, 0, True) for pos, token in enumerate(tokens)])
+    assert relative_error(got, expected) <= LLAMACPP_TOLERANCE

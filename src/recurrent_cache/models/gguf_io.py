@@ -142,7 +142,7 @@ class GGUFReader:
         """Whether the file holds tensor ``name``."""
         return name in self.file.tensors
 
-    def ssm_sizes(self) -> dict[str, int]:
+    def ssm_sizes(self) -> dict[str, Any]:
         """A Mamba block's sizes (``ssm.conv_kernel``, ``ssm.inner_size``, ``ssm.state_size``), named as the
         hyper-parameters name them (``write_ssm_sizes`` writes them)."""
         return dict(d_conv=self.key("ssm.conv_kernel", int), d_inner=self.key("ssm.inner_size", int),
