@@ -210,10 +210,11 @@ GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",
               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
 
 
-def write_converted_gguf(module, path, legacy_ssm_in=False):
+def write_converted_gguf(module, path, legacy_ssm_in=False, recurrent_layers=None, interval=None):
     """``module`` as llama.cpp's converter writes it (``--no-mtp``; its vocabulary left out): norms as 1 + w but
     the Gated DeltaNet's, A as -exp(A_log), the conv squeezed, in_proj_qkvz split into attn_qkv (q, k, v of every
-    head) and attn_gate (z) — or kept whole as a legacy ``ssm_in`` — and the experts stacked."""
+    head) and attn_gate (z) — or kept whole as a legacy ``ssm_in`` — and the experts stacked; ``recurrent_layers``
+    in place of the layer types' flags (0: no such key), ``interval`` as full_attention_interval."""
     gguf = pytest.importorskip("gguf", reason="writing a GGUF file needs gguf-py")
     c = module.config
     writer = gguf.GGUFWriter(path, "qwen3next")
@@ -227,11 +228,16 @@ def write_converted_gguf(module, path, legacy_ssm_in=False):
             "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
             "ssm_conv_kernel": c.linear_conv_kernel_dim, "ssm_state_size": c.linear_key_head_dim,
             "ssm_group_count": c.linear_num_key_heads, "ssm_time_step_rank": c.linear_num_value_heads,
-            "ssm_inner_size": c.linear_value_head_dim * c.linear_num_value_heads, "full_attention_interval": 4,
+            "ssm_inner_size": c.linear_value_head_dim * c.linear_num_value_heads,
+            "full_attention_interval": 4 if interval is None else interval,
             "tokenizer_model": "no_vocab", "vocab_size": c.vocab_size}
     for key, value in keys.items():   # gguf-py's add_<key>: the converter's calls
         getattr(writer, f"add_{key}")(value)
-    writer.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    flags = [t == "linear_attention" for t in c.layer_types] if recurrent_layers is None else recurrent_layers
+    if isinstance(flags, list):
+        writer.add_array("qwen3next.attention.recurrent_layers", flags)
+    elif flags:
+        writer.add_uint32("qwen3next.attention.recurrent_layers", flags)
     tensors = {name: value.detach().double().numpy() for name, value in module.state_dict().items()}
     out = {"token_embd.weight": tensors.pop("model.embed_tokens.weight"),
            "output.weight": tensors.pop("lm_head.weight"), "output_norm.weight": 1.0 + tensors.pop("model.norm.weight")}
@@ -282,3 +288,23 @@ def test_a_gguf_file_as_llama_cpps_converter_writes_it_equals_transformers(check
     for seq, prompt in enumerate(PROMPTS):
         ours = np.stack([got[(seq, pos)] for pos in range(len(prompt))])
         assert_close(ours, reference(module, prompt, torch.float64))
+
+
+@pytest.mark.parametrize("flags", [5, [True, False], [1, 0, 1, 0]])
+def test_a_gguf_file_whose_layer_kinds_are_not_flags_is_refused(checkpoint, tmp_path, flags):
+    _, module = checkpoint
+    path = tmp_path / "qwen3next.gguf"
+    write_converted_gguf(module, path, recurrent_layers=flags)
+    with pytest.raises(ModelError, match="attention.recurrent_layers is not 4 booleans"):
+        rc.models.load_gguf(path)
+
+
+def test_a_gguf_file_without_layer_flags_takes_every_interval_th_layer_as_attention(checkpoint, tmp_path):
+    _, module = checkpoint
+    path = tmp_path / "qwen3next.gguf"
+    write_converted_gguf(module, path, recurrent_layers=0, interval=2)   # layers 1 and 3 attend, as the flags said
+    model = rc.models.load_gguf(path)
+    assert model.hparams.attn_layers == (1, 3)
+    write_converted_gguf(module, path, recurrent_layers=0, interval=0)
+    with pytest.raises(ModelError, match="full_attention_interval is 0"):
+        rc.models.load_gguf(path)

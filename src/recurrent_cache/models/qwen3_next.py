@@ -318,13 +318,16 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
     renormalised, as llama.cpp always does for qwen3next.
     """
     n_layer, n_embd = sizes["n_layer"], sizes["n_embd"]
-    recurrent = read.key("attention.recurrent_layers", list, [])
-    if recurrent:
-        if len(recurrent) < n_layer or any(not isinstance(flag, bool) for flag in recurrent[:n_layer]):
+    recurrent = read.file.fields.get(f"{read.arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        if (not isinstance(recurrent, list) or len(recurrent) < n_layer
+                or any(not isinstance(flag, bool) for flag in recurrent[:n_layer])):
             raise ModelError(f"GGUF key {read.arch}.attention.recurrent_layers is not {n_layer} booleans")
         attn_layers = tuple(il for il in range(n_layer) if not recurrent[il])
     else:
         interval = read.key("full_attention_interval", int, 4)
+        if interval < 1:
+            raise ModelError(f"GGUF key {read.arch}.full_attention_interval is {interval}, not a positive interval")
         attn_layers = tuple(il for il in range(n_layer) if (il + 1) % interval == 0)
     moe_layers = tuple(il for il in range(n_layer) if f"blk.{il}.ffn_gate_inp.weight" in read.file.tensors)
     try:
