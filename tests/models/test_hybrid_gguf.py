@@ -1,11 +1,14 @@
-"""Hybrid families in GGUF files (issue 27's second bullet), without llama.cpp at hand: Jamba and Nemotron-H.
+"""Hybrid families in GGUF files (issue 27's second bullet), without llama.cpp at hand: Jamba, Nemotron-H and
+the writing of Qwen3-Next.
 
 ``load_gguf`` reads the tiny Jamba llama.cpp ran in ``tests/data/llamacpp_hybrid`` (its per-layer
 ``head_count_kv``, 0 on the Mamba layers) and, on the package's hybrid memory, continues the recorded
 script, and each recorded llama.cpp state blob, to llama.cpp's own next-token logits.  ``write_gguf``
 writes a Jamba that ``load_gguf`` reads back as the same model; what llama.cpp could not run is refused
 before anything is written.  The same for Nemotron-H (``tests/data/llamacpp_current``'s recorded
-``nemotron_h`` run).  The runs in llama.cpp itself are in ``test_hybrid_gguf_llamacpp.py``.
+``nemotron_h`` run).  A Qwen3-Next written reads back as the same model; ``recurrent_layers`` names
+Qwen3-Next's and LFM2's recurrent layers.  The runs in llama.cpp itself are in
+``test_hybrid_gguf_llamacpp.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
-from recurrent_cache.models import (JambaModel, NemotronHModel, load_gguf, random_jamba_model, random_nemotron_h_model,
-                                    write_gguf)
+from recurrent_cache.models import (JambaModel, NemotronHModel, Qwen3NextModel, load_gguf, random_jamba_model,
+                                    random_lfm2_model, random_nemotron_h_model, random_qwen3_next_model, write_gguf)
 from recurrent_cache.models.gguf_io import recurrent_layers
 
 pytest.importorskip("gguf", reason="writing GGUF files needs the gguf package")
@@ -252,3 +255,41 @@ def test_a_nemotron_h_whose_time_step_limit_clamps_is_refused_before_anything_is
     with pytest.raises(ModelError, match=r"time_step_limit \(0.0, 0.1\) clamps dt"):
         write_gguf(clamped, path)
     assert not path.exists()
+
+
+# -- Qwen3-Next (llama.cpp's qwen3next) -------------------------------------------------------------------
+
+
+def test_a_qwen3_next_written_as_gguf_reads_back_as_the_same_model(tmp_path: Path) -> None:
+    model = random_qwen3_next_model(seed=4, n_vocab=40, n_embd=32, n_layer=4, head_dim=8, head_k_dim=8,
+                                    head_v_dim=8, attn_layers=(1, 3), moe_layers=(0, 1, 2, 3), n_ff_exp=16)
+    path = tmp_path / "qwen3next.gguf"
+    write_gguf(model, path)
+    back = load_gguf(path)
+    assert isinstance(back, Qwen3NextModel)
+    assert back.hparams.attn_layers == (1, 3) and back.hparams.moe_layers == (0, 1, 2, 3)
+    assert recurrent_layers(path) == (0, 2)
+    for il, (written, read) in enumerate(zip(model.layers, back.layers, strict=True)):
+        assert set(written) == set(read), il
+        for field in written:
+            np.testing.assert_array_equal(read[field], written[field].astype(np.float32), err_msg=f"{il} {field}")
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = decode(model, model.new_cache(kv_size=64), [(t, i, 0) for i, t in enumerate(tokens)])
+    got = decode(back, back.new_cache(kv_size=64), [(t, i, 0) for i, t in enumerate(tokens)])
+    assert np.abs(got - expected).max() / np.abs(expected).max() <= 1e-6
+
+
+def test_a_qwen3_next_with_a_dense_mlp_layer_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model = random_qwen3_next_model(seed=4, n_embd=32, head_dim=8, head_k_dim=8, head_v_dim=8, moe_layers=(0, 1, 3))
+    path = tmp_path / "dense.gguf"
+    with pytest.raises(ModelError, match=r"layers \[2\] have a dense MLP: llama.cpp's qwen3next runs experts"):
+        write_gguf(model, path)
+    assert not path.exists()
+
+
+def test_recurrent_layers_names_lfm2s_short_convolution_layers(tmp_path: Path) -> None:
+    """LFM2's recurrent layers hold shortconv.* tensors, not ssm_*: they hold state all the same."""
+    model = random_lfm2_model(seed=1, n_embd=32, n_layer=4, attn_layers=(1,))
+    path = tmp_path / "lfm2.gguf"
+    write_gguf(model, path)
+    assert recurrent_layers(path) == model.hparams.recr_layers == (0, 2, 3)

@@ -2,7 +2,8 @@
 ``JambaForCausalLM`` saved by transformers is converted by the package and run by llama.cpp (every
 position's logits), converted by llama.cpp's own ``convert_hf_to_gguf.py`` and run by the package, and
 a sequence's state bytes go from llama.cpp to the package and back, each continuing as the other would.
-A tiny random ``NemotronHForCausalLM`` converted by the package runs in llama.cpp as in transformers.
+A tiny random ``NemotronHForCausalLM`` and ``Qwen3NextForCausalLM`` converted by the package run in llama.cpp
+as in transformers.
 
 Marked ``llamacpp_live``; skipped unless llama-cpp-python, torch, transformers and gguf import.  The
 converter test needs llama.cpp's source tree: ``LLAMA_CPP_SOURCE`` names the directory holding
@@ -245,6 +246,38 @@ def test_the_packages_nemotron_h_gguf_runs_in_llamacpp_as_transformers(nemotron_
     convert_hf_to_gguf(nemotron_checkpoint, path)
     tokens = PROMPTS[0] + FOLLOWING[0]
     reference = transformers.NemotronHForCausalLM.from_pretrained(nemotron_checkpoint, dtype=torch.float64).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0].double().numpy()
+    with LlamaModel(path) as model, llama.Context(model, Setting(n_seq_max=1)) as ctx:
+        got = ctx.decode([(token, pos, 0, True) for pos, token in enumerate(tokens)])
+    assert relative_error(got, expected) <= LLAMACPP_TOLERANCE
+
+
+# -- Qwen3-Next ----------------------------------------------------------------------------------------
+
+
+def test_the_packages_qwen3_next_gguf_runs_in_llamacpp_as_transformers(tmp_path: Path) -> None:
+    """A tiny random Qwen3-Next with experts on every layer (llama.cpp's qwen3next has no dense MLP layer),
+    Gated DeltaNet layers 0 and 2, gated attention layers 1 and 3."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    module = transformers.Qwen3NextForCausalLM(config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if parameter.ndim == 1 or name.endswith(("A_log", "D")):
+                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    module.save_pretrained(tmp_path / "checkpoint")
+    path = tmp_path / "qwen3next.gguf"
+    convert_hf_to_gguf(tmp_path / "checkpoint", path)
+    reference = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float64,
+                                                                  experts_implementation="eager").eval()
+    tokens = [5, 17, 42, 3, 60, 33, 7, 8, 9, 1]
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0].double().numpy()
     with LlamaModel(path) as model, llama.Context(model, Setting(n_seq_max=1)) as ctx:

@@ -77,9 +77,11 @@ def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     ``RecurrentCache`` for it (every layer of a Mamba file; a hybrid's Mamba / RWKV layers).
 
     llama.cpp's hybrids mark an attention layer by a per-layer
-    ``{arch}.attention.head_count_kv`` above 0; a layer with 0 (or a file without
+    ``{arch}.attention.head_count_kv`` above 0 (qwen3next by its
+    ``attention.recurrent_layers`` flags); a layer with 0 (or a file without
     the key: a pure recurrent model) is recurrent when it holds recurrent tensors
-    (``blk.{il}.ssm_*`` or RWKV's ``blk.{il}.time_mix_*``): a layer of neither
+    (``blk.{il}.ssm_*``, LFM2's ``blk.{il}.shortconv.*`` or RWKV's
+    ``blk.{il}.time_mix_*``): a layer of neither
     kind (Nemotron-H's FFN-only layers) has no state, as in llama.cpp.  Reads the
     header only; a bad file raises ``ModelError`` naming it.
     """
@@ -99,10 +101,14 @@ def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     if len(per_layer) != n_layer or any(isinstance(h, bool) or not isinstance(h, int) for h in per_layer):
         raise ModelError(f"{name}: GGUF key {arch}.attention.head_count_kv is {heads_kv!r}, not one integer "
                          f"or {n_layer} of them")
+    flags = file.fields.get(f"{arch}.attention.recurrent_layers")   # qwen3next's: True on a Gated DeltaNet layer
+    if isinstance(flags, list) and len(flags) >= n_layer and all(isinstance(f, bool) for f in flags[:n_layer]):
+        per_layer = [0 if flags[il] else 1 for il in range(n_layer)]
     holds_state = set()
     for tensor in file.tensors:
         parts = tensor.split(".", 2)   # blk.{il}.{name}
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2].startswith(("ssm_", "time_mix_")):
+        if (len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
+                and parts[2].startswith(("ssm_", "time_mix_", "shortconv."))):
             holds_state.add(int(parts[1]))
     return tuple(il for il in range(n_layer) if per_layer[il] == 0 and il in holds_state)
 
