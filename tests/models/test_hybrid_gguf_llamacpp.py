@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import recurrent_cache as rc
 from recurrent_cache.models import JambaModel, convert_hf_to_gguf, load_gguf
+
+from test_hybrid_gguf import decode
+from test_jamba_hf import perturbed
 
 pytestmark = pytest.mark.llamacpp_live
 
@@ -100,11 +102,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.JambaForCausalLM(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 1 or name.endswith(("A_log", "D")):
-                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    perturbed(model, 1)
     directory = tmp_path_factory.mktemp("jamba")
     model.save_pretrained(directory)
     _llama_tokenizer(directory, config.vocab_size)
@@ -147,15 +145,6 @@ class LlamaModel:
         self.model.close()
 
 
-def package_decode(model: Any, cache: Any, entries: list[tuple[int, int, int]]) -> np.ndarray:
-    """(token, pos, seq) entries in one batch, every one wanting logits; the logits in batch order."""
-    batch = rc.Batch(token=[e[0] for e in entries], pos=[e[1] for e in entries], seq_id=[e[2] for e in entries],
-                     logits=[True] * len(entries))
-    st = cache.init_batch(batch)
-    logits = np.asarray(model.forward(st), dtype=np.float64)
-    return logits[np.argsort(st.out_ids)]
-
-
 def prompt_entries() -> list[tuple[int, int, int]]:
     return [(token, pos, seq) for seq, prompt in PROMPTS.items() for pos, token in enumerate(prompt)]
 
@@ -184,7 +173,7 @@ def test_llamacpps_own_converter_gives_a_file_the_package_runs_as_transformers(c
     assert isinstance(model, JambaModel)
     assert (model.hparams.attn_layers, model.hparams.moe_layers) == ((1, 3), (1, 3))
     tokens = PROMPTS[0] + FOLLOWING[0]
-    got = package_decode(model, model.new_cache(kv_size=64), [(t, pos, 0) for pos, t in enumerate(tokens)])
+    got = decode(model, model.new_cache(kv_size=64), [(t, pos, 0) for pos, t in enumerate(tokens)])
     assert relative_error(got, reference(tokens)) <= PACKAGE_TOLERANCE
 
 
@@ -197,7 +186,7 @@ def test_llamacpps_state_after_its_prompt_is_continued_by_the_package_as_by_llam
     cache = package.new_cache(n_seq_max=2, kv_size=256, dtype_kv="f16")
     assert cache.state_read(blob, 1) == len(blob)
     assert len(cache.seq_kv_cells(1)) == len(PROMPTS[1]) and cache.seq_pos_max(1) == len(PROMPTS[1]) - 1
-    got = package_decode(package, cache, following_entries(1))
+    got = decode(package, cache, following_entries(1))
     assert relative_error(got, np.asarray(expected, dtype=np.float64)) <= LLAMACPP_TOLERANCE
 
 
@@ -205,9 +194,9 @@ def test_the_packages_state_after_its_prompt_is_continued_by_llamacpp_as_by_the_
                                                                                       reference: Any) -> None:
     package = load_gguf(converted, dtype=np.float32)
     cache = package.new_cache(n_seq_max=2, kv_size=256, dtype_kv="f16")
-    package_decode(package, cache, prompt_entries())
+    decode(package, cache, prompt_entries())
     blob = cache.state_write(0, framing="llama")
-    expected = package_decode(package, cache, following_entries(0))
+    expected = decode(package, cache, following_entries(0))
     with LlamaModel(converted) as model, llama.Context(model, Setting()) as ctx:
         assert ctx.state_seq_set_data(blob, 0) == len(blob)
         got = ctx.decode([(token, pos, seq, True) for token, pos, seq in following_entries(0)])
@@ -230,11 +219,7 @@ def nemotron_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.NemotronHForCausalLM(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 1 or name.endswith(("A_log", "D")):
-                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    perturbed(model, 1)
     directory = tmp_path_factory.mktemp("nemotron_h")
     model.save_pretrained(directory)
     return Path(directory)
@@ -267,11 +252,7 @@ def test_the_packages_qwen3_next_gguf_runs_in_llamacpp_as_transformers(tmp_path:
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
     torch.manual_seed(0)
     module = transformers.Qwen3NextForCausalLM(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            if parameter.ndim == 1 or name.endswith(("A_log", "D")):
-                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    perturbed(module, 1)
     module.save_pretrained(tmp_path / "checkpoint")
     path = tmp_path / "qwen3next.gguf"
     convert_hf_to_gguf(tmp_path / "checkpoint", path)

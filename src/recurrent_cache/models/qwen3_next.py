@@ -386,20 +386,15 @@ def _write_gguf_keys(writer: Any, model: Qwen3NextModel) -> None:
     """Every qwen3next key but those all families write; the attention layers as llama.cpp's per-layer
     ``attention.recurrent_layers`` (False where a layer attends)."""
     p = model.hparams
-    writer.add_feed_forward_length(p.n_ff)
-    writer.add_head_count(p.n_head)
-    writer.add_head_count_kv(p.n_head_kv)
-    writer.add_key_length(p.head_dim)
-    writer.add_value_length(p.head_dim)
-    writer.add_rope_dimension_count(p.n_rot)
+    keys = {"feed_forward_length": p.n_ff, "attention.head_count": p.n_head, "attention.head_count_kv": p.n_head_kv,
+            "attention.key_length": p.head_dim, "attention.value_length": p.head_dim,
+            "rope.dimension_count": p.n_rot, "expert_count": p.n_expert, "expert_used_count": p.n_expert_used,
+            "expert_feed_forward_length": p.n_ff_exp, "expert_shared_feed_forward_length": p.n_ff_shexp,
+            **p.deltanet.gguf_keys()}
+    for key, value in keys.items():
+        writer.add_uint32(f"{ARCH}.{key}", value)
     writer.add_rope_freq_base(p.rope_base)
     writer.add_layer_norm_rms_eps(p.rms_eps)
-    writer.add_expert_count(p.n_expert)
-    writer.add_expert_used_count(p.n_expert_used)
-    writer.add_expert_feed_forward_length(p.n_ff_exp)
-    writer.add_expert_shared_feed_forward_length(p.n_ff_shexp)
-    for key, value in p.deltanet.gguf_keys().items():
-        writer.add_uint32(f"{ARCH}.{key}", value)
     writer.add_array(f"{ARCH}.attention.recurrent_layers", [il not in p.attn_layers for il in range(p.n_layer)])
 
 
