@@ -6,7 +6,7 @@ A tiny random ``NemotronHForCausalLM`` and ``Qwen3NextForCausalLM`` converted by
 as in transformers.
 
 Marked ``llamacpp_live``; skipped unless llama-cpp-python, torch, transformers and gguf import.  The
-converter test needs llama.cpp's source tree: ``LLAMA_CPP_SOURCE`` names the directory holding
+converter test needs llama.cpp's source tree: ``LLAMA_CPP_SRC`` names the directory holding
 ``convert_hf_to_gguf.py`` and ``gguf-py`` (llama-cpp-python's sdist has it under ``vendor/llama.cpp``).
 """
 
@@ -162,9 +162,9 @@ def test_the_packages_jamba_gguf_runs_in_llamacpp_as_transformers(converted: Pat
 
 def test_llamacpps_own_converter_gives_a_file_the_package_runs_as_transformers(checkpoint: Path, reference: Any,
                                                                               tmp_path: Path) -> None:
-    source = Path(os.environ.get("LLAMA_CPP_SOURCE", "/nonexistent"))
+    source = Path(os.environ.get("LLAMA_CPP_SRC", "/nonexistent"))
     if not (source / "convert_hf_to_gguf.py").is_file():
-        pytest.skip("LLAMA_CPP_SOURCE does not name llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
+        pytest.skip("LLAMA_CPP_SRC does not name llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
     path = tmp_path / "theirs.gguf"
     subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(path),
                     "--outtype", "f32"], check=True, capture_output=True, timeout=600,
