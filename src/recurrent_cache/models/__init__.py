@@ -18,6 +18,7 @@ from .mamba import MambaHParams, MambaLayer, MambaModel, random_model
 from .mamba2 import Mamba2HParams, Mamba2Layer, Mamba2Model, random_mamba2_model
 from .hybrid_model import HybridModel
 from .jamba import JambaHParams, JambaModel, random_jamba_model
+from .falcon_h1 import FalconH1HParams, FalconH1Model, random_falcon_h1_model
 from .language_model import LanguageModel
 from .nemotron_h import NemotronHHParams, NemotronHModel, random_nemotron_h_model
 from ..errors import ModelError
@@ -31,4 +32,5 @@ __all__ = ["HybridModel", "JambaHParams", "JambaModel", "LanguageModel", "Mamba2
            "TRAINED_GGUF", "Vocabulary", "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf",
            "load_model", "random_jamba_model", "random_mamba2_model", "random_model", "recurrent_layers",
            "trained_model", "training_facts", "write_gguf",
-           "NemotronHHParams", "NemotronHModel", "random_nemotron_h_model"]
+           "NemotronHHParams", "NemotronHModel", "random_nemotron_h_model",
+           "FalconH1HParams", "FalconH1Model", "random_falcon_h1_model"]

@@ -36,14 +36,14 @@ from ..errors import ModelError
 from ._arrays import Array
 from ._registry import Family, register
 from ._ssm import (causal_conv, conv_state_after, conv_window, gated_rms_norm, linear, random_conv, random_dt_bias,
-                   random_head, selective_scan, softplus)
+                   random_head, rms_norm, selective_scan, silu, softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, check_sizes, checked_layers
 from .gguf_io import GGUFReader
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
-__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "mamba2_mixer",
+__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "gated_output", "mamba2_mixer",
            "random_mamba2_model"]
 
 ARCH = "mamba2"
@@ -185,10 +185,12 @@ class Mamba2Model(RecurrentModel):
 
 
 def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
-                 storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
+                 storage_r: StateStorage, storage_s: StateStorage, m: int, *, norm_before_gate: bool = False
+                 ) -> MixerResult:
     """One Mamba-2 block of sizes ``p`` on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
 
-    conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
+    conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].  The output's gate and
+    norm are ``gated_output``'s (``norm_before_gate``; ``w`` without ``ssm_norm``: gated, not normed).
     """
     n_seqs, n_tokens = u.shape[:2]
     n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
@@ -214,9 +216,24 @@ def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv:
                                          dt[..., None] * x, b, c, storage_s, m)
     conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
     y = (y + x * w["ssm_d"][:, None]).reshape((n_seqs, n_tokens, p.d_inner))
-    out = linear(gated_rms_norm(xp, y, z, w["ssm_norm"], n_group, p.rms_eps), w["ssm_out"])
+    out = linear(gated_output(xp, p, w, y, z, norm_before_gate), w["ssm_out"])
     steps = None if ssm_steps is None else (conv_steps, ssm_steps.reshape((n_seqs, m, p.d_inner, d_state)))
     return out, conv, state.reshape((n_seqs, p.d_inner, d_state)), steps
+
+
+def gated_output(xp: Any, p: Mamba2HParams, w: dict[str, Array], y: Array, z: Array,
+                 norm_before_gate: bool = False) -> Array:
+    """``y`` [..., d_inner] gated by ``silu(z)`` and RMS-normed over each of the ``n_group`` groups times
+    ``ssm_norm``: gated first (transformers' ``norm_before_gate=False``, llama.cpp's only order), or normed
+    first (``norm_before_gate``: Falcon-H1's ``mamba_norm_before_gate``).  Without ``ssm_norm`` in ``w``
+    only gated (Falcon-H1's ``mamba_rms_norm=False``; llama.cpp's graph without the tensor)."""
+    if "ssm_norm" not in w:
+        return y * silu(xp, z)
+    if not norm_before_gate:
+        return gated_rms_norm(xp, y, z, w["ssm_norm"], p.n_group, p.rms_eps)
+    *lead, width = y.shape
+    grouped = rms_norm(xp, y.reshape((*lead, p.n_group, width // p.n_group)), p.rms_eps)
+    return grouped.reshape((*lead, width)) * w["ssm_norm"] * silu(xp, z)
 
 
 def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer: int = 4,
