@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
-from recurrent_cache.models import FalconH1Model, load_hf
+from recurrent_cache.models import FalconH1Model, load_hf, random_falcon_h1_model
 
-from hybrid_scenarios import Recorder, run_scenarios
+from hybrid_scenarios import Recorder, host, run_scenarios
 
 torch = pytest.importorskip("torch", reason="the reference is transformers' FalconH1ForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' FalconH1ForCausalLM")
@@ -155,3 +156,15 @@ def test_a_config_the_package_cannot_compute_is_refused_naming_its_field(checkpo
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match=f"{field}.*{message}"):
         load_hf(broken)
+
+
+def test_a_random_falcon_h1_computes_the_same_on_numpy_and_torch_storage() -> None:
+    model = random_falcon_h1_model(seed=3, n_vocab=64, n_embd=32, n_ff=48, head_dim=8, ssm_head_dim=8, d_state=8,
+                                   ssm_norm=True)
+    tokens = [1, 5, 9, 33, 2, 60]
+    batch = rc.Batch(token=tokens, seq_id=[0] * len(tokens), pos=list(range(len(tokens))), logits=[1] * len(tokens))
+    logits = []
+    for storage in ("numpy", "torch"):
+        cache = model.new_cache(kv_size=16, storage=storage)
+        logits.append(host(model.forward(cache.init_batch(batch))))
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-10 * np.abs(logits[0]).max())

@@ -14,9 +14,9 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
-from recurrent_cache.models import NemotronHModel, load_hf
+from recurrent_cache.models import NemotronHModel, load_hf, random_nemotron_h_model
 
-from hybrid_scenarios import Recorder, run_scenarios
+from hybrid_scenarios import Recorder, host, run_scenarios
 
 torch = pytest.importorskip("torch", reason="the reference is transformers' NemotronHForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' NemotronHForCausalLM")
@@ -121,3 +121,14 @@ def test_a_config_the_package_cannot_compute_is_refused_naming_its_field(checkpo
     broken = _with_config(checkpoint, tmp_path / "broken", lambda config: config.__setitem__(field, value))
     with pytest.raises(ModelError, match=f"{field}.*{message}"):
         load_hf(broken)
+
+
+def test_a_random_nemotron_h_computes_the_same_on_numpy_and_torch_storage() -> None:
+    model = random_nemotron_h_model(seed=3, n_vocab=64, n_embd=32, pattern="M-*ME", n_ff=48, head_dim=8,
+                                    ssm_head_dim=8, d_state=8)
+    tokens = [1, 5, 9, 33, 2, 60]
+    logits = []
+    for storage in ("numpy", "torch"):
+        cache = model.new_cache(kv_size=16, storage=storage)
+        logits.append(host(model.forward(cache.init_batch(_batch(tokens)))))
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-10 * np.abs(logits[0]).max())

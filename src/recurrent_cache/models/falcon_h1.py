@@ -44,10 +44,12 @@ from ._arrays import Array
 from ._attention import AttentionParams, Rope
 from ._ffn import mlp
 from ._registry import Family, register
-from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
+from ._ssm import random_head, rms_norm
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
-from .mamba2 import NO_TIME_STEP_LIMIT, Mamba2HParams, mamba2_mixer
+from .mamba2 import (NO_TIME_STEP_LIMIT, Mamba2HParams, hf_mixer_weights, hf_time_step_limit, mamba2_mixer,
+                     random_layer)
+from .mamba2 import layer_shapes as mamba2_layer_shapes
 from .recurrent import check_sizes
 from .vocab import Vocabulary
 
@@ -150,17 +152,13 @@ class FalconH1HParams:
 
 def layer_shapes(p: FalconH1HParams) -> dict[str, tuple[int, ...]]:
     """A layer's weight fields and their numpy shapes (ggml's ``ne`` reversed)."""
-    m = p.mamba
     n_q, n_kv = p.n_head * p.head_dim, p.attention.n_embd_k
-    shapes: dict[str, tuple[int, ...]] = {
-        "attn_norm": (p.n_embd,), "ffn_norm": (p.n_embd,),
+    shapes = mamba2_layer_shapes(p.mamba) | {
+        "ffn_norm": (p.n_embd,),
         "wq": (n_q, p.n_embd), "wk": (n_kv, p.n_embd), "wv": (n_kv, p.n_embd), "wo": (p.n_embd, n_q),
-        "ssm_in": (m.d_in_proj, p.n_embd), "ssm_conv1d": (m.conv_channels, p.d_conv),
-        "ssm_conv1d_b": (m.conv_channels,), "ssm_dt_b": (p.n_ssm_head,), "ssm_a": (p.n_ssm_head,),
-        "ssm_d": (p.n_ssm_head,), "ssm_out": (p.n_embd, p.d_inner),
         "ffn_gate": (p.n_ff, p.n_embd), "ffn_up": (p.n_ff, p.n_embd), "ffn_down": (p.n_embd, p.n_ff)}
-    if p.ssm_norm:
-        shapes["ssm_norm"] = (p.d_inner,)
+    if not p.ssm_norm:
+        del shapes["ssm_norm"]
     if p.attention_bias:
         shapes |= {"bq": (n_q,), "bk": (n_kv,), "bv": (n_kv,), "bo": (p.n_embd,)}
     return shapes
@@ -202,17 +200,7 @@ def random_falcon_h1_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 6
                         head_dim=head_dim, n_ff=n_ff, d_conv=d_conv, d_inner=n_ssm_head * ssm_head_dim,
                         d_state=d_state, n_ssm_head=n_ssm_head, n_group=n_group, ssm_norm=ssm_norm)
     rng = np.random.default_rng(seed)
-    layers = []
-    for _ in range(n_layer):
-        layer: dict[str, Any] = {}
-        for name, shape in layer_shapes(p).items():
-            layer[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
-                           else rng.standard_normal(shape) / np.sqrt(shape[-1] * n_layer))
-        layer["ssm_conv1d"], layer["ssm_conv1d_b"] = random_conv(rng, p.mamba.conv_channels, d_conv)
-        layer["ssm_dt_b"] = random_dt_bias(rng, n_ssm_head)
-        layer["ssm_a"] = -np.arange(1, n_ssm_head + 1, dtype=np.float64)
-        layer["ssm_d"] = np.ones(n_ssm_head)
-        layers.append(layer)
+    layers = [random_layer(rng, layer_shapes(p), n_layer, p.mamba) for _ in range(n_layer)]
     token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
     return FalconH1Model(p, token_embd, layers, output_norm, output, dtype=dtype)
 
@@ -257,16 +245,6 @@ def _rope_theta(checkpoint: Checkpoint) -> float:
     return theta
 
 
-def _time_step_limit(checkpoint: Checkpoint) -> tuple[float, float]:
-    limit = checkpoint.config.get("time_step_limit", NO_TIME_STEP_LIMIT)
-    if limit is None:
-        return NO_TIME_STEP_LIMIT
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
-            or (as_float(limit[1]) is None and limit[1] != math.inf)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
-    return float(limit[0]), float(limit[1])
-
-
 def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> FalconH1Model:
     """The model of a ``FalconH1ForCausalLM`` checkpoint directory (``load_hf``), its multipliers folded."""
     field = checkpoint.field
@@ -291,7 +269,7 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Fa
               n_ssm_head=n_ssm_head, n_group=field("mamba_n_groups", int, 1),
               rms_eps=checkpoint.positive_float("rms_norm_eps", 1e-5, high=1.0), rope_theta=_rope_theta(checkpoint),
               ssm_norm=ssm_norm, norm_before_gate=ssm_norm and field("mamba_norm_before_gate", bool, True),
-              attention_bias=field("attention_bias", bool, False), time_step_limit=_time_step_limit(checkpoint))
+              attention_bias=field("attention_bias", bool, False), time_step_limit=hf_time_step_limit(checkpoint))
     factors = _Factors(checkpoint, p)
     conv_bias = field("mamba_conv_bias", bool, True)
     layers = [_hf_layer(checkpoint.layer_tensors(il, "model.layers"), p, factors, conv_bias)
@@ -345,13 +323,8 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: FalconH1H
             layer[field] = read(field, f"self_attn.{name}.bias")
     for field, name in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
         layer[field] = read(field, f"feed_forward.{name}.weight")
-    names = {"ssm_in": "in_proj.weight", "ssm_conv1d": "conv1d.weight", "ssm_dt_b": "dt_bias", "ssm_d": "D",
-             "ssm_out": "out_proj.weight"} | ({"ssm_norm": "norm.weight"} if p.ssm_norm else {})
-    for field, name in names.items():
-        layer[field] = read(field, f"mamba.{name}")
-    layer["ssm_conv1d_b"] = (read("ssm_conv1d_b", "mamba.conv1d.bias") if conv_bias
-                             else np.zeros(shapes["ssm_conv1d_b"]))
-    layer["ssm_a"] = -np.exp(read("ssm_a", "mamba.A_log"))
+    mixer = hf_mixer_weights(weight, p.mamba, "mamba.", conv_bias, norm=p.ssm_norm)
+    layer |= {field: values.astype(np.float64) for field, values in mixer.items()}
     for field, (scale, bias_scale) in factors.weights.items():
         layer[field] = layer[field] * scale
         bias = "b" + field[1:] if field.startswith("w") else None

@@ -26,7 +26,7 @@ default (0, inf) for a GGUF file).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +43,8 @@ from .gguf_io import GGUFReader
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
-__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "gated_output", "mamba2_mixer",
-           "random_mamba2_model"]
+__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "gated_output", "hf_mixer_weights",
+           "hf_time_step_limit", "mamba2_mixer", "random_layer", "random_mamba2_model"]
 
 ARCH = "mamba2"
 NO_TIME_STEP_LIMIT = (0.0, math.inf)
@@ -236,6 +236,22 @@ def gated_output(xp: Any, p: Mamba2HParams, w: dict[str, Array], y: Array, z: Ar
     return grouped.reshape((*lead, width)) * w["ssm_norm"] * silu(xp, z)
 
 
+def random_layer(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], n_layer: int,
+                 mamba: Mamba2HParams | None = None) -> dict[str, np.ndarray]:
+    """Seeded random weights of a hybrid family's layer of ``shapes``: vectors near 1, matrices scaled by
+    ``1/sqrt(fan_in * n_layer)``; with ``mamba``, the layer's Mamba-2 block initialised as ``mamba_ssm`` does
+    (conv, dt bias, A = -[1..n_head], D = 1)."""
+    layer = {name: (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
+                    else rng.standard_normal(shape) / np.sqrt(shape[-1] * n_layer))
+             for name, shape in shapes.items()}
+    if mamba is not None:
+        layer["ssm_conv1d"], layer["ssm_conv1d_b"] = random_conv(rng, mamba.conv_channels, mamba.d_conv)
+        layer["ssm_dt_b"] = random_dt_bias(rng, mamba.n_head)
+        layer["ssm_a"] = -np.arange(1, mamba.n_head + 1, dtype=np.float64)
+        layer["ssm_d"] = np.ones(mamba.n_head)
+    return layer
+
+
 def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer: int = 4,
                         d_state: int = 16, d_conv: int = 4, head_dim: int = 16, n_group: int = 1,
                         d_inner: int | None = None, rms_eps: float = 1e-5, tied: bool = False,
@@ -303,9 +319,34 @@ def _write_gguf_keys(writer: Any, model: Mamba2Model) -> None:
     writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
 
 
+def hf_time_step_limit(checkpoint: Checkpoint) -> tuple[float, float]:
+    """config.json's ``time_step_limit``, transformers' clamp of dt (none when absent)."""
+    limit = checkpoint.config.get("time_step_limit", NO_TIME_STEP_LIMIT)
+    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
+    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
+            or (as_float(limit[1]) is None and limit[1] != math.inf)):
+        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
+    return float(limit[0]), float(limit[1])
+
+
+def hf_mixer_weights(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: Mamba2HParams, prefix: str,
+                     conv_bias: bool, norm: bool = True) -> dict[str, np.ndarray]:
+    """A transformers Mamba-2 block's tensors as the mixer's fields (every ``Mamba2Layer`` field but
+    ``attn_norm``): ``weight(name, shape)`` reads a tensor of the layer, ``prefix`` names the block in it
+    ("mixer.", Falcon-H1's "mamba.").  A = -exp(A_log); a zero conv bias when the config has none
+    (``conv_bias``); no ``ssm_norm`` when ``norm`` is false (Falcon-H1's ``mamba_rms_norm=False``)."""
+    shapes = layer_shapes(p)
+    names = {"ssm_in": "in_proj.weight", "ssm_conv1d": "conv1d.weight", "ssm_dt_b": "dt_bias", "ssm_d": "D",
+             "ssm_out": "out_proj.weight"} | ({"ssm_norm": "norm.weight"} if norm else {})
+    fields = {field: weight(prefix + name, shapes[field]) for field, name in names.items()}
+    fields["ssm_conv1d_b"] = (weight(prefix + "conv1d.bias", shapes["ssm_conv1d_b"]) if conv_bias
+                              else np.zeros(shapes["ssm_conv1d_b"], np.float32))
+    fields["ssm_a"] = -np.exp(weight(prefix + "A_log", shapes["ssm_a"]).astype(np.float64))
+    return fields
+
+
 def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
     """The model of a ``Mamba2ForCausalLM`` checkpoint directory (``load_hf``)."""
-    config = checkpoint.config
     common = common_sizes(checkpoint)
     n_embd = common["n_embd"]
     d_inner = int(checkpoint.positive_float("expand", 2, high=MAX_CONFIG_INT) * n_embd)
@@ -313,30 +354,15 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Ma
     if n_head * head_dim != d_inner:
         raise checkpoint.refuse("num_heads", f"num_heads × head_dim = {n_head * head_dim}, but "
                                 f"expand × hidden_size = {d_inner}")
-    limit = config.get("time_step_limit", (0.0, math.inf))
-    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
-            or (as_float(limit[1]) is None and limit[1] != math.inf)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
     p = built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
                                 n_group=checkpoint.field("n_groups", int, 1),
-                                time_step_limit=(float(limit[0]), float(limit[1])))
+                                time_step_limit=hf_time_step_limit(checkpoint))
     use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
     layers = []
     for il in range(p.n_layer):
         weight = checkpoint.layer_tensors(il)
-        layers.append(Mamba2Layer(
-            attn_norm=weight("norm.weight", (p.n_embd,)),
-            ssm_in=weight("mixer.in_proj.weight", (p.d_in_proj, p.n_embd)),
-            ssm_conv1d=weight("mixer.conv1d.weight", (p.conv_channels, p.d_conv)),
-            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.conv_channels,)) if use_conv_bias
-                          else np.zeros(p.conv_channels, np.float32)),
-            ssm_dt_b=weight("mixer.dt_bias", (p.n_head,)),
-            ssm_a=-np.exp(weight("mixer.A_log", (p.n_head,)).astype(np.float64)),
-            ssm_d=weight("mixer.D", (p.n_head,)),
-            ssm_norm=weight("mixer.norm.weight", (p.d_inner,)),
-            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
-        ))
+        layers.append(Mamba2Layer(attn_norm=weight("norm.weight", (p.n_embd,)),
+                                  **hf_mixer_weights(weight, p, "mixer.", use_conv_bias)))
     token_embd, output_norm, output = head_tensors(checkpoint, p.n_vocab, p.n_embd, tied_default=False)
     return built(checkpoint, Mamba2Model, hparams=p, token_embd=token_embd, layers=layers,
                     output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)

@@ -39,10 +39,12 @@ from ._arrays import Array
 from ._attention import AttentionParams
 from ._ffn import MoeParams, mlp, moe
 from ._registry import Family, register
-from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
-from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built
+from ._ssm import random_head, rms_norm
+from .hf import MAX_CONFIG_INT, Checkpoint, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
-from .mamba2 import NO_TIME_STEP_LIMIT, Mamba2HParams, mamba2_mixer
+from .mamba2 import (NO_TIME_STEP_LIMIT, Mamba2HParams, hf_mixer_weights, hf_time_step_limit, mamba2_mixer,
+                     random_layer)
+from .mamba2 import layer_shapes as mamba2_layer_shapes
 from .recurrent import check_sizes
 from .vocab import Vocabulary
 
@@ -174,10 +176,7 @@ def layer_shapes(p: NemotronHHParams, il: int) -> dict[str, tuple[int, ...]]:
     kind = p.pattern[il]
     shapes: dict[str, tuple[int, ...]] = {"attn_norm": (p.n_embd,)}
     if kind == MAMBA:
-        m = p.mamba
-        shapes |= {"ssm_in": (m.d_in_proj, p.n_embd), "ssm_conv1d": (m.conv_channels, p.d_conv),
-                   "ssm_conv1d_b": (m.conv_channels,), "ssm_dt_b": (p.n_ssm_head,), "ssm_a": (p.n_ssm_head,),
-                   "ssm_d": (p.n_ssm_head,), "ssm_norm": (p.d_inner,), "ssm_out": (p.n_embd, p.d_inner)}
+        shapes = mamba2_layer_shapes(p.mamba)
     elif kind == ATTENTION:
         n_q, n_kv = p.n_head * p.head_dim, p.attention.n_embd_k
         shapes |= {"wq": (n_q, p.n_embd), "wk": (n_kv, p.n_embd), "wv": (n_kv, p.n_embd), "wo": (p.n_embd, n_q)}
@@ -232,18 +231,8 @@ def random_nemotron_h_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 
                          head_dim=head_dim, n_ff=n_ff, d_conv=d_conv, d_inner=n_ssm_head * ssm_head_dim,
                          d_state=d_state, n_ssm_head=n_ssm_head, n_group=n_group)
     rng = np.random.default_rng(seed)
-    layers = []
-    for il, kind in enumerate(pattern):
-        layer: dict[str, Any] = {}
-        for name, shape in layer_shapes(p, il).items():
-            layer[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
-                           else rng.standard_normal(shape) / np.sqrt(shape[-1] * p.n_layer))
-        if kind == MAMBA:
-            layer["ssm_conv1d"], layer["ssm_conv1d_b"] = random_conv(rng, p.mamba.conv_channels, d_conv)
-            layer["ssm_dt_b"] = random_dt_bias(rng, n_ssm_head)
-            layer["ssm_a"] = -np.arange(1, n_ssm_head + 1, dtype=np.float64)
-            layer["ssm_d"] = np.ones(n_ssm_head)
-        layers.append(layer)
+    layers = [random_layer(rng, layer_shapes(p, il), p.n_layer, p.mamba if kind == MAMBA else None)
+              for il, kind in enumerate(pattern)]
     token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
     return NemotronHModel(p, token_embd, layers, output_norm, output, dtype=dtype)
 
@@ -266,14 +255,6 @@ def _pattern(checkpoint: Checkpoint) -> str:
     if unknown or not kinds:
         raise checkpoint.refuse(name, f"unknown layer kinds {unknown}" if unknown else "no layers")
     return "".join(_BLOCK_TYPES.get(k, k) for k in kinds)
-
-
-def _time_step_limit(checkpoint: Checkpoint) -> tuple[float, float]:
-    limit = checkpoint.config.get("time_step_limit", NO_TIME_STEP_LIMIT)
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
-            or (as_float(limit[1]) is None and limit[1] != math.inf)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
-    return float(limit[0]), float(limit[1])
 
 
 def _expert_sizes(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -311,7 +292,7 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Ne
               d_conv=field("conv_kernel", int, 4), d_inner=n_ssm_head * field("mamba_head_dim", int, 64),
               d_state=field("ssm_state_size", int, 128), n_ssm_head=n_ssm_head, n_group=field("n_groups", int, 8),
               rms_eps=checkpoint.positive_float("layer_norm_epsilon", 1e-5, high=1.0),
-              time_step_limit=_time_step_limit(checkpoint), **experts)
+              time_step_limit=hf_time_step_limit(checkpoint), **experts)
     prefix = "backbone" if checkpoint.has("backbone.embeddings.weight") else "model"
     conv_bias = field("use_conv_bias", bool, True)
     # transformers writes each expert's tensors (experts.{e}.up_proj.weight); its in-memory layout stacks them
@@ -334,13 +315,7 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: NemotronH
     layer = {"attn_norm": weight("norm.weight", shapes["attn_norm"])}
     kind = p.pattern[il]
     if kind == MAMBA:
-        names = {"ssm_in": "in_proj.weight", "ssm_conv1d": "conv1d.weight", "ssm_dt_b": "dt_bias", "ssm_d": "D",
-                 "ssm_norm": "norm.weight", "ssm_out": "out_proj.weight"}
-        for field, name in names.items():
-            layer[field] = weight(f"mixer.{name}", shapes[field])
-        layer["ssm_conv1d_b"] = (weight("mixer.conv1d.bias", shapes["ssm_conv1d_b"]) if conv_bias
-                                 else np.zeros(shapes["ssm_conv1d_b"], np.float32))
-        layer["ssm_a"] = -np.exp(weight("mixer.A_log", shapes["ssm_a"]).astype(np.float64))
+        layer |= hf_mixer_weights(weight, p.mamba, "mixer.", conv_bias)
     elif kind == ATTENTION:
         for field, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             layer[field] = weight(f"mixer.{name}.weight", shapes[field])
