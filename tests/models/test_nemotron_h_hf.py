@@ -132,3 +132,23 @@ def test_a_random_nemotron_h_computes_the_same_on_numpy_and_torch_storage() -> N
         cache = model.new_cache(kv_size=16, storage=storage)
         logits.append(host(model.forward(cache.init_batch(_batch(tokens)))))
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-10 * np.abs(logits[0]).max())
+
+
+def test_a_checkpoint_in_the_in_memory_layout_loads_the_same_model(checkpoint: Path, tmp_path: Path) -> None:
+    """transformers' in-memory names (``model.`` rather than the saved ``backbone.``, every expert's weights
+    stacked in one tensor) read as the saved layout does."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = _with_config(checkpoint, tmp_path / "in_memory", lambda config: None)
+    saved = load_file(directory / "model.safetensors")
+    renamed = {name.replace("backbone.", "model.", 1): values for name, values in saved.items()}
+    for projection in ("up_proj", "down_proj"):
+        per_expert = [n for n in renamed if ".experts." in n and n.endswith(f".{projection}.weight")]
+        per_expert.sort(key=lambda n: int(n.split(".")[-3]))          # by expert index, 10 after 9
+        layer = per_expert[0].split(".experts.")[0]
+        renamed[f"{layer}.experts.{projection}"] = np.stack([renamed.pop(n) for n in per_expert])
+    save_file(renamed, directory / "model.safetensors")
+    tokens = [5, 17, 3, 90, 41]
+    logits = [model.forward(model.new_cache(kv_size=16).init_batch(_batch(tokens)))
+              for model in (load_hf(directory), load_hf(checkpoint))]
+    np.testing.assert_array_equal(logits[0], logits[1])
