@@ -16,6 +16,7 @@ import pytest
 import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
 from recurrent_cache.models import FalconH1Model, load_hf, random_falcon_h1_model
+from recurrent_cache.storage import TorchStorage
 
 from hybrid_scenarios import Recorder, host, run_scenarios
 
@@ -78,7 +79,7 @@ def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
     return reference
 
 
-def _run(directory: Path, dtype: Any, storage: str) -> FalconH1Model:
+def _run(directory: Path, dtype: Any, storage: Any) -> FalconH1Model:
     model = load_hf(directory, dtype=dtype)
     assert isinstance(model, FalconH1Model)
     recorder = Recorder(reference_of(directory, dtype))
@@ -88,9 +89,12 @@ def _run(directory: Path, dtype: Any, storage: str) -> FalconH1Model:
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("storage", ["numpy", "torch"])
+@pytest.mark.parametrize("storage", ["numpy", "torch", "torch-index"])
 def test_falcon_h1_equals_transformers_through_the_hybrid_memory(checkpoints: dict[str, Path], dtype: Any,
-                                                                 storage: str) -> None:
+                                                                 storage: Any) -> None:
+    """torch-index: torch storage without host access, the path a GPU's rows take (on the CPU here)."""
+    if storage == "torch-index":
+        storage = TorchStorage("cpu", host_access=False)
     model = _run(checkpoints["released"], dtype, storage)
     p = model.hparams
     assert p.attn_layers == p.recr_layers == (0, 1, 2)

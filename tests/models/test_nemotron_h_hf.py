@@ -15,6 +15,7 @@ import pytest
 import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
 from recurrent_cache.models import NemotronHModel, load_hf, random_nemotron_h_model
+from recurrent_cache.storage import TorchStorage
 
 from hybrid_scenarios import Recorder, host, run_scenarios
 
@@ -70,9 +71,12 @@ def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("storage", ["numpy", "torch"])
+@pytest.mark.parametrize("storage", ["numpy", "torch", "torch-index"])
 def test_nemotron_h_equals_transformers_through_the_hybrid_memory(checkpoint: Path, dtype: Any,
-                                                                  storage: str) -> None:
+                                                                  storage: Any) -> None:
+    """torch-index: torch storage without host access, the path a GPU's rows take (on the CPU here)."""
+    if storage == "torch-index":
+        storage = TorchStorage("cpu", host_access=False)
     model = load_hf(checkpoint, dtype=dtype)
     assert isinstance(model, NemotronHModel)
     assert model.hparams.pattern == PATTERN
