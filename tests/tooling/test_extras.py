@@ -56,6 +56,8 @@ AREAS = [
     ("tests/models/test_shortconv.py", "test-torch"),
     ("tests/models/test_lfm2.py", "test-torch"),
     ("tests/models/test_lfm2_gguf.py", "test-torch"),
+    ("tests/models/test_*_hf.py", "test-torch"),          # each model family against transformers
+    ("tests/models/test_hybrid_gguf*.py", "test-torch"),  # checkpoints written by transformers, converted
     ("tests/storage/test_storage.py", "test-torch"),
     ("tests/cli/test_cli_storage.py", "test-torch"),
     ("tests/**/*.py", "test"),
