@@ -265,7 +265,10 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
         fields = layer if isinstance(layer, dict) else vars(layer)
         for field_name, (suffix, shape) in layout.items():
             if field_name in fields:
-                named[f"blk.{il}.{suffix}"] = np.reshape(fields[field_name], shape)
+                values = fields[field_name]
+                if family.gguf_tensor is not None:
+                    values = family.gguf_tensor(model, field_name, values)
+                named[f"blk.{il}.{suffix}"] = np.reshape(values, shape)
     stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
                                    or _stays_f32(tensor_name, array) else np.float16)
               for tensor_name, array in named.items()}
