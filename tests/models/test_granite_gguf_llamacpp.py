@@ -4,8 +4,8 @@ heads, every multiplier != 1) converted by the package runs in llama.cpp as in t
 converter's file of a Granite-4.0-H without rope is read by the package as transformers computes it, and its
 file of a Bamba (rope over half of each head in transformers, over all of it in that file) as llama.cpp runs it.
 
-Marked ``llamacpp_live`` as the other live GGUF tests; skipped unless llama-cpp-python, torch, transformers and gguf import;
-the converter tests also need ``LLAMA_CPP_SRC`` (llama.cpp's source tree)."""
+Marked ``llamacpp_live`` as the other live GGUF tests; skipped unless llama-cpp-python, torch, transformers
+and gguf import; the converter tests also need ``LLAMA_CPP_SRC`` (llama.cpp's source tree)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
