@@ -27,7 +27,8 @@ pytest.importorskip("gguf", reason="writing GGUF files needs the gguf package")
 torch = pytest.importorskip("torch", reason="the reference is transformers' GraniteMoeHybridForCausalLM")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' GraniteMoeHybrid")
 
-from test_bamba_hf import SIZES, saved  # noqa: E402  (after the skips: it needs torch)
+# granite_moe: Granite-4.0-H with experts and a shared MLP, rope over whole heads, every multiplier != 1
+from test_bamba_hf import SIZES, granite_moe, saved  # noqa: E402, F401  (after the skips: it needs torch)
 from test_hybrid_gguf_llamacpp import (LLAMACPP_TOLERANCE, PACKAGE_TOLERANCE, LlamaModel, Setting,  # noqa: E402
                                        llama, relative_error)
 
@@ -60,17 +61,6 @@ def _their_conversion(checkpoint: Path, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def granite_rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Granite-4.0-H with experts (2 of 4), a shared MLP, rope over whole heads and every multiplier != 1."""
-    config = transformers.GraniteMoeHybridConfig(
-        **SIZES, intermediate_size=24, shared_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="rope",
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0}, embedding_multiplier=3.0,
-        residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=2.5)
-    return saved(tmp_path_factory.mktemp("granite-rope"), transformers.GraniteMoeHybridForCausalLM, config)
-
-
-@pytest.fixture(scope="module")
 def granite_nope(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Granite-4.0-H as llama.cpp's converter writes it (no rope), dense, every multiplier != 1; no tokenizer
     files (the converter then writes its built-in GPT-NeoX vocabulary).  ``intermediate_size`` equals
@@ -90,18 +80,20 @@ def granite_nope(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def test_the_packages_granite_gguf_runs_in_llamacpp_as_transformers(granite_rope: Path, tmp_path: Path) -> None:
+def test_the_packages_granite_gguf_runs_in_llamacpp_as_transformers(granite_moe: Path,  # noqa: F811
+                                                                    tmp_path: Path) -> None:
     """The multipliers folded into the weights (scales of 1 in the file), the q / k rows permuted for
     llama.cpp's "normal" rope."""
     path = tmp_path / "granite.gguf"
-    convert_hf_to_gguf(granite_rope, path)
-    assert relative_error(_llamacpp_logits(path), _expected(granite_rope)) <= LLAMACPP_TOLERANCE
+    convert_hf_to_gguf(granite_moe, path)
+    assert relative_error(_llamacpp_logits(path), _expected(granite_moe)) <= LLAMACPP_TOLERANCE
 
 
-def test_the_packages_f16_granite_gguf_runs_in_llamacpp_as_transformers(granite_rope: Path, tmp_path: Path) -> None:
+def test_the_packages_f16_granite_gguf_runs_in_llamacpp_as_transformers(granite_moe: Path,  # noqa: F811
+                                                                        tmp_path: Path) -> None:
     path = tmp_path / "granite-f16.gguf"
-    convert_hf_to_gguf(granite_rope, path, file_type="f16")
-    assert relative_error(_llamacpp_logits(path), _expected(granite_rope)) <= LLAMACPP_TOLERANCE
+    convert_hf_to_gguf(granite_moe, path, file_type="f16")
+    assert relative_error(_llamacpp_logits(path), _expected(granite_moe)) <= LLAMACPP_TOLERANCE
 
 
 def test_llamacpps_own_converter_gives_a_granite_file_the_package_runs_as_transformers(

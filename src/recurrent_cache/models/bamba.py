@@ -27,6 +27,10 @@ Granite's multipliers, and where they go:
   when the output is tied to the embeddings, which carry it).  The model computes with no multiplier of its
   own, so its weights are not the checkpoint's where a multiplier is not 1.
 
+GGUF files (llama.cpp's ``granitehybrid``, both classes) are read and written by the functions at the end:
+the file's scales folded on reading, 1 on writing; q / k rows permuted for llama.cpp's "normal" rope, so rope
+over part of each head (Bamba's) is refused.
+
 Rounding aside, the package equals transformers; transformers itself runs its norms, router and Mamba-2 scan
 in float32 even in a float64 model, which bounds the float64 agreement (docs/models.md has the figures).
 """
