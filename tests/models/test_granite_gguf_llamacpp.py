@@ -37,7 +37,7 @@ pytestmark = pytest.mark.llamacpp_live
 TOKENS = [5, 17, 42, 3, 60, 33, 7, 8, 24, 40]
 
 
-def _expected(directory: Path) -> np.ndarray:
+def expected_logits(directory: Path) -> np.ndarray:
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
                                                                   experts_implementation="eager").eval()
     with torch.no_grad():
@@ -45,7 +45,7 @@ def _expected(directory: Path) -> np.ndarray:
     return values
 
 
-def _llamacpp_logits(path: Path) -> np.ndarray:
+def llamacpp_logits(path: Path) -> np.ndarray:
     with LlamaModel(path) as model, llama.Context(model, Setting(n_seq_max=1)) as ctx:
         return np.asarray(ctx.decode([(token, pos, 0, True) for pos, token in enumerate(TOKENS)]))
 
@@ -86,14 +86,14 @@ def test_the_packages_granite_gguf_runs_in_llamacpp_as_transformers(granite_moe:
     llama.cpp's "normal" rope."""
     path = tmp_path / "granite.gguf"
     convert_hf_to_gguf(granite_moe, path)
-    assert relative_error(_llamacpp_logits(path), _expected(granite_moe)) <= LLAMACPP_TOLERANCE
+    assert relative_error(llamacpp_logits(path), expected_logits(granite_moe)) <= LLAMACPP_TOLERANCE
 
 
 def test_the_packages_f16_granite_gguf_runs_in_llamacpp_as_transformers(granite_moe: Path,  # noqa: F811
                                                                         tmp_path: Path) -> None:
     path = tmp_path / "granite-f16.gguf"
     convert_hf_to_gguf(granite_moe, path, file_type="f16")
-    assert relative_error(_llamacpp_logits(path), _expected(granite_moe)) <= LLAMACPP_TOLERANCE
+    assert relative_error(llamacpp_logits(path), expected_logits(granite_moe)) <= LLAMACPP_TOLERANCE
 
 
 def test_llamacpps_own_converter_gives_a_granite_file_the_package_runs_as_transformers(
@@ -103,7 +103,7 @@ def test_llamacpps_own_converter_gives_a_granite_file_the_package_runs_as_transf
     model = load_gguf(_their_conversion(granite_nope, tmp_path / "theirs.gguf"))
     assert isinstance(model, GraniteHybridModel) and model.hparams.attn_layers == (1,)
     got = decode(model, model.new_cache(kv_size=64), [(t, pos, 0) for pos, t in enumerate(TOKENS)])
-    assert relative_error(got, _expected(granite_nope)) <= PACKAGE_TOLERANCE
+    assert relative_error(got, expected_logits(granite_nope)) <= PACKAGE_TOLERANCE
 
 
 def test_llamacpps_file_of_a_bamba_is_read_as_llamacpp_runs_it_whole_head_rope(tmp_path: Path) -> None:
@@ -117,6 +117,6 @@ def test_llamacpps_file_of_a_bamba_is_read_as_llamacpp_runs_it_whole_head_rope(t
     model = load_gguf(path)
     assert model.hparams.n_rot == model.hparams.head_dim
     got = decode(model, model.new_cache(kv_size=64), [(t, pos, 0) for pos, t in enumerate(TOKENS)])
-    theirs = _llamacpp_logits(path)
+    theirs = llamacpp_logits(path)
     assert relative_error(got, theirs) <= LLAMACPP_TOLERANCE
-    assert relative_error(theirs, _expected(directory)) > 10 * LLAMACPP_TOLERANCE
+    assert relative_error(theirs, expected_logits(directory)) > 10 * LLAMACPP_TOLERANCE

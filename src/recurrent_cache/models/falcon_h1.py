@@ -26,7 +26,8 @@ be ``mamba_expand * hidden_size``).  ``mamba_rms_norm`` off (the released checkp
 gated, ``y * silu(z)`` (no ``ssm_norm``, as llama.cpp without the tensor); on: the grouped RMS norm, after the
 gate (``mamba_norm_before_gate`` false, llama.cpp's order) or before it (true: transformers' default, which
 llama.cpp does not compute).  Biases of the attention projections are read; in / out projection biases
-(``mamba_proj_bias``, ``projectors_bias``) and MLP biases are refused.
+(``mamba_proj_bias``, ``projectors_bias``) and MLP biases are refused.  GGUF files (llama.cpp's ``falcon-h1``)
+are read and written by the functions at the end, with the multipliers in the weights.
 """
 
 from __future__ import annotations
