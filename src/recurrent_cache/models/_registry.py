@@ -35,6 +35,9 @@ class Family:
     gguf_layout: Callable[[Any], dict[str, tuple[str, tuple[int, ...]]]] | None = None
     # (gguf.GGUFWriter, model): the family's own keys
     write_gguf_keys: Callable[[Any, Any], None] | None = None
+    # (model, layer field, values) -> the values as the file stores them (llama.cpp's permuted q / k rows);
+    # None: as the model holds them
+    gguf_tensor: Callable[[Any, str, Any], Any] | None = None
     # True: its reader and writer take every key past the common ones (a hybrid's feed-forward and head
     # counts); False: gguf_io reads and writes the Mamba families' ssm.* sizes (and zero head counts)
     gguf_own_keys: bool = False
@@ -51,7 +54,8 @@ def register(family: Family) -> Family:
     no GGUF file of its own, the first family does."""
     twins = [f for f in _FAMILIES if f.gguf_arch == family.gguf_arch]
     if twins and (any(f.hf_architecture == family.hf_architecture for f in twins) or family.from_gguf is not None
-                  or family.gguf_layout is not None or family.write_gguf_keys is not None):
+                  or family.gguf_layout is not None or family.write_gguf_keys is not None
+                   or family.gguf_tensor is not None):
         raise ValueError(f"model family {family.gguf_arch!r} is registered twice")
     _FAMILIES.append(family)
     return family

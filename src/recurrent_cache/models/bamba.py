@@ -27,6 +27,10 @@ Granite's multipliers, and where they go:
   when the output is tied to the embeddings, which carry it).  The model computes with no multiplier of its
   own, so its weights are not the checkpoint's where a multiplier is not 1.
 
+GGUF files (llama.cpp's ``granitehybrid``, both classes) are read and written by the functions at the end:
+the file's scales folded on reading, 1 on writing; q / k rows permuted for llama.cpp's "normal" rope, so rope
+over part of each head (Bamba's) is refused.
+
 Rounding aside, the package equals transformers; transformers itself runs its norms, router and Mamba-2 scan
 in float32 even in a float64 model, which bounds the float64 agreement (docs/models.md has the figures).
 """
@@ -46,9 +50,11 @@ from ._attention import AttentionParams, Rope
 from ._ffn import MoeParams, mlp, moe
 from ._registry import Family, register
 from ._ssm import rms_norm
+from .gguf_io import GGUFReader, layer_layout, write_ssm_sizes
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
 from .mamba2 import NO_TIME_STEP_LIMIT, Mamba2HParams, mamba2_mixer
+from .mamba2 import gguf_layer_shapes as mamba2_gguf_shapes
 from .mamba2 import layer_shapes as mamba2_layer_shapes
 from .recurrent import check_sizes
 from .vocab import Vocabulary
@@ -392,9 +398,132 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: GraniteHy
     return layer
 
 
+# -- GGUF files (llama.cpp's granitehybrid) ----------------------------------------------------------------
+
+_ROTATED = ("wq", "wk", "bq", "bk")   # the rows llama.cpp's converter permutes for its "normal" rope
+
+
+def _heads_interleaved(values: np.ndarray, head_dim: int, to_file: bool) -> np.ndarray:
+    """q / k rows (or biases) between the checkpoint's neox order and llama.cpp's "normal" one, head by head
+    (convert_hf_to_gguf.py's ``LlamaModel.permute`` when ``to_file``, its inverse otherwise)."""
+    rows = np.asarray(values)
+    split = (2, head_dim // 2) if to_file else (head_dim // 2, 2)
+    heads = rows.reshape(rows.shape[0] // head_dim, *split, *rows.shape[1:])
+    return heads.swapaxes(1, 2).reshape(rows.shape)
+
+
+def _gguf_layout(model: GraniteHybridModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every field's GGUF tensor and stored shape; ``ModelError`` for a model llama.cpp's granitehybrid would
+    run differently: a clamping ``time_step_limit``, ``d_inner`` other than ``2 * n_embd``, rope over part of
+    each head (Bamba's half: llama.cpp's "normal" rope over the converter's permuted rows is not it)."""
+    p = model.hparams
+    if p.mamba2.limits_time_step:
+        raise ModelError(f"time_step_limit {p.time_step_limit} clamps dt; llama.cpp's granitehybrid does not, "
+                         "so the GGUF file would be another model")
+    if p.d_inner != 2 * p.n_embd:
+        raise ModelError(f"d_inner {p.d_inner} is not 2 * n_embd ({2 * p.n_embd}), which llama.cpp's "
+                         "granitehybrid requires")
+    if p.attn_layers and 0 < p.n_rot < p.head_dim:
+        raise ModelError(f"n_rot {p.n_rot}: rope over part of each head ({p.head_dim}), as Bamba's, is not what "
+                         "llama.cpp's granitehybrid computes from a file's permuted q / k rows")
+    stored = mamba2_gguf_shapes(p.mamba2)
+    layout = layer_layout([layer_shapes(p, il) for il in range(p.n_layer)])
+    return {field_: (LAYER_TENSORS[field_], stored.get(field_, shape) if field_ in _SSM_VECTORS else shape)
+            for field_, (_, shape) in layout.items()}
+
+
+_SSM_VECTORS = ("ssm_a", "ssm_d", "ssm_norm")   # stored as 2-D by llama.cpp
+
+
+def _gguf_tensor(model: GraniteHybridModel, field_: str, values: Any) -> Any:
+    """A field's values as the file stores them: q / k rows permuted when rope turns them."""
+    p = model.hparams
+    return _heads_interleaved(values, p.head_dim, to_file=True) if p.n_rot and field_ in _ROTATED else values
+
+
+def _write_gguf_keys(writer: Any, model: GraniteHybridModel) -> None:
+    """Every granitehybrid key but those all families write.  The model's multipliers are in its weights
+    (``fold_multipliers``), so the file's embedding, residual and logit scales are 1."""
+    p = model.hparams
+    keys = {"feed_forward_length": p.n_ff, "attention.head_count": p.n_head,
+            "attention.key_length": p.head_dim, "attention.value_length": p.head_dim,
+            "rope.dimension_count": p.n_rot or p.head_dim, "ssm.time_step_rank": p.n_ssm_head,
+            "ssm.group_count": p.n_group, "expert_count": p.n_expert, "expert_used_count": p.n_expert_used,
+            "expert_shared_feed_forward_length": p.n_ff_shexp}
+    for key, value in keys.items():
+        writer.add_uint32(f"{ARCH}.{key}", value)
+    writer.add_array(f"{ARCH}.{GGUF_KEYS['attn_layers']}",
+                     [p.n_head_kv if il in p.attn_layers else 0 for il in range(p.n_layer)])
+    write_ssm_sizes(writer, p)
+    writer.add_rope_freq_base(p.rope_base)
+    writer.add_bool(f"{ARCH}.{GGUF_KEYS['rope']}", p.n_rot > 0)
+    if p.attention_scale is not None:
+        writer.add_float32(f"{ARCH}.{GGUF_KEYS['attention_scale']}", p.attention_scale)
+    for multiplier in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        writer.add_float32(f"{ARCH}.{GGUF_KEYS[multiplier]}", 1.0)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> GraniteHybridModel:
+    """The model of a GGUF file of architecture ``granitehybrid`` (``load_gguf``): attention where the
+    per-layer ``attention.head_count_kv`` is above 0, else Mamba-2; q / k rows back in neox order; the
+    file's embedding, residual and logit scales folded as ``fold_multipliers`` folds a checkpoint's.
+    ``ModelError`` for rope over part of each head (what llama.cpp's converter makes of Bamba)."""
+    n_layer, n_embd = sizes["n_layer"], sizes["n_embd"]
+    heads_kv = read.per_layer(GGUF_KEYS["attn_layers"], n_layer)
+    attn_layers = tuple(il for il in range(n_layer) if heads_kv[il] > 0)
+    widths = sorted({heads_kv[il] for il in attn_layers})
+    if len(widths) > 1:
+        raise ModelError(f"GGUF key {ARCH}.{GGUF_KEYS['attn_layers']} is {list(heads_kv)}: attention layers of "
+                         "different widths are not supported")
+    n_head = read.key(GGUF_KEYS["n_head"], int)
+    head_dim = read.key("attention.key_length", int, n_embd // max(n_head, 1))
+    rope = read.file.fields.get(f"{ARCH}.{GGUF_KEYS['rope']}", True) is not False
+    n_rot = read.key(GGUF_KEYS["n_rot"], int, head_dim) if rope else 0
+    if attn_layers and 0 < n_rot != head_dim:
+        raise ModelError(f"GGUF key {ARCH}.{GGUF_KEYS['n_rot']} is {n_rot}: rope over part of each head of "
+                         f"{head_dim} in llama.cpp's permuted rows is not supported")
+    scale = read.file.fields.get(f"{ARCH}.{GGUF_KEYS['attention_scale']}")
+    n_expert = read.key(GGUF_KEYS["n_expert"], int, 0)
+    p = GraniteHybridHParams(
+        n_vocab=sizes["n_vocab"], n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_head_kv=widths[0] if widths else n_head, head_dim=head_dim, n_ff=read.key(GGUF_KEYS["n_ff"], int),
+        **read.ssm_sizes(), n_ssm_head=read.key(GGUF_KEYS["n_ssm_head"], int), attn_layers=attn_layers,
+        n_group=read.key(GGUF_KEYS["n_group"], int, 1), n_expert=n_expert,
+        n_expert_used=read.key(GGUF_KEYS["n_expert_used"], int, 0) if n_expert else 0,
+        n_ff_shexp=read.key(GGUF_KEYS["n_ff_shexp"], int, 0) if n_expert else 0, n_rot=n_rot,
+        rope_base=read.key(GGUF_KEYS["rope_base"], float, 10000.0),
+        attention_scale=read.key(GGUF_KEYS["attention_scale"], float) if scale else None,
+        attention_bias=any(read.has(f"blk.{il}.attn_q.bias") for il in attn_layers), rms_eps=sizes["rms_eps"])
+    stored = mamba2_gguf_shapes(p.mamba2)
+    layers = []
+    for il in range(n_layer):
+        layer = {}
+        for field_, shape in layer_shapes(p, il).items():
+            name = f"blk.{il}.{LAYER_TENSORS[field_]}"
+            if field_ == "ssm_conv1d_b" and not read.has(name):   # optional in llama.cpp
+                layer[field_] = np.zeros(shape, np.float32)
+                continue
+            values = read.tensor(name, stored.get(field_, shape) if field_ in _SSM_VECTORS else shape)
+            values = values.reshape(shape) if field_ in _SSM_VECTORS and values.size == np.prod(shape) else values
+            layer[field_] = _heads_interleaved(values, head_dim, to_file=False) if n_rot and field_ in _ROTATED \
+                else values
+        layers.append(layer)
+    token_embd, output_norm, output = head
+    multipliers = {name: read.key(GGUF_KEYS[name], float, 0.0) or 1.0     # llama.cpp: 0 or absent is no scale
+                   for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+    token_embd, layers, output_norm = fold_multipliers(
+        token_embd, layers, output_norm, output is None, embedding=multipliers["embedding_multiplier"],
+        residual=multipliers["residual_multiplier"], logits=multipliers["logits_scaling"])
+    return GraniteHybridModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
 # Granite-4.0-H first: a ``granitehybrid`` GGUF file is read (and a model written) as its family; Bamba is the
 # other Hugging Face class of the same llama.cpp architecture.
 GRANITE = register(Family(label="Granite-4.0-H", gguf_arch=ARCH, hf_architecture="GraniteMoeHybridForCausalLM",
-                          model_class=GraniteHybridModel, from_hf=_from_hf))
+                          model_class=GraniteHybridModel, from_hf=_from_hf, from_gguf=_from_gguf,
+                          gguf_layout=_gguf_layout, write_gguf_keys=_write_gguf_keys, gguf_tensor=_gguf_tensor,
+                          gguf_own_keys=True))
 BAMBA = register(Family(label="Bamba", gguf_arch=ARCH, hf_architecture="BambaForCausalLM",
                         model_class=GraniteHybridModel, from_hf=_from_hf))

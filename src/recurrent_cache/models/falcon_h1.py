@@ -26,7 +26,8 @@ be ``mamba_expand * hidden_size``).  ``mamba_rms_norm`` off (the released checkp
 gated, ``y * silu(z)`` (no ``ssm_norm``, as llama.cpp without the tensor); on: the grouped RMS norm, after the
 gate (``mamba_norm_before_gate`` false, llama.cpp's order) or before it (true: transformers' default, which
 llama.cpp does not compute).  Biases of the attention projections are read; in / out projection biases
-(``mamba_proj_bias``, ``projectors_bias``) and MLP biases are refused.
+(``mamba_proj_bias``, ``projectors_bias``) and MLP biases are refused.  GGUF files (llama.cpp's ``falcon-h1``)
+are read and written by the functions at the end, with the multipliers in the weights.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from ._attention import AttentionParams, Rope
 from ._ffn import mlp
 from ._registry import Family, register
 from ._ssm import random_head, rms_norm
+from .gguf_io import GGUFReader, write_ssm_sizes
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
 from .mamba2 import (NO_TIME_STEP_LIMIT, Mamba2HParams, hf_mixer_weights, hf_time_step_limit, mamba2_mixer,
                      random_layer)
+from .mamba2 import gguf_layer_shapes as mamba2_gguf_shapes
 from .mamba2 import layer_shapes as mamba2_layer_shapes
 from .recurrent import check_sizes
 from .vocab import Vocabulary
@@ -334,5 +337,73 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: FalconH1H
     return layer
 
 
+# -- GGUF files (llama.cpp's falcon-h1) -------------------------------------------------------------------
+
+_SSM_VECTORS = ("ssm_a", "ssm_d", "ssm_norm")   # stored as 2-D by llama.cpp
+
+
+def _gguf_layout(model: FalconH1Model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every field's GGUF tensor and stored shape; ``ModelError`` for a model llama.cpp's falcon-h1 would run
+    differently: a clamping ``time_step_limit``, the Mamba norm before the gate, an attention output bias
+    (llama.cpp reads q / k / v biases, not ``bo``)."""
+    p = model.hparams
+    if p.mamba.limits_time_step:
+        raise ModelError(f"time_step_limit {p.time_step_limit} clamps dt; llama.cpp's falcon-h1 does not, "
+                         "so the GGUF file would be another model")
+    if p.ssm_norm and p.norm_before_gate:
+        raise ModelError("mamba_norm_before_gate: llama.cpp's falcon-h1 gates before the Mamba norm")
+    if p.attention_bias and any(np.any(np.asarray(layer["bo"]) != 0) for layer in model.layers):
+        raise ModelError("attention output bias (bo): llama.cpp's falcon-h1 does not add it")
+    stored = mamba2_gguf_shapes(p.mamba)
+    return {field_: (GGUF_TENSORS[field_], stored[field_] if field_ in _SSM_VECTORS else shape)
+            for field_, shape in layer_shapes(p).items() if field_ != "bo"}
+
+
+def _write_gguf_keys(writer: Any, model: FalconH1Model) -> None:
+    """Every falcon-h1 key but those all families write (the multipliers are in the weights, as llama.cpp's
+    converter folds them)."""
+    p = model.hparams
+    keys = {"feed_forward_length": p.n_ff, "attention.head_count": p.n_head, "attention.head_count_kv": p.n_head_kv,
+            "attention.key_length": p.head_dim, "attention.value_length": p.head_dim,
+            "rope.dimension_count": p.head_dim, "ssm.time_step_rank": p.n_ssm_head, "ssm.group_count": p.n_group}
+    for key, value in keys.items():
+        writer.add_uint32(f"{ARCH}.{key}", value)
+    write_ssm_sizes(writer, p)
+    writer.add_rope_freq_base(p.rope_theta)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> FalconH1Model:
+    """The model of a GGUF file of architecture ``falcon-h1`` (``load_gguf``), as llama.cpp runs it: the Mamba
+    norm where the file has ``ssm_norm`` (after the gate), q / k / v biases where it has them, no ``bo``."""
+    n_embd = sizes["n_embd"]
+    n_head = read.key(GGUF_KEYS["n_head"], int)
+    p = FalconH1HParams(
+        n_vocab=sizes["n_vocab"], n_embd=n_embd, n_layer=sizes["n_layer"], n_head=n_head,
+        n_head_kv=read.key(GGUF_KEYS["n_head_kv"], int), head_dim=read.key(GGUF_KEYS["head_dim"], int,
+                                                                           n_embd // max(n_head, 1)),
+        n_ff=read.key(GGUF_KEYS["n_ff"], int), **read.ssm_sizes(), n_ssm_head=read.key(GGUF_KEYS["n_ssm_head"], int),
+        n_group=read.key(GGUF_KEYS["n_group"], int, 1), rms_eps=sizes["rms_eps"],
+        rope_theta=read.key(GGUF_KEYS["rope_theta"], float, 10000.0), ssm_norm=read.has("blk.0.ssm_norm.weight"),
+        attention_bias=read.has("blk.0.attn_q.bias"))
+    stored = mamba2_gguf_shapes(p.mamba)
+    layers = []
+    for il in range(p.n_layer):
+        layer = {}
+        for field_, shape in layer_shapes(p).items():
+            name = f"blk.{il}.{GGUF_TENSORS[field_]}"
+            if field_ == "bo" or (field_ == "ssm_conv1d_b" and not read.has(name)):   # llama.cpp adds neither
+                layer[field_] = np.zeros(shape, np.float32)
+                continue
+            values = read.tensor(name, stored[field_] if field_ in _SSM_VECTORS else shape)
+            layer[field_] = values.reshape(shape) if field_ in _SSM_VECTORS and values.size == np.prod(shape) \
+                else values
+        layers.append(layer)
+    token_embd, output_norm, output = head
+    return FalconH1Model(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
 FAMILY = register(Family(label="Falcon-H1", gguf_arch=ARCH, hf_architecture="FalconH1ForCausalLM",
-                         model_class=FalconH1Model, from_hf=_from_hf))
+                         model_class=FalconH1Model, from_hf=_from_hf, from_gguf=_from_gguf,
+                         gguf_layout=_gguf_layout, write_gguf_keys=_write_gguf_keys, gguf_own_keys=True))

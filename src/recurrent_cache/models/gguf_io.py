@@ -46,7 +46,7 @@ def import_gguf() -> ModuleType:
 
 def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
     """Load a GGUF file written by llama.cpp's converter (or ``write_gguf``): Mamba-1, Mamba-2 or a hybrid
-    family that reads GGUF (Jamba, LFM2, Nemotron-H, Qwen3-Next).
+    family that reads GGUF (Jamba, LFM2, Nemotron-H, Qwen3-Next, Granite-4.0-H / Bamba, Falcon-H1).
 
     Reads the ``{arch}.*`` hyper-parameters, llama.cpp's tensor
     names and the vocabulary (``tokenizer.ggml.tokens``; none for a byte-level
@@ -230,7 +230,7 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
                token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None,
                merges: Sequence[str] | None = None) -> None:
     """Write ``model`` as a GGUF file that llama.cpp loads: Mamba-1, Mamba-2 or a hybrid family that writes
-    GGUF (Jamba, LFM2, Nemotron-H, Qwen3-Next).
+    GGUF (Jamba, LFM2, Nemotron-H, Qwen3-Next, Granite-4.0-H / Bamba, Falcon-H1).
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
     "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
@@ -242,8 +242,10 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
     ``tokenizer.ggml.*`` of a ``tokenizer`` model, as llama.cpp's converter
     writes them ("gpt2": byte-level BPE pieces).  A model llama.cpp would run
     differently is refused (``ModelError``): a Mamba-2 ``time_step_limit`` that
-    clamps (Mamba-2, Nemotron-H), a Jamba whose ``d_inner`` is not ``2 * n_embd``,
-    a Qwen3-Next with a dense MLP layer.
+    clamps (Mamba-2, Nemotron-H, Granite-4.0-H / Bamba, Falcon-H1), a Jamba or a Granite
+    whose ``d_inner`` is not ``2 * n_embd``, a Qwen3-Next with a dense MLP layer,
+    a Bamba whose rope turns part of each head, a Falcon-H1 with its Mamba norm
+    before the gate or an attention output bias.
 
     A finite weight beyond the range of the type it is stored in (f16's
     65504) raises ``ModelError`` naming the tensor and the value, before
@@ -265,7 +267,10 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
         fields = layer if isinstance(layer, dict) else vars(layer)
         for field_name, (suffix, shape) in layout.items():
             if field_name in fields:
-                named[f"blk.{il}.{suffix}"] = np.reshape(fields[field_name], shape)
+                values = fields[field_name]
+                if family.gguf_tensor is not None:
+                    values = family.gguf_tensor(model, field_name, values)
+                named[f"blk.{il}.{suffix}"] = np.reshape(values, shape)
     stored = {tensor_name: _stored(tensor_name, array, np.float32 if file_type == "f32"
                                    or _stays_f32(tensor_name, array) else np.float16)
               for tensor_name, array in named.items()}

@@ -75,8 +75,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLi
                        file_type: str = "f32") -> LanguageModel:
     """Write the checkpoint in ``hf_dir`` as a GGUF file llama.cpp loads; returns the model (as ``load_hf``).
     Mamba-1, Mamba-2 and the hybrid families whose GGUF the package writes (Jamba, LFM2, Nemotron-H,
-    Qwen3-Next); another family's checkpoint, or one llama.cpp would run otherwise, raises ``ModelError``
-    before the output file is opened.
+    Qwen3-Next, Granite-4.0-H / Bamba, Falcon-H1); another family's checkpoint, or one llama.cpp would run otherwise,
+    raises ``ModelError`` before the output file is opened.
 
     Keys, tensor names and the tokenizer (``tokenizer.ggml.tokens``, types,
     merges, eos) are those of llama.cpp's ``convert_hf_to_gguf.py``;
