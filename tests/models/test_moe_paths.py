@@ -21,8 +21,10 @@ def weights(shared: bool, seed: int = 0) -> dict[str, np.ndarray]:
          "ffn_up_exps": rng.standard_normal((N_EXPERT, N_FF, N_EMBD)),
          "ffn_down_exps": rng.standard_normal((N_EXPERT, N_EMBD, N_FF))}
     if shared:
-        w |= {"ffn_gate_shexp": rng.standard_normal((N_FF, N_EMBD)), "ffn_up_shexp": rng.standard_normal((N_FF, N_EMBD)),
-              "ffn_down_shexp": rng.standard_normal((N_EMBD, N_FF)), "ffn_gate_inp_shexp": rng.standard_normal(N_EMBD)}
+        w |= {"ffn_gate_shexp": rng.standard_normal((N_FF, N_EMBD)),
+              "ffn_up_shexp": rng.standard_normal((N_FF, N_EMBD)),
+              "ffn_down_shexp": rng.standard_normal((N_EMBD, N_FF)),
+              "ffn_gate_inp_shexp": rng.standard_normal(N_EMBD)}
     return {name: product_weight(a) if a.ndim > 1 else a for name, a in w.items()}
 
 

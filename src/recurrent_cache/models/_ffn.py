@@ -15,8 +15,9 @@ Weights are named as llama.cpp's GGUF tensors (``blk.N.`` + name + ``.weight``):
 
 Which experts a token uses is decided on the host (one transfer of the router's probabilities per
 layer): each chosen expert then multiplies only its own tokens, as transformers and llama.cpp do, so
-a decoded token costs n_expert_used experts, not n_expert.  Equal to transformers'
-``JambaSparseMoeBlock`` / ``Qwen3NextSparseMoeBlock`` within rounding (tests/models/test_ffn_hf.py);
+a decoded token costs n_expert_used experts, not n_expert; one token (decoding one sequence) runs its experts in
+turn, without gathers or slots.  Equal to the mixture written out densely (tests/models/test_moe_paths.py) and to
+transformers' ``JambaSparseMoeBlock`` / ``Qwen3NextSparseMoeBlock`` within rounding (the families' hf tests);
 experts tied in probability are taken in index order (torch.topk's order is unspecified there).
 """
 
