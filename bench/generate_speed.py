@@ -1,7 +1,7 @@
 """Decode speed of the shipped byte-level Mamba through the cache: 1 sequence and 8 concurrent ones.
 
     python bench/generate_speed.py            # ~20 s on 2 cores
-    python bench/generate_speed.py --quick    # fewer tokens
+    python bench/generate_speed.py --quick    # fewer tokens, one run
 
 Each measurement feeds a prompt, then generates greedily one token per
 sequence per step: one ``init_batch`` per step (8 sequences: one ubatch of 8
@@ -58,12 +58,13 @@ def decode_rate(model, n_seqs: int, n_steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_quick_option(parser, "100 decode steps per run instead of 300")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_quick_option(parser, "20 decode steps in one run instead of 300 in three")
+    parser.add_argument("--repeats", type=int, help="runs per figure (default 3; 1 with --quick)")
     options = parser.parse_args()
     if options.quick:
         print(NOTE)
-    steps = 100 if options.quick else 300
+    steps = 20 if options.quick else 300
+    options.repeats = options.repeats or (1 if options.quick else 3)
     print(f"{'compute':<8} {'sequences':>9} {'tokens/s (median)':>18} {'min-max':>14} {'target':>7} {'ratio':>6}")
     for compute in (np.float32, np.float64):
         model = trained_model(dtype=compute)

@@ -15,6 +15,7 @@ torch without the marker fails instead, so that the second stage cannot forget i
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 import types
@@ -22,6 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# One BLAS and OpenMP thread per process unless the caller chose (set before numpy loads, inherited by
+# the workers and every command a test starts): the suite's matrices are small and two workers already
+# fill two cores, where each process's extra threads only spin against the others' (a demo run 2-3x
+# slower on a busy 2-core machine).
+for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+    os.environ.setdefault(variable, "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/golden.py and friends, in every subject directory
 from redis_servers import RedisServer  # noqa: E402

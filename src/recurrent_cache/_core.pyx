@@ -52,6 +52,11 @@ cdef enum:
 
 # -- step states (docs/rollback.md) ---------------------------------------------------------------
 
+# Where a row of no bytes points (a tensor 0 values wide: LFM2's s rows): an address no byte is read from
+# or written to, so that a 0-byte memcpy / memset has a valid pointer and a bounds-checked build no index.
+cdef char NO_ROW_BYTES[1]
+
+
 cdef int32_t core_steps(const Core* core, int32_t n_seq_tokens) noexcept nogil:
     """m: the states the model writes per group of a ubatch of n_seq_tokens tokens per group."""
     return history_steps(&core.history, n_seq_tokens)
@@ -407,7 +412,9 @@ cdef class MemoryCore:
         self.host_views[space] = host
         for kind in range(len(host)):
             for k in range(n_state):
-                if host[kind].shape[1]:
+                if not host[kind].shape[2]:
+                    pointers[kind * n_state + k] = NO_ROW_BYTES
+                elif host[kind].shape[1]:
                     view = host[kind][k].view(np.uint8).reshape(host[kind].shape[1], -1)
                     pointers[kind * n_state + k] = &view[0, 0]
 
@@ -693,6 +700,9 @@ cdef class MemoryCore:
         try:
             for k in range(self.core.n_tensors):
                 row = views[k]
+                if not row.shape[0]:
+                    pointers[k] = NO_ROW_BYTES
+                    continue
                 if shares_rows(&self.core, &row[0], row.shape[0]):   # a row of this cache: copy it first
                     row = bytes(row)
                     views[k] = row

@@ -159,7 +159,7 @@ cdef int rows_apply_plan(char* data, Py_ssize_t row_stride, Py_ssize_t row_bytes
         for i in range(n):
             if copy_src[i] != head + i:
                 memcpy(data + (head + i) * row_stride, data + copy_src[i] * row_stride, row_bytes)
-    elif n_moves > 1:
+    elif n_moves > 1 and row_bytes:   # rows of no bytes (a tensor 0 values wide) move nothing: no malloc(0)
         # every read happens before any write: a source may also be a destination
         staging = <char*>malloc(n_moves * row_bytes)
         if staging == NULL:

@@ -180,21 +180,29 @@ cdef class Placement:
         return entries
 
     cdef void token_arrays(self, int32_t* bounds, int32_t* pos, int32_t* offsets, int32_t* flat) noexcept nogil:
-        cdef int32_t u, g, k, j, n_ids, token
+        # the split's arrays in locals: the stores below cannot alias them, so the loops keep them in registers
+        cdef const Split* split = &self.split
+        cdef const int32_t* order = split.order
+        cdef const int32_t* positions = &self.positions[0]
+        cdef const int32_t* seq_ids = &self.seq_id_flat[0]
+        cdef int32_t u, g, k, j, n_ids, m, token = 0
         cdef int32_t entry = 0
         cdef const int32_t* ids
         offsets[0] = 0
-        for u in range(self.split.n_ubatches + 1):
-            bounds[u] = self.split.ub_token_start[u]
-        for u in range(self.split.n_ubatches):
-            token = self.split.ub_token_start[u]
-            for g in range(self.split.ub_group_start[u], self.split.ub_group_start[u + 1]):
-                ids = &self.seq_id_flat[self.split.group_seq_offset[g]]
-                n_ids = self.split.group_n_seq_id[g]
-                for k in range(self.split.ub_n_seq_tokens[u]):   # token k of the group: the group's ids
-                    pos[token] = self.positions[self.split.order[token]]
-                    for j in range(n_ids):
-                        flat[entry + j] = ids[j]
+        for u in range(split.n_ubatches + 1):
+            bounds[u] = split.ub_token_start[u]
+        for u in range(split.n_ubatches):
+            m = split.ub_n_seq_tokens[u]
+            for g in range(split.ub_group_start[u], split.ub_group_start[u + 1]):
+                ids = seq_ids + split.group_seq_offset[g]
+                n_ids = split.group_n_seq_id[g]
+                for k in range(m):   # token k of the group: the group's ids
+                    pos[token] = positions[order[token]]
+                    if n_ids == 1:   # (most groups: one id, no copy loop to set up)
+                        flat[entry] = ids[0]
+                    else:
+                        for j in range(n_ids):
+                            flat[entry + j] = ids[j]
                     entry += n_ids
                     token += 1
                     offsets[token] = entry

@@ -535,19 +535,17 @@ class HybridCache:
             recurrent = self._recurrent.init_batch(batch, n_ubatch, embd_pooled, logits_all)
             plan: KvPlan | None = None
             if recurrent.status is MemoryStatus.SUCCESS:
-                plan = self._plan_kv(recurrent)
+                # the KV half: each ubatch's cells, found with the ones before placed (the table left as
+                # it was), or None when they fit nowhere
+                placement = recurrent.placement
+                if self._compiled_plan is not None and placement is not None:
+                    plan = self._compiled_plan(self._kv, placement)
+                else:
+                    plan = _TokenPlan.prepare(self._kv, recurrent, bool(self._attn_layers))
             status = recurrent.status if plan is not None else MemoryStatus.FAILED_PREPARE
-            return HybridState(self, recurrent, plan, status, self._apply_kv, self._kv_mask)
+            return HybridState(self, recurrent, plan, status, self._generation, self._apply_kv, self._kv_mask)
         finally:
             guard.leave()
-
-    def _plan_kv(self, recurrent: MemoryState) -> KvPlan | None:
-        """The KV half of a split batch: each ubatch's cells, found with the ones before placed (the
-        table left as it was), or None when they fit nowhere."""
-        placement = recurrent.placement
-        if self._compiled_plan is not None and placement is not None:
-            return self._compiled_plan(self._kv, placement)
-        return _TokenPlan.prepare(self._kv, recurrent, bool(self._attn_layers))
 
     def _apply_kv(self, state_generation: int, plan: KvPlan, u: int) -> tuple[int, int]:
         """Ubatch ``u`` of a state into the KV half, on the cells ``init_batch`` found: the new
@@ -740,17 +738,17 @@ class HybridState:
                  "_apply_kv", "_build_mask")
 
     def __init__(self, cache: HybridCache, recurrent: MemoryState, plan: KvPlan | None, status: MemoryStatus,
-                 apply_kv: Callable[[int, KvPlan, int], tuple[int, int]],
+                 generation: int, apply_kv: Callable[[int, KvPlan, int], tuple[int, int]],
                  build_mask: Callable[[KvTokens, int, bool], np.ndarray]) -> None:
         self._cache = cache
         self._recurrent = recurrent
         self._plan = plan            # None: no ubatch to apply (status is not SUCCESS)
         self.status = status
-        self._generation = cache.generation
+        self._generation = generation   # the cache's, when init_batch made this state
         self._u = 0
         self._applied = False
         self._n_kv = 0
-        self._masks: dict[bool, np.ndarray] = {}
+        self._masks: dict[bool, np.ndarray] | None = None   # built when first read
         self._apply_kv = apply_kv
         self._build_mask = build_mask
 
@@ -766,7 +764,7 @@ class HybridState:
         # is refused there before anything changes); then the recurrent half's own prepared ubatch
         self._generation, self._n_kv = self._apply_kv(self._generation, self._plan, self._u)
         self._recurrent.apply()
-        self._masks.clear()
+        self._masks = None
         self._applied = True
         return True
 
@@ -883,6 +881,8 @@ class HybridState:
         array, built once per ubatch and kind (a torch model moves it to its device)."""
         self._current()
         sliding = as_flag(sliding, "sliding")
+        if self._masks is None:
+            self._masks = {}
         mask = self._masks.get(sliding)
         if mask is None:
             assert self._plan is not None

@@ -6,15 +6,17 @@ as ``token_embd_norm``); a model with ``conv_bias`` (which llama.cpp's lfm2 cann
 before a file is written.  Live (``llamacpp_live``: llama-cpp-python, torch and transformers): llama.cpp
 runs the file the package writes from a ``save_pretrained`` checkpoint, its logits within 2e-3 of
 transformers'; with ``LLAMA_CPP_SRC`` naming llama.cpp's source, its own converter's file holds the same
-tensors and keys, and the package reads it.
+tensors and keys, and the package reads it; a sequence's state bytes (a conv-only recurrent section)
+cross from llama.cpp to the package and back.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +154,61 @@ def test_llamacpps_own_converter_writes_the_same_file(tmp_path):
     expected = logits(model)
     np.testing.assert_allclose(logits(load_gguf(tmp_path / "theirs.gguf")), expected, rtol=0,
                                atol=1e-5 * np.abs(expected).max())
+
+
+def recorder():
+    """tools/record_llamacpp.py: its llama.cpp model and context wrappers (the state calls)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "record_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("record_llamacpp", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the recorder's ``Context`` reads: no flash attention (V transposed), one KV stream."""
+
+    flash_attn: bool = False
+    kv_unified: bool = True
+    n_seq_max: int = 2
+    n_ctx: int = 256
+
+
+@pytest.mark.llamacpp_live
+def test_a_sequences_state_bytes_cross_between_llamacpp_and_the_package(tmp_path):
+    """llama.cpp's LFM2 state bytes (each s section: the type and a row size of 0) read into the package's
+    memory and continued, and the package's read back by llama.cpp, to the same next logits."""
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python")
+    lc = recorder()
+    model = random_lfm2_model(seed=5, n_vocab=64, n_embd=32, n_layer=4, n_ff=48, attn_layers=(1, 3),
+                              dtype=np.float32)
+    write_gguf(model, tmp_path / "lfm2.gguf")
+    prompt, following = [3, 5, 7, 11, 13], 17
+    llama = lc.Model(tmp_path / "lfm2.gguf")
+    try:
+        with lc.Context(llama, Setting()) as ctx:
+            ctx.decode([(t, i, 0, i == len(prompt) - 1) for i, t in enumerate(prompt)])
+            theirs, theirs_partial = ctx.state_seq_get_data(0), ctx.state_seq_get_data(0, lc.PARTIAL_ONLY)
+            expected = np.array(ctx.decode([(following, len(prompt), 0, True)])[0])
+        own = model.new_cache(n_seq_max=2, kv_size=256, dtype_kv="f16")
+        model.forward(own.init_batch(rc.Batch(token=prompt, seq_id=[0] * len(prompt))))
+        ours, ours_partial = own.state_write(0, framing="llama"), own.state_write(0, framing="llama", partial_only=True)
+        assert (len(ours), len(ours_partial)) == (len(theirs), len(theirs_partial))
+        s_sections = struct.pack("<iQ", 0, 0) * 2   # f32, 0 bytes a row, for each of the 2 conv layers
+        assert theirs_partial.endswith(s_sections) and ours_partial.endswith(s_sections)
+        with lc.Context(llama, Setting()) as ctx:
+            assert ctx.state_seq_set_data(ours, 1) == len(ours)
+            from_ours = np.array(ctx.decode([(following, len(prompt), 1, True)])[0])
+    finally:
+        llama.close()
+    cache = model.new_cache(n_seq_max=2, kv_size=256, dtype_kv="f16")
+    assert cache.state_read(theirs, 1) == len(theirs)
+    from_theirs = model.forward(cache.init_batch(rc.Batch(token=[following], pos=[len(prompt)], seq_id=[1])))[0]
+    scale = np.abs(expected).max()
+    # measured 1.8e-4 and 9.3e-5: the two compute K (f16) and the conv state in their own order
+    assert np.abs(from_theirs - expected).max() < 5e-4 * scale
+    assert np.abs(from_ours - expected).max() < 5e-4 * scale

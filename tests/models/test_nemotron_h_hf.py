@@ -64,15 +64,16 @@ def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("storage", ["numpy", "torch"])
-def test_nemotron_h_equals_transformers_through_the_hybrid_memory(checkpoint: Path, dtype: Any,
+def test_nemotron_h_equals_transformers_through_the_hybrid_memory(checkpoint: Path, tmp_path: Path, dtype: Any,
                                                                   storage: str) -> None:
     model = load_hf(checkpoint, dtype=dtype)
     assert isinstance(model, NemotronHModel)
     assert model.hparams.pattern == "M-*M-"
     assert model.hparams.attn_layers == (2,) and model.hparams.recr_layers == (0, 3)
     recorder = Recorder(reference_of(checkpoint, dtype))
-    run_scenarios(model, recorder, storage=storage)
-    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache"}
+    run_scenarios(model, recorder, storage=storage, store_path=tmp_path / "store")
+    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache",
+                                   "prefix from a store"}
 
 
 def _with_config(checkpoint: Path, directory: Path, change: Callable[[dict[str, Any]], None]) -> Path:

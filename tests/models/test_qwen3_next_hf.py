@@ -1,8 +1,9 @@
 """Qwen3-Next (models/qwen3_next.py) from a ``save_pretrained`` directory against transformers'
 ``Qwen3NextForCausalLM``: every logit the package computes through the hybrid cache equals transformers'
 full-sequence forward of that sequence within 1e-4 of the largest logit, float32 and float64, numpy and torch
-storage — prompts of three sequences in one batch split into ubatches of 3 tokens, decode steps, a fork that
-follows its parent, a rollback of drafted tokens, a sequence moved through its state blob into a second memory.
+storage — the scenarios of tests/hybrid_scenarios.py (prompts in small ubatches, decode steps, a fork, a sequence
+moved through its state bytes into a second memory and back, a rollback of drafted tokens, a prefix restored from
+HybridPrefixCache and from a store).
 A config the package cannot run is refused naming the field.  A GGUF file written as llama.cpp's converter writes
 it (fused attn_qkv / attn_gate, or a legacy ssm_in) loads as the same model (measured 1.4e-6: f32 weights).
 
@@ -23,14 +24,16 @@ import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
 from recurrent_cache.models import Qwen3NextModel, load_hf
 
+from hybrid_scenarios import Recorder, run_scenarios
+
 torch = pytest.importorskip("torch", reason="the transformers comparison needs torch (CPU)")
 transformers = pytest.importorskip("transformers", reason="the comparison is against transformers' Qwen3-Next")
 pytest.importorskip("recurrent_cache.models.torch_forward", reason="torch storage needs array-api-compat")
 
 PROMPTS = ([5, 17, 60, 3, 9, 41, 8], [50, 1, 2, 33], [7, 7, 21, 63, 12])
-DECODED = ([11, 12, 13], [14, 15, 16], [17, 18, 19])
 N_UBATCH = 3
 TOLERANCE = 1e-4   # of the largest logit (issue 27)
+
 
 
 @pytest.fixture(scope="module")
@@ -86,59 +89,17 @@ DTYPES = {"f64": (np.float64, torch.float64), "f32": (np.float32, torch.float32)
 
 @pytest.mark.parametrize("storage", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_prompts_decode_and_fork_equal_transformers(checkpoint, storage, dtype):
+def test_qwen3_next_equals_transformers_through_the_hybrid_memory(checkpoint, storage, dtype, tmp_path):
+    """The scenarios of tests/hybrid_scenarios.py, against transformers in the same dtype."""
     directory, module = checkpoint
     np_dtype, torch_dtype = DTYPES[dtype]
     model = load_hf(directory, dtype=np_dtype)
     assert isinstance(model, Qwen3NextModel)
     assert model.hparams.attn_layers == (1, 3) and model.hparams.moe_layers == (0, 1, 3)
-    cache = model.new_cache(n_seq_max=4, kv_size=64, storage=storage)
-    got = run(model, cache, [t for p in PROMPTS for t in p], [s for s, p in enumerate(PROMPTS) for _ in p],
-              [i for p in PROMPTS for i in range(len(p))])
-    cache.seq_cp(0, 3)   # the fork follows its parent's prompt, then decodes tokens of its own
-    fork_tokens = [31, 32, 33]
-    for step in range(3):
-        tokens = [DECODED[s][step] for s in range(3)] + [fork_tokens[step]]
-        positions = [len(p) + step for p in PROMPTS] + [len(PROMPTS[0]) + step]
-        got |= run(model, cache, tokens, [0, 1, 2, 3], positions)
-    sequences = [p + d for p, d in zip(PROMPTS, DECODED)] + [PROMPTS[0] + fork_tokens]
-    for seq, tokens in enumerate(sequences):
-        theirs = reference(module, tokens, torch_dtype)
-        first = len(PROMPTS[0]) if seq == 3 else 0
-        ours = np.stack([got[(seq, pos)] for pos in range(first, len(tokens))])
-        assert_close(ours, theirs[first:])
-
-
-@pytest.mark.parametrize("storage", ["numpy", "torch"])
-def test_rollback_of_drafted_tokens_equals_the_shorter_sequence(checkpoint, storage):
-    directory, module = checkpoint
-    model = load_hf(directory, dtype=np.float64)
-    cache = model.new_cache(n_seq_max=1, kv_size=64, storage=storage, n_rollback=3)
-    prompt = PROMPTS[0]
-    run(model, cache, prompt, [0] * len(prompt), list(range(len(prompt))))
-    drafted = [40, 41, 42]   # three drafted tokens in one ubatch; only the first is accepted
-    n = len(prompt)
-    run(model, cache, drafted, [0] * 3, [n, n + 1, n + 2])
-    assert cache.seq_rm(0, n + 1, -1)
-    got = run(model, cache, [43], [0], [n + 1])
-    theirs = reference(module, prompt + [40, 43], torch.float64)
-    assert_close(got[(0, n + 1)], theirs[-1])
-    # the rolled-back state really is the one after token 40: the logits after 41 would differ
-    assert not np.allclose(got[(0, n + 1)], reference(module, prompt + drafted[:2] + [43], torch.float64)[-1],
-                           atol=TOLERANCE * 10)
-
-
-@pytest.mark.parametrize("storage", ["numpy", "torch"])
-def test_a_sequence_moved_through_its_state_blob_continues_as_transformers(checkpoint, storage):
-    directory, module = checkpoint
-    model = load_hf(directory, dtype=np.float64)
-    first = model.new_cache(n_seq_max=2, kv_size=64, storage=storage)
-    prompt = PROMPTS[2]
-    run(model, first, prompt, [1] * len(prompt), list(range(len(prompt))))
-    second = model.new_cache(n_seq_max=3, kv_size=64, storage=storage)
-    second.state_read(first.state_write(1), 2)   # both halves: the KV cells and the Gated DeltaNet rows
-    got = run(model, second, [30], [2], [len(prompt)])
-    assert_close(got[(2, len(prompt))], reference(module, prompt + [30], torch.float64)[-1])
+    recorder = Recorder(lambda tokens: reference(module, list(tokens), torch_dtype))
+    run_scenarios(model, recorder, storage=storage, store_path=tmp_path / "store")
+    assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache",
+                                   "prefix from a store"}
 
 
 @pytest.mark.parametrize(("field", "value", "named"), [

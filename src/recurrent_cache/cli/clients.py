@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models import RecurrentModel, Sampler, escape, held_out_prompts
+from ..models import LanguageModel, Sampler, escape, held_out_prompts
 from .serving import Client
 
 __all__ = ["CLIENTS_LISTED", "HANDWRITTEN_PROMPTS", "make_clients", "print_clients", "shown_prompt", "shown_tokens"]
@@ -30,7 +30,7 @@ HANDWRITTEN_PROMPTS = (
 CLIENTS_LISTED = 10
 
 
-def prompt_pool(model: RecurrentModel) -> list[list[int]]:
+def prompt_pool(model: LanguageModel) -> list[list[int]]:
     """The prompts as token ids: hand-written ones and held-out file starts, encoded by the model's
     vocabulary; empty when it has none (the clients then get random token ids)."""
     if model.vocab is None:
@@ -44,7 +44,7 @@ def prompt_pool(model: RecurrentModel) -> list[list[int]]:
     return pool
 
 
-def make_clients(model: RecurrentModel, count: int, n_predict: int, temperature: float, top_k: int, seed: int,
+def make_clients(model: LanguageModel, count: int, n_predict: int, temperature: float, top_k: int, seed: int,
                  same_prompt: bool = False) -> list[Client]:
     """``count`` clients in a seeded order of the prompt pool; with ``same_prompt``, all with the first."""
     rng = np.random.default_rng(seed)
@@ -67,7 +67,7 @@ def make_clients(model: RecurrentModel, count: int, n_predict: int, temperature:
     return [Client(k, prompt(k), n_predict, sampler(k)) for k in range(count)]
 
 
-def shown_tokens(model: RecurrentModel, tokens: list[int], tail: int | None = None) -> str:
+def shown_tokens(model: LanguageModel, tokens: list[int], tail: int | None = None) -> str:
     """Tokens as quoted, escaped text (or their ids when the model has no vocabulary); with
     ``tail``, only the last ``tail`` bytes after "..." (cut before escaping, so no escape is cut)."""
     if model.vocab is None:
@@ -78,12 +78,12 @@ def shown_tokens(model: RecurrentModel, tokens: list[int], tail: int | None = No
     return f'"{"..." if cut else ""}{text}"'
 
 
-def shown_prompt(model: RecurrentModel, prompt: list[int], tail: int = 28) -> str:
+def shown_prompt(model: LanguageModel, prompt: list[int], tail: int = 28) -> str:
     """The end of a prompt, where the generated text continues it."""
     return "" if model.vocab is None else shown_tokens(model, prompt, tail)
 
 
-def print_clients(model: RecurrentModel, clients: list[Client], samplers: bool) -> None:
+def print_clients(model: LanguageModel, clients: list[Client], samplers: bool) -> None:
     """The report's lines of the first ``CLIENTS_LISTED`` clients: the end of the prompt, what the
     client generated, and (with ``samplers``) how it sampled."""
     for client in clients[:CLIENTS_LISTED]:

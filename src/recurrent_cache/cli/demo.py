@@ -27,7 +27,7 @@ import sys
 import time
 
 from ..generation import Generator, Stats
-from ..models import RecurrentModel, ModelError, write_gguf
+from ..models import LanguageModel, ModelError, write_gguf
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from . import demo_prefix, demo_speculative
 from .clients import make_clients, print_clients
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     return serve_clients(options, model)
 
 
-def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:
+def serve_clients(options: argparse.Namespace, model: LanguageModel) -> int:
     """Continuous batching of ``--clients`` clients (or ``--fork``), the report and the verification."""
     count = options.parallel if options.fork else options.clients
     clients = make_clients(model, count, options.n_predict, options.temperature, options.top_k, options.seed,
@@ -178,7 +178,7 @@ def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:
     seconds = time.perf_counter() - start
     progress.close()
 
-    report(options, model, clients, generator.stats, seconds, cache.size)
+    report(options, model, clients, generator.stats, seconds, cache.n_seq_max)
     if served.corruption:
         print(f"testing          {served.corruption}")
     problems, worst = verify(model, clients, options.dtype)
@@ -190,7 +190,7 @@ def serve_clients(options: argparse.Namespace, model: RecurrentModel) -> int:
     return 0
 
 
-def report(options: argparse.Namespace, model: RecurrentModel, clients: list[Client], stats: Stats,
+def report(options: argparse.Namespace, model: LanguageModel, clients: list[Client], stats: Stats,
            seconds: float, cells: int) -> None:
     """What was served, how fast, and where the time went."""
     processed = stats.prompt_tokens + stats.decode_tokens

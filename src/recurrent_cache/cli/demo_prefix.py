@@ -17,7 +17,7 @@ generating it saves the conversation so far, for the next turn.
 
 The same requests are served a second time without the prefix cache (every
 prompt computed whole), and every request of both runs is checked against
-its solo run (``ReferenceRun``, token by token from a zero state): tokens
+its solo run (``model.reference_run``, token by token from a zero state): tokens
 identical, last logits within the demo's tolerance.
 
 ``--store DIR_OR_URL`` puts a shared state store (``rc.stores.open_store``:
@@ -42,7 +42,7 @@ import numpy as np
 import recurrent_cache as rc
 
 from ..generation import Generator
-from ..models import RecurrentModel, ReferenceRun, Sampler
+from ..models import LanguageModel, Sampler
 from .model_options import model_identity, model_name, where_states_live
 from .options import USER_ERROR
 from .serving import Client, Served, new_cache, serve
@@ -91,7 +91,7 @@ def next_turn(conversations: list[list[list[int]]]) -> Callable[[Client], Client
     return follow_up
 
 
-def serve_conversations(model: RecurrentModel, options: argparse.Namespace, conversations: list[list[list[int]]],
+def serve_conversations(model: LanguageModel, options: argparse.Namespace, conversations: list[list[list[int]]],
                         prefix_cache: bool, store: rc.stores.DirectoryStore | rc.stores.RedisStore | None = None,
                         namespace: str = "") -> tuple[list[Turn], Generator, Served, float, dict[str, int]]:
     """All turns of all conversations through one cache, greedily, with or without a PrefixCache (and
@@ -99,8 +99,12 @@ def serve_conversations(model: RecurrentModel, options: argparse.Namespace, conv
     cache's stats."""
     cache = new_cache(model, options.parallel, options.dtype, storage=options.storage,
                       device=options.device)
-    pc = (rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store, namespace=namespace)
-          if prefix_cache else None)
+    pc: rc.PrefixCache | rc.HybridPrefixCache | None = None
+    if prefix_cache and isinstance(cache, rc.HybridCache):   # a hybrid's prefixes keep their KV rows too
+        pc = rc.HybridPrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store,
+                                  namespace=namespace if store is not None else None)
+    elif prefix_cache:
+        pc = rc.PrefixCache(cache, MAX_BYTES, block_size=BLOCK_SIZE, store=store, namespace=namespace)
     generator = Generator(model, cache, n_ubatch=options.ubatch, prefix_cache=pc)
     first_turns = [Turn(number, turns[0], options.n_predict, Sampler()) for number, turns in enumerate(conversations)]
     start = time.perf_counter()
@@ -111,12 +115,12 @@ def serve_conversations(model: RecurrentModel, options: argparse.Namespace, conv
     return turns, generator, served, seconds, pc.stats() if pc is not None else {}
 
 
-def verify(model: RecurrentModel, runs: list[list[Turn]], conversations: list[list[list[int]]], n_predict: int,
+def verify(model: LanguageModel, runs: list[list[Turn]], conversations: list[list[list[int]]], n_predict: int,
            dtype: str) -> tuple[list[str], float]:
     """Every request of every run against its solo run: (problems, largest relative logits difference)."""
     solo: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}
     for client, turns in enumerate(conversations):
-        reference = ReferenceRun(model, dtype, dtype)   # one conversation, token by token
+        reference = model.reference_run(dtype)   # one conversation, token by token
         prompt: list[int] = []
         generated: list[int] = []
         fed = 0
@@ -143,7 +147,7 @@ def verify(model: RecurrentModel, runs: list[list[Turn]], conversations: list[li
     return problems, worst
 
 
-def run(options: argparse.Namespace, model: RecurrentModel) -> int:
+def run(options: argparse.Namespace, model: LanguageModel) -> int:
     """Serve the scenario with and without the prefix cache, report, verify; the exit status."""
     conversations = make_conversations(options, model.hparams.n_vocab)
     store, namespace = None, ""
@@ -168,7 +172,8 @@ def run(options: argparse.Namespace, model: RecurrentModel) -> int:
           f"{N_SYSTEM_PROMPTS} shared system prompts, {options.n_predict} tokens generated per turn")
     print(f"prefix cache     block_size {BLOCK_SIZE}, max_bytes {MAX_BYTES / 2**20:g} MiB: "
           f"{stats['snapshots']} snapshots "
-          f"held, {stats['saves']} saves, {stats['evictions']} evicted")
+          f"held, {stats.get('saves', stats.get('saved'))} saves, "
+          f"{stats.get('evictions', stats.get('evicted'))} evicted")
     print(f"hit rate         {hits} of {n_requests} requests restored a prefix ({100.0 * hits / n_requests:.0f}%)")
     if store is not None:
         held = store.stats()

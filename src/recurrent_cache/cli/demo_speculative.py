@@ -21,7 +21,7 @@ import argparse
 import time
 
 from ..generation import Generator, prompt_lookup as draft
-from ..models import RecurrentModel
+from ..models import LanguageModel
 from .clients import make_clients, print_clients
 from .model_options import model_name, where_states_live
 from .serving import Client, Served, new_cache, serve
@@ -29,7 +29,7 @@ from .verification import TOLERANCE, fail, verify
 
 __all__ = ["draft", "run", "serve_greedy"]
 
-def serve_greedy(model: RecurrentModel, options: argparse.Namespace, k: int,
+def serve_greedy(model: LanguageModel, options: argparse.Namespace, k: int,
                  corrupt_step: int | None = None) -> tuple[list[Client], Generator, Served, float]:
     """The demo's clients, greedy, served with prompt-lookup drafts of up to ``k`` tokens (0: plain
     decoding): the clients, the generator (its stats say what speculation did), what it served, and
@@ -44,7 +44,7 @@ def serve_greedy(model: RecurrentModel, options: argparse.Namespace, k: int,
     return clients, generator, served, seconds
 
 
-def run(options: argparse.Namespace, model: RecurrentModel) -> int:
+def run(options: argparse.Namespace, model: LanguageModel) -> int:
     """The two runs, the report and the verification; the exit status."""
     k = options.speculative
     plain_clients, plain, _, plain_seconds = serve_greedy(model, options, 0)

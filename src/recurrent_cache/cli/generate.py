@@ -24,10 +24,10 @@ import os
 import codecs
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..generation import Generator
-from ..models import RecurrentModel, ModelError, Sampler
+from ..models import HybridModel, LanguageModel, ModelError, Sampler
 from ..models.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K
 from .model_options import add_model_options, add_storage_options, build_model, storage_refusal
 from .options import USER_ERROR, OneLineParser, float_in, greedy_refusal, int_in
@@ -118,7 +118,7 @@ class TextStream:
         self.out.flush()
 
 
-def generate(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
+def generate(model: LanguageModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
              dtype: str, stream: TextStream | None = None) -> tuple[list[int], dict[str, float]]:
     """Run ``prompt`` then generate ``n_predict`` tokens on a fresh one-cell numpy cache.
 
@@ -130,7 +130,7 @@ def generate(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: 
     return client.tokens, figures
 
 
-def serve(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
+def serve(model: LanguageModel, prompt: list[int], n_predict: int, sampler: Sampler, n_ubatch: int,
               dtype: str, stream: TextStream | None = None, storage: str = "numpy",
               device: str | None = None) -> tuple[Client, dict[str, float]]:
     """``generate`` on a cache in ``storage`` (on ``device``): the served client and the figures.
@@ -142,7 +142,7 @@ def serve(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sam
     client = Client(0, prompt, n_predict, sampler)
     request = generator.submit(prompt, max_new_tokens=n_predict, temperature=sampler.temperature,
                                top_k=sampler.top_k, top_p=sampler.top_p, seed=sampler.seed)
-    figures: dict[str, float] = {"size": cache.size}
+    figures: dict[str, float] = {"size": cache.n_seq_max}   # a recurrent cell per sequence (both kinds of cache)
     start = time.perf_counter()
     while not generator.done:
         for event in generator.step():
@@ -152,7 +152,8 @@ def serve(model: RecurrentModel, prompt: list[int], n_predict: int, sampler: Sam
             figures["prompt_seconds"] = time.perf_counter() - start
             start = time.perf_counter()
         if not request.finished:
-            figures.update(state_bytes=cache.state_size(request.seq), cells_used=cache.used)
+            figures.update(state_bytes=cache.state_size(request.seq),
+                           cells_used=sum(cache.seq_pos_max(seq) >= 0 for seq in range(cache.n_seq_max)))
     figures["generate_seconds"] = time.perf_counter() - start
     figures["pos_max"] = request.n_cached - 1   # where its state was when it finished
     client.tokens, client.last_logits = request.tokens, request.last_logits
@@ -199,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if "state_bytes" in figures:
         print(f"--- cache: {figures['cells_used']} of {figures['size']} cell used, holding sequence 0 up to "
               f"position {figures['pos_max']}; its state is {figures['state_bytes']:,} bytes "
-              f"({options.dtype}; {p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values) "
-              f"whatever the length", file=sys.stderr)
+              f"({options.dtype}; {state_shape(model)})", file=sys.stderr)
     else:   # nothing to read: the sequence was removed in the step that finished it
         print(f"--- cache: the request finished in its first step (up to position {figures['pos_max']}), "
               f"and its sequence was removed", file=sys.stderr)
@@ -209,7 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def encoded_prompt(model: RecurrentModel, options: argparse.Namespace) -> tuple[list[int], str]:
+def state_shape(model: LanguageModel) -> str:
+    """What a sequence's state holds: the recurrent rows (the same at any length) and, for a hybrid
+    model, the K and V rows of its attention layers (per token)."""
+    p: Any = model.hparams
+    if not isinstance(model, HybridModel):
+        return f"{p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values whatever the length"
+    params = p.attention
+    kv = (f"; K and V rows of {len(p.attn_layers)} attention layers x {params.n_embd_k} values per token"
+          if params is not None and p.attn_layers else "")
+    return f"{len(p.recr_layers)} recurrent layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values{kv}"
+
+
+def encoded_prompt(model: LanguageModel, options: argparse.Namespace) -> tuple[list[int], str]:
     """The prompt as token ids: ``--tokens`` checked against the model's vocabulary, or the text
     encoded by it; and "" or why there is no prompt to run."""
     n_vocab = model.hparams.n_vocab
@@ -232,7 +244,7 @@ def encoded_prompt(model: RecurrentModel, options: argparse.Namespace) -> tuple[
     return prompt, "" if prompt else "the prompt is empty"
 
 
-def verify_against_numpy(model: RecurrentModel, client: Client, options: argparse.Namespace) -> int:
+def verify_against_numpy(model: LanguageModel, client: Client, options: argparse.Namespace) -> int:
     """A run on another storage checked against the numpy forward run alone: the exit status."""
     problems, worst = verify(model, [client], options.dtype)
     if problems:   # on stderr: stdout holds the text

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..models import Mamba2Model, RecurrentModel, load_model, random_model, trained_model
+from ..models import LanguageModel, Mamba2Model, MambaModel, load_model, random_model, trained_model
+from ..models._arrays import layer_arrays
 from .options import text
 
 __all__ = ["COMPUTE_DTYPES", "add_model_options", "add_storage_options", "build_model", "model_identity",
@@ -55,7 +56,7 @@ def where_states_live(options: argparse.Namespace) -> str:
     return "" if options.storage == "numpy" else f" on torch {options.device or 'cpu'}"
 
 
-def build_model(options: argparse.Namespace) -> RecurrentModel:
+def build_model(options: argparse.Namespace) -> LanguageModel:
     """The model the options name: ``--model``, ``--random-weights`` (seeded by ``--seed``) or
     the shipped one, computing in ``--compute``.  Raises ``ModelError`` (or ``ImportError``)."""
     dtype = COMPUTE_DTYPES[options.compute]
@@ -66,7 +67,7 @@ def build_model(options: argparse.Namespace) -> RecurrentModel:
     return trained_model(dtype=dtype)
 
 
-def _load_model(path: str, dtype: type[np.floating[Any]]) -> RecurrentModel:
+def _load_model(path: str, dtype: type[np.floating[Any]]) -> LanguageModel:
     """The model at ``path`` (a GGUF file or a checkpoint directory): the one place the
     command line reads a model."""
     return load_model(path, dtype=dtype)
@@ -81,7 +82,7 @@ def model_name(options: argparse.Namespace) -> str:
     return "the shipped byte-level model, trained on the standard library"
 
 
-def model_identity(options: argparse.Namespace, model: RecurrentModel) -> str:
+def model_identity(options: argparse.Namespace, model: LanguageModel) -> str:
     """The store namespace: what the states depend on besides the tokens and the cache geometry.
 
     The sha256 of the GGUF file, or (a checkpoint directory, random or built-in weights) of the weights
@@ -96,10 +97,11 @@ def model_identity(options: argparse.Namespace, model: RecurrentModel) -> str:
         source = "gguf"
     else:
         for layer in model.layers:
-            for weights in vars(layer).values():
+            for weights in layer_arrays(layer).values():
                 digest.update(np.ascontiguousarray(weights).tobytes())
         for weights in (model.token_embd, model.output_norm, model.output):
             digest.update(np.ascontiguousarray(weights).tobytes())
         source = "weights"
-    architecture = "mamba2" if isinstance(model, Mamba2Model) else "mamba1"
+    architecture = ("mamba2" if isinstance(model, Mamba2Model) else "mamba1" if isinstance(model, MambaModel)
+                    else type(model).__name__)
     return f"{architecture} {source}-sha256 {digest.hexdigest()} compute {options.compute}"

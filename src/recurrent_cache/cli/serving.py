@@ -22,13 +22,13 @@ import numpy as np
 import recurrent_cache as rc
 
 from ..generation import Generator, Request
-from ..models import RecurrentModel, Sampler
+from ..models import LanguageModel, Sampler
 from ..storage import storage_for
 
 __all__ = ["Client", "NoProgress", "Progress", "Served", "new_cache", "progress_bar", "serve"]
 
 
-def new_cache(model: RecurrentModel, n_seq_max: int, dtype: str, n_rollback: int = 0, storage: str = "numpy",
+def new_cache(model: LanguageModel, n_seq_max: int, dtype: str, n_rollback: int = 0, storage: str = "numpy",
               device: str | None = None) -> rc.RecurrentCache:
     """A cache of ``n_seq_max`` cells for ``model`` in ``storage`` (on ``device``); ``ConfigError``
     (saying which and why) when it cannot be had.

@@ -1,7 +1,8 @@
 """How every ``demo`` mode checks itself: each client against its solo run, loudly.
 
 A solo run is the client's prompt and generation fed token by token to the
-plain reference forward (``ReferenceRun``: no cache) from a zero state.  The
+model's reference run (``model.reference_run``: a Mamba model without a cache, a hybrid
+one alone on its own memory) from a zero state.  The
 served tokens must be identical and the last logits equal within
 ``TOLERANCE``; otherwise the mode prints ``VERIFICATION FAILED`` and the
 command exits with status 1.
@@ -13,7 +14,7 @@ import sys
 
 import numpy as np
 
-from ..models import RecurrentModel, ReferenceRun
+from ..models import LanguageModel
 from .serving import Client
 
 __all__ = ["TOLERANCE", "fail", "relative_difference", "run_alone", "verify"]
@@ -27,9 +28,9 @@ __all__ = ["TOLERANCE", "fail", "relative_difference", "run_alone", "verify"]
 TOLERANCE = {"f32": 1e-5, "f16": 1e-3, "bf16": 1e-2}
 
 
-def run_alone(model: RecurrentModel, client: Client, state_dtype: str) -> tuple[list[int], np.ndarray]:
+def run_alone(model: LanguageModel, client: Client, state_dtype: str) -> tuple[list[int], np.ndarray]:
     """The client's prompt and generation on a fresh reference run: (tokens, last logits)."""
-    run = ReferenceRun(model, state_dtype, state_dtype)
+    run = model.reference_run(state_dtype)
     sampler = client.sampler.fresh()
     logits = run.feed(client.prompt)[-1]
     tokens = [sampler(logits)]
@@ -46,7 +47,7 @@ def relative_difference(served: np.ndarray | None, alone: np.ndarray) -> float:
     return float(np.max(np.abs(served - alone)) / np.max(np.abs(alone)))
 
 
-def verify(model: RecurrentModel, clients: list[Client], state_dtype: str) -> tuple[list[str], float]:
+def verify(model: LanguageModel, clients: list[Client], state_dtype: str) -> tuple[list[str], float]:
     """Compare every client with its solo run: (problems, largest relative logits difference)."""
     tolerance = TOLERANCE[state_dtype]
     problems = []

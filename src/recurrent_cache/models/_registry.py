@@ -46,8 +46,12 @@ _FAMILIES: list[Family] = []
 
 
 def register(family: Family) -> Family:
-    """Add ``family`` (once per name); returns it."""
-    if any(f.gguf_arch == family.gguf_arch for f in _FAMILIES):
+    """Add ``family`` (once per name); returns it.  A second family of a GGUF architecture is another Hugging
+    Face class of it (Bamba's files are llama.cpp's ``granitehybrid``, as Granite-4.0-H's): it reads and writes
+    no GGUF file of its own, the first family does."""
+    twins = [f for f in _FAMILIES if f.gguf_arch == family.gguf_arch]
+    if twins and (any(f.hf_architecture == family.hf_architecture for f in twins) or family.from_gguf is not None
+                  or family.gguf_layout is not None or family.write_gguf_keys is not None):
         raise ValueError(f"model family {family.gguf_arch!r} is registered twice")
     _FAMILIES.append(family)
     return family

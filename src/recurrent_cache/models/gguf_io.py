@@ -1,5 +1,11 @@
-"""Models in GGUF files: Mamba-1 (``mamba``), Mamba-2 (``mamba2``) and LFM2 (``lfm2``), with llama.cpp's keys
-and tensor names.
+"""Models in GGUF files, with llama.cpp's keys and tensor names: Mamba-1 (``mamba``), Mamba-2 (``mamba2``) and
+the hybrid families that register ``from_gguf`` / ``gguf_layout`` (Jamba: ``jamba``, LFM2: ``lfm2``,
+Nemotron-H: ``nemotron_h``, Qwen3-Next: ``qwen3next``).
+
+Each hybrid family reads and writes its own keys (``gguf_own_keys``: ``GGUFReader``'s ``per_layer`` for
+llama.cpp's per-layer arrays, ``ssm_sizes`` for a Mamba block's) and names its layers' tensors
+(``tensor_suffix``, llama.cpp's names); this module reads and writes what every family shares (the
+embedding, the head, the vocabulary, the file itself).
 
 ``load_gguf`` needs numpy only (``gguf_file.py`` parses the file) unless a
 tensor is quantized; ``write_gguf`` uses the ``gguf`` package, as llama.cpp's
@@ -20,10 +26,10 @@ from ..errors import GGUFError, ModelError
 from ._registry import Family, by_gguf_arch, of_model
 from .gguf_file import FLOAT_TYPES, GGUFFile, TensorInfo
 from .language_model import LanguageModel
-from .recurrent import RecurrentModel
 from .vocab import Vocabulary
 
-__all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "load_gguf", "recurrent_layers", "write_gguf"]
+__all__ = ["GGUF_MISSING", "GGUFReader", "import_gguf", "layer_layout", "load_gguf", "recurrent_layers",
+           "tensor_suffix", "write_gguf", "write_ssm_sizes"]
 
 GGUF_MISSING = ("quantized tensors and writing GGUF files need the gguf package: "
                 "pip install 'recurrent_cache[gguf]' (or pip install gguf)")
@@ -38,10 +44,11 @@ def import_gguf() -> ModuleType:
     return gguf
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
-    """Load a Mamba-1 or Mamba-2 GGUF file written by llama.cpp's converter (or ``write_gguf``).
+def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
+    """Load a GGUF file written by llama.cpp's converter (or ``write_gguf``): Mamba-1, Mamba-2 or a hybrid
+    family that reads GGUF (Jamba, LFM2, Nemotron-H, Qwen3-Next).
 
-    Reads the ``mamba.*`` / ``mamba2.*`` hyper-parameters, llama.cpp's tensor
+    Reads the ``{arch}.*`` hyper-parameters, llama.cpp's tensor
     names and the vocabulary (``tokenizer.ggml.tokens``; none for a byte-level
     model).  f32, f16, bf16 and f64 tensors need numpy only; quantized tensors
     are dequantized by the ``gguf`` package.  Without ``output.weight`` the
@@ -62,7 +69,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: Any = np.float64) -> Recurren
     except OSError as exc:
         raise ModelError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
     except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a key of the wrong type
-        raise ModelError(f"{name}: not a valid Mamba GGUF file: {exc}") from None
+        raise ModelError(f"{name}: not a valid GGUF model file: {exc}") from None
 
 
 def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
@@ -70,9 +77,11 @@ def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     ``RecurrentCache`` for it (every layer of a Mamba file; a hybrid's Mamba / RWKV layers).
 
     llama.cpp's hybrids mark an attention layer by a per-layer
-    ``{arch}.attention.head_count_kv`` above 0; a layer with 0 (or a file without
+    ``{arch}.attention.head_count_kv`` above 0 (qwen3next by its
+    ``attention.recurrent_layers`` flags); a layer with 0 (or a file without
     the key: a pure recurrent model) is recurrent when it holds recurrent tensors
-    (``blk.{il}.ssm_*`` or RWKV's ``blk.{il}.time_mix_*``): a layer of neither
+    (``blk.{il}.ssm_*``, LFM2's ``blk.{il}.shortconv.*`` or RWKV's
+    ``blk.{il}.time_mix_*``): a layer of neither
     kind (Nemotron-H's FFN-only layers) has no state, as in llama.cpp.  Reads the
     header only; a bad file raises ``ModelError`` naming it.
     """
@@ -92,10 +101,14 @@ def recurrent_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     if len(per_layer) != n_layer or any(isinstance(h, bool) or not isinstance(h, int) for h in per_layer):
         raise ModelError(f"{name}: GGUF key {arch}.attention.head_count_kv is {heads_kv!r}, not one integer "
                          f"or {n_layer} of them")
+    flags = file.fields.get(f"{arch}.attention.recurrent_layers")   # qwen3next's: True on a Gated DeltaNet layer
+    if isinstance(flags, list) and len(flags) >= n_layer and all(isinstance(f, bool) for f in flags[:n_layer]):
+        per_layer = [0 if flags[il] else 1 for il in range(n_layer)]
     holds_state = set()
     for tensor in file.tensors:
         parts = tensor.split(".", 2)   # blk.{il}.{name}
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2].startswith(("ssm_", "time_mix_")):
+        if (len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
+                and parts[2].startswith(("ssm_", "time_mix_", "shortconv."))):
             holds_state.add(int(parts[1]))
     return tuple(il for il in range(n_layer) if per_layer[il] == 0 and il in holds_state)
 
@@ -131,8 +144,30 @@ class GGUFReader:
     def optional_tensor(self, name: str) -> np.ndarray | None:
         return self.tensor(name) if name in self.file.tensors else None
 
+    def has(self, name: str) -> bool:
+        """Whether the file holds tensor ``name``."""
+        return name in self.file.tensors
 
-def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
+    def ssm_sizes(self) -> dict[str, Any]:
+        """A Mamba block's sizes (``ssm.conv_kernel``, ``ssm.inner_size``, ``ssm.state_size``), named as the
+        hyper-parameters name them (``write_ssm_sizes`` writes them)."""
+        return dict(d_conv=self.key("ssm.conv_kernel", int), d_inner=self.key("ssm.inner_size", int),
+                    d_state=self.key("ssm.state_size", int))
+
+    def per_layer(self, name: str, n_layer: int) -> tuple[int, ...]:
+        """Key ``name`` as one integer per layer: llama.cpp's per-layer arrays (``attention.head_count_kv``)
+        hold ``n_layer`` integers >= 0, or one integer for every layer."""
+        full = f"{self.arch}.{name}"
+        value = self.file.fields.get(full)
+        if value is None:
+            raise ModelError(f"GGUF key {full} is missing")
+        values = list(value) if isinstance(value, (list, tuple)) else [value] * n_layer
+        if len(values) != n_layer or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+            raise ModelError(f"GGUF key {full} is {value!r}, not one integer >= 0 or {n_layer} of them")
+        return tuple(values)
+
+
+def _load(file: GGUFFile, dtype: Any) -> LanguageModel:
     arch = file.fields.get("general.architecture")
     family = by_gguf_arch(arch)
     if family.from_gguf is None:
@@ -149,7 +184,7 @@ def _load(file: GGUFFile, dtype: Any) -> RecurrentModel:
                      d_state=read.key("ssm.state_size", int))
     sizes["rms_eps"] = read.key("attention.layer_norm_rms_epsilon", float)
     head = (token_embd, read.tensor(family.gguf_output_norm), read.optional_tensor("output.weight"))
-    model: RecurrentModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
+    model: LanguageModel = family.from_gguf(read, sizes, head, dtype, _vocabulary(file))
     return model
 
 
@@ -194,7 +229,8 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
                name: str = "recurrent-cache-random-mamba", tokens: Sequence[str] | None = None,
                token_types: Sequence[int] | None = None, tokenizer: str = "gpt2", eos: int | None = None,
                merges: Sequence[str] | None = None) -> None:
-    """Write a Mamba-1 or Mamba-2 ``model`` as a GGUF file that llama.cpp loads.
+    """Write ``model`` as a GGUF file that llama.cpp loads: Mamba-1, Mamba-2 or a hybrid family that writes
+    GGUF (Jamba, LFM2, Nemotron-H, Qwen3-Next).
 
     Keys and tensor names are those of llama.cpp's converter.  ``file_type``
     "f16" stores the 2-D weights in f16 as the converter's ``--outtype f16``
@@ -204,8 +240,10 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
     takes token ids, or bytes when it has 256 tokens.  ``tokens`` (with
     ``token_types``, the ``eos`` token id and BPE ``merges``) are written as
     ``tokenizer.ggml.*`` of a ``tokenizer`` model, as llama.cpp's converter
-    writes them ("gpt2": byte-level BPE pieces).  A Mamba-2 model whose
-    ``time_step_limit`` clamps is refused: llama.cpp has no such key.
+    writes them ("gpt2": byte-level BPE pieces).  A model llama.cpp would run
+    differently is refused (``ModelError``): a Mamba-2 ``time_step_limit`` that
+    clamps (Mamba-2, Nemotron-H), a Jamba whose ``d_inner`` is not ``2 * n_embd``,
+    a Qwen3-Next with a dense MLP layer.
 
     A finite weight beyond the range of the type it is stored in (f16's
     65504) raises ``ModelError`` naming the tensor and the value, before
@@ -235,6 +273,50 @@ def write_gguf(model: LanguageModel, path: str | os.PathLike[str], file_type: st
     with atomic_write(os.fspath(path)) as temporary:
         _write(gguf, model, temporary, family, family.write_gguf_keys, file_type, stored, name, tokens, token_types,
                tokenizer, eos, merges)
+
+
+# llama.cpp's tensor names of the attention fields ``_attention.attention`` reads
+_ATTENTION_TENSORS = {"wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+                      "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+                      "bo": "attn_output.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+# llama.cpp's tensors without a ".weight" suffix
+_BARE_TENSORS = frozenset({"ssm_a", "ssm_d"})
+
+
+def tensor_suffix(field: str) -> str:
+    """The GGUF name (after ``blk.{il}.``) of a hybrid layer's weight field, as llama.cpp names it: the
+    field with ``.weight`` (``ssm_in.weight``), a field ending in ``_b`` as a bias (``ssm_dt_b`` ->
+    ``ssm_dt.bias``), ``ssm_a`` and ``ssm_d`` bare, attention's ``wq`` .. ``k_norm`` as ``attn_q.weight``
+    .. ``attn_k_norm.weight``."""
+    if field in _ATTENTION_TENSORS:
+        return _ATTENTION_TENSORS[field]
+    if field in _BARE_TENSORS:
+        return field
+    if field.endswith("_b"):
+        return f"{field[:-2]}.bias"
+    return f"{field}.weight"
+
+
+def layer_layout(layers: Sequence[dict[str, tuple[int, ...]]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A hybrid's ``gguf_layout`` from each layer's fields and numpy shapes (``layer_shapes`` of every
+    layer), where those shapes are the GGUF file's (ggml's ``ne`` reversed) and the names llama.cpp's
+    (``tensor_suffix``).  ``ModelError`` when one field has two shapes in different layers (llama.cpp's
+    per-layer widths), which one layout cannot say."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for il, shapes in enumerate(layers):
+        for field, shape in shapes.items():
+            if layout.setdefault(field, (tensor_suffix(field), shape))[1] != shape:
+                raise ModelError(f"layer {il}'s {field} is {shape}, another layer's {layout[field][1]}: "
+                                 "layers of different widths are not written")
+    return layout
+
+
+def write_ssm_sizes(writer: Any, p: Any) -> None:
+    """``ssm.conv_kernel``, ``ssm.inner_size`` and ``ssm.state_size`` of hyper-parameters ``p``
+    (``GGUFReader.ssm_sizes`` reads them back)."""
+    writer.add_ssm_conv_kernel(p.d_conv)
+    writer.add_ssm_inner_size(p.d_inner)
+    writer.add_ssm_state_size(p.d_state)
 
 
 def _stored(tensor_name: str, array: np.ndarray, dtype: type[np.floating[Any]]) -> np.ndarray:
@@ -269,9 +351,7 @@ def _write(gguf: ModuleType, model: LanguageModel, path: str, family: Family, fa
         writer.add_head_count(0)           # likewise
     writer.add_block_count(p.n_layer)
     if not family.gguf_own_keys:
-        writer.add_ssm_conv_kernel(p.d_conv)
-        writer.add_ssm_inner_size(p.d_inner)
-        writer.add_ssm_state_size(p.d_state)
+        write_ssm_sizes(writer, p)
     family_keys(writer, model)
     writer.add_vocab_size(p.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type == "f16" else gguf.LlamaFileType.ALL_F32)

@@ -34,7 +34,7 @@ import numpy as np
 from ._registry import by_hf_architecture, families
 from .gguf_io import load_gguf, write_gguf
 from ..errors import ModelError
-from .recurrent import RecurrentModel
+from .language_model import LanguageModel
 from ..errors import SafetensorsError
 from .safetensors_file import SafetensorsFile
 from ._untrusted import read_capped, short_repr
@@ -54,12 +54,12 @@ MAX_JSON_INT = 2**63       # larger integers are no count, id or offset of any r
 MAX_CONFIG_INT = 2**31 - 1  # sizes and counts of a config.json: llama.cpp stores them in 32 bits
 
 
-def load_model(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
+def load_model(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
     """A GGUF file (``load_gguf``) or a Hugging Face checkpoint directory (``load_hf``)."""
     return load_hf(path, dtype) if os.path.isdir(path) else load_gguf(path, dtype)
 
 
-def load_hf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentModel:
+def load_hf(path: str | os.PathLike[str], dtype: Any = np.float64) -> LanguageModel:
     """Load a ``MambaForCausalLM`` or ``Mamba2ForCausalLM`` directory written by ``save_pretrained``.
 
     Returns a ``MambaModel`` or ``Mamba2Model`` computing in ``dtype``, with
@@ -72,8 +72,11 @@ def load_hf(path: str | os.PathLike[str], dtype: Any = np.float64) -> RecurrentM
 
 
 def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLike[str],
-                       file_type: str = "f32") -> RecurrentModel:
+                       file_type: str = "f32") -> LanguageModel:
     """Write the checkpoint in ``hf_dir`` as a GGUF file llama.cpp loads; returns the model (as ``load_hf``).
+    Mamba-1, Mamba-2 and the hybrid families whose GGUF the package writes (Jamba, LFM2, Nemotron-H,
+    Qwen3-Next); another family's checkpoint, or one llama.cpp would run otherwise, raises ``ModelError``
+    before the output file is opened.
 
     Keys, tensor names and the tokenizer (``tokenizer.ggml.tokens``, types,
     merges, eos) are those of llama.cpp's ``convert_hf_to_gguf.py``;
@@ -93,10 +96,10 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_gguf: str | os.PathLi
     return model
 
 
-def _load(checkpoint: Checkpoint, dtype: Any) -> RecurrentModel:
+def _load(checkpoint: Checkpoint, dtype: Any) -> LanguageModel:
     """The model of ``checkpoint``, computing in ``dtype``."""
     vocab = checkpoint.vocabulary()
-    model: RecurrentModel = checkpoint.family.from_hf(checkpoint, dtype, vocab)
+    model: LanguageModel = checkpoint.family.from_hf(checkpoint, dtype, vocab)
     if checkpoint.unread:
         extra = sorted(checkpoint.unread)
         raise ModelError(f"{checkpoint.directory}: {len(extra)} tensors the {CONFIG} does not call for, "

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from ..errors import ModelError, OutOfRangeError
+from ..memory_state import MemoryStatus
 from ..storage import Storage
 from ._arrays import Array, Backend, ModelWeights
 from ._attention import AttentionParams, attention, shift_keys
@@ -49,7 +50,7 @@ from .vocab import Vocabulary
 if TYPE_CHECKING:
     from ..hybrid import HybridCache
 
-__all__ = ["FlatMixer", "HybridModel", "HybridShape", "LayerRun", "flat_mixer"]
+__all__ = ["FlatMixer", "HybridModel", "HybridReferenceRun", "HybridShape", "LayerRun", "flat_mixer"]
 
 # A recurrent mixer on flat state rows: (xp, w, u [n_seqs, n_tokens, n_embd], conv [n_seqs, n_embd_r],
 # ssm [n_seqs, n_embd_s], storage_r, storage_s, m) -> (out, conv after, ssm after, step states or None),
@@ -211,6 +212,10 @@ class HybridModel(LanguageModel):
                            dtype_s=dtype, v_trans=v_trans, n_rollback=n_rollback, engine=engine, storage=storage,
                            device=device, **options)
 
+    def reference_run(self, dtype: str = "f32") -> HybridReferenceRun:
+        """``HybridReferenceRun``: the sequence alone on its own memory, one token per ubatch."""
+        return HybridReferenceRun(self, dtype)
+
     def shift_keys(self, cache: HybridCache) -> None:
         """Rotate every attention layer's stored keys by the cache's pending shifts (after ``seq_add`` /
         ``seq_div``), then clear them (llama.cpp's K-shift before the next decode)."""
@@ -269,3 +274,35 @@ class HybridModel(LanguageModel):
         except (IndexError, OutOfRangeError, AttributeError):
             raise ModelError(f"the cache does not hold this model's layers (attention {p.attn_layers}, "
                              f"recurrent {p.recr_layers}): use model.new_cache()") from None
+
+
+class HybridReferenceRun:
+    """One sequence of a hybrid model alone, one token at a time, on a memory of its own (``dtype``
+    states and K / V rows): what every batched run must equal.  A hybrid model's attention needs the
+    KV rows of every earlier token, so unlike ``ReferenceRun`` the run keeps a ``HybridCache`` of one
+    sequence; it shares nothing with the batched run but the model's math."""
+
+    def __init__(self, model: HybridModel, dtype: str = "f32", kv_size: int = 4096) -> None:
+        self.model, self.dtype, self.kv_size = model, dtype, kv_size
+        self.cache = model.new_cache(1, dtype=dtype, kv_size=kv_size)
+        self.n_past = 0
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run ``tokens`` in order, each its own batch; the logits after each one, ``[len(tokens), n_vocab]``."""
+        from ..batch import Batch
+
+        logits = []
+        for token in tokens:
+            st = self.cache.init_batch(Batch(token=[int(token)], seq_id=[0], pos=[self.n_past], logits=[1]))
+            if st.status != MemoryStatus.SUCCESS:
+                raise ModelError(f"the reference run's memory of {self.kv_size} KV cells is full")
+            logits.append(np.asarray(self.model.forward(st)))
+            self.n_past += 1
+        return np.concatenate(logits) if logits else np.zeros((0, self.model.hparams.n_vocab), self.model.dtype)
+
+    def copy(self) -> HybridReferenceRun:
+        """An independent run from this one's current state (a fork)."""
+        twin = HybridReferenceRun(self.model, self.dtype, self.kv_size)
+        twin.cache.state_read(self.cache.state_write())
+        twin.n_past = self.n_past
+        return twin

@@ -31,6 +31,7 @@ from ._attention import AttentionParams
 from ._ffn import EXPERT_PRODUCTS, MoeParams, mlp, moe
 from ._registry import Family, register
 from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
+from .gguf_io import GGUFReader, layer_layout, write_ssm_sizes
 from .hf import MAX_CONFIG_INT, Checkpoint, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
 from .mamba import MambaHParams, mamba_mixer
@@ -256,5 +257,68 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: JambaHPar
     return layer
 
 
+# -- GGUF files (llama.cpp's jamba) ------------------------------------------------------------------------
+
+# llama.cpp's jamba keys (after "jamba.") the hyper-parameters come from; attention.head_count_kv is per layer,
+# 0 on a Mamba layer (llama.cpp's converter writes it so, and llama.cpp's loader decides a layer's kind by it)
+GGUF_KEYS = {"n_embd": "embedding_length", "n_layer": "block_count", "n_head": "attention.head_count",
+             "n_head_kv": "attention.head_count_kv", "n_ff": "feed_forward_length", "d_conv": "ssm.conv_kernel",
+             "d_inner": "ssm.inner_size", "d_state": "ssm.state_size", "dt_rank": "ssm.time_step_rank",
+             "n_expert": "expert_count", "n_expert_used": "expert_used_count",
+             "rms_eps": "attention.layer_norm_rms_epsilon"}
+
+
+def gguf_layout(p: JambaHParams) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each layer field's GGUF tensor (after ``blk.{il}.``) and shape as llama.cpp's jamba stores it."""
+    return layer_layout([layer_shapes(p, il) for il in range(p.n_layer)])
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> JambaModel:
+    """The model of a GGUF file of architecture ``jamba`` (``load_gguf``): attention where the per-layer
+    ``head_count_kv`` is above 0, experts where the layer has ``ffn_gate_inp`` (llama.cpp's rules)."""
+    n_layer = sizes["n_layer"]
+    heads_kv = read.per_layer(GGUF_KEYS["n_head_kv"], n_layer)
+    attn_layers = tuple(il for il, n in enumerate(heads_kv) if n > 0)
+    widths = sorted({heads_kv[il] for il in attn_layers})
+    if len(widths) > 1:
+        raise ModelError(f"GGUF key {ARCH}.{GGUF_KEYS['n_head_kv']} is {list(heads_kv)}: attention layers "
+                         "of different KV head counts are not supported")
+    moe_layers = tuple(il for il in range(n_layer) if read.has(f"blk.{il}.ffn_gate_inp.weight"))
+    n_head = read.key(GGUF_KEYS["n_head"], int)
+    experts = ({"n_expert": read.key(GGUF_KEYS["n_expert"], int),
+                "n_expert_used": read.key(GGUF_KEYS["n_expert_used"], int)} if moe_layers else {})
+    p = JambaHParams(**sizes, **read.ssm_sizes(), n_head=n_head, n_head_kv=widths[0] if widths else n_head,
+                     n_ff=read.key(GGUF_KEYS["n_ff"], int), dt_rank=read.key(GGUF_KEYS["dt_rank"], int),
+                     attn_layers=attn_layers, moe_layers=moe_layers, **experts)
+    layout = gguf_layout(p)
+    layers = [{field: read.tensor(f"blk.{il}.{layout[field][0]}", shape) for field, shape in
+               layer_shapes(p, il).items()} for il in range(n_layer)]
+    token_embd, output_norm, output = head
+    return JambaModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
+def _gguf_layout(model: JambaModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    p = model.hparams
+    if p.d_inner != 2 * p.n_embd:
+        raise ModelError(f"d_inner {p.d_inner} is not 2 * n_embd = {2 * p.n_embd}: llama.cpp's jamba runs "
+                         "an expansion factor of 2 only")
+    return gguf_layout(p)
+
+
+def _write_gguf_keys(writer: Any, model: JambaModel) -> None:
+    """Every jamba key but those all families write (``GGUF_KEYS``; head_count_kv per layer)."""
+    p = model.hparams
+    writer.add_feed_forward_length(p.n_ff)
+    writer.add_head_count(p.n_head)
+    writer.add_head_count_kv([p.n_head_kv if il in p.attn_layers else 0 for il in range(p.n_layer)])
+    write_ssm_sizes(writer, p)
+    writer.add_ssm_time_step_rank(p.dt_rank)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+    writer.add_expert_count(p.n_expert)
+    writer.add_expert_used_count(p.n_expert_used)
+
+
 FAMILY = register(Family(label="Jamba", gguf_arch=ARCH, hf_architecture="JambaForCausalLM", model_class=JambaModel,
-                         from_hf=_from_hf))
+                         from_hf=_from_hf, from_gguf=_from_gguf, gguf_layout=_gguf_layout,
+                         write_gguf_keys=_write_gguf_keys, gguf_own_keys=True))

@@ -118,6 +118,12 @@ class LanguageModel(ABC):
         return logits[0] if len(logits) == 1 else _namespace_of(logits[0]).concat(logits)
 
     @abstractmethod
+    def reference_run(self, dtype: str = "f32") -> Any:
+        """One sequence run alone, token by token from a zero state, with its states stored as ``dtype``:
+        what every batched run must equal (an object with ``feed(tokens) -> logits [len, n_vocab]``
+        and ``copy()``)."""
+
+    @abstractmethod
     def forward_ubatch(self, st: Any) -> Any:
         """Run the ubatch that ``st`` has just applied; the logits of its output tokens in ubatch order."""
 

@@ -36,6 +36,7 @@ from ._attention import AttentionParams
 from ._ffn import mlp
 from ._registry import Family, register
 from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
+from .gguf_io import GGUFReader, layer_layout, write_ssm_sizes
 from .hf import Checkpoint, as_float, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
 from .mamba2 import NO_TIME_STEP_LIMIT, Mamba2HParams, mamba2_mixer
@@ -304,5 +305,77 @@ def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: NemotronH
     return layer
 
 
+# -- GGUF files (llama.cpp's nemotron_h) ------------------------------------------------------------------
+
+
+def gguf_shapes(p: NemotronHHParams) -> dict[str, tuple[int, ...]]:
+    """The numpy shape of each field as llama.cpp's GGUF stores it, where it differs from ``layer_shapes``."""
+    return {"ssm_a": (p.n_ssm_head, 1), "ssm_d": (p.n_ssm_head, 1),
+            "ssm_norm": (p.n_group, p.d_inner // p.n_group)}
+
+
+def _gguf_layout(model: NemotronHModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    p = model.hparams
+    if p.mamba.limits_time_step:
+        raise ModelError(f"time_step_limit {p.time_step_limit} clamps dt; llama.cpp's nemotron_h does not, "
+                         "so the GGUF file would be another model")
+    stored = gguf_shapes(p)
+    layout = layer_layout([layer_shapes(p, il) for il in range(p.n_layer)])
+    return {field: (GGUF_TENSORS[field], stored.get(field, shape)) for field, (_, shape) in layout.items()}
+
+
+def _write_gguf_keys(writer: Any, model: NemotronHModel) -> None:
+    """Every nemotron_h key but those all families write: the layer kinds as llama.cpp's per-layer
+    ``feed_forward_length`` (> 0 on MLP layers) and ``attention.head_count_kv`` (> 0 on attention layers)."""
+    p = model.hparams
+    writer.add_feed_forward_length([p.n_ff if kind == MLP else 0 for kind in p.pattern])
+    writer.add_head_count(p.n_head)
+    writer.add_head_count_kv([p.n_head_kv if kind == ATTENTION else 0 for kind in p.pattern])
+    writer.add_key_length(p.head_dim)
+    writer.add_value_length(p.head_dim)
+    write_ssm_sizes(writer, p)
+    writer.add_ssm_time_step_rank(p.n_ssm_head)
+    writer.add_ssm_group_count(p.n_group)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+    writer.add_layer_norm_eps(p.rms_eps)   # llama.cpp requires it (its MTP head's norm); the converter writes both
+
+
+def _one_width(key: str, values: Sequence[int], layers: Sequence[int]) -> int | None:
+    """The one value ``values`` hold on ``layers`` (None without such layers); ``ModelError`` when they differ."""
+    widths = sorted({values[il] for il in layers})
+    if len(widths) > 1:
+        raise ModelError(f"GGUF key {ARCH}.{key} is {list(values)}: layers of different widths are not supported")
+    return widths[0] if widths else None
+
+
+def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, Any], dtype: Any,
+               vocab: Vocabulary | None) -> NemotronHModel:
+    """The model of a GGUF file of architecture ``nemotron_h`` (``load_gguf``): an MLP layer where the per-layer
+    ``feed_forward_length`` is above 0, else attention where ``attention.head_count_kv`` is, else Mamba-2
+    (llama.cpp's rules)."""
+    n_layer, n_embd = sizes["n_layer"], sizes["n_embd"]
+    heads_kv = read.per_layer(GGUF_KEYS["n_head_kv"], n_layer)
+    n_ffs = read.per_layer(GGUF_KEYS["n_ff"], n_layer)
+    pattern = "".join(MLP if ff > 0 else ATTENTION if kv > 0 else MAMBA for kv, ff in zip(heads_kv, n_ffs))
+    n_head = read.key(GGUF_KEYS["n_head"], int)
+    n_head_kv = _one_width(GGUF_KEYS["n_head_kv"], heads_kv, [i for i, k in enumerate(pattern) if k == ATTENTION])
+    n_ff = _one_width(GGUF_KEYS["n_ff"], n_ffs, [i for i, k in enumerate(pattern) if k == MLP])
+    p = NemotronHHParams(n_vocab=sizes["n_vocab"], n_embd=n_embd, pattern=pattern, n_head=n_head,
+                         n_head_kv=n_head_kv or n_head, head_dim=read.key(GGUF_KEYS["head_dim"], int, n_embd // n_head),
+                         n_ff=n_ff or 1, **read.ssm_sizes(), n_ssm_head=read.key(GGUF_KEYS["n_ssm_head"], int),
+                         n_group=read.key(GGUF_KEYS["n_group"], int, 1), rms_eps=sizes["rms_eps"])
+    stored = gguf_shapes(p)
+    layers = []
+    for il in range(n_layer):
+        layer = {}
+        for field, shape in layer_shapes(p, il).items():
+            values = read.tensor(f"blk.{il}.{GGUF_TENSORS[field]}", stored.get(field, shape))
+            layer[field] = values.reshape(shape) if values.shape == stored.get(field) else values
+        layers.append(layer)
+    token_embd, output_norm, output = head
+    return NemotronHModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
+
+
 FAMILY = register(Family(label="Nemotron-H", gguf_arch=ARCH, hf_architecture="NemotronHForCausalLM",
-                         model_class=NemotronHModel, from_hf=_from_hf))
+                         model_class=NemotronHModel, from_hf=_from_hf, from_gguf=_from_gguf,
+                         gguf_layout=_gguf_layout, write_gguf_keys=_write_gguf_keys, gguf_own_keys=True))

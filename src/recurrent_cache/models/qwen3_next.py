@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import ConfigError, ModelError
 from ._arrays import Array
 from ._attention import AttentionParams, Rope
+from ._deltanet import GGUF_TENSORS as DELTANET_TENSORS
 from ._deltanet import PRODUCTS as DELTANET_PRODUCTS
 from ._deltanet import (DeltaNetParams, deltanet_weights_from_gguf, deltanet_weights_from_hf, gated_deltanet,
                         random_deltanet_weights, weight_shapes)
@@ -361,5 +362,42 @@ def _from_gguf(read: GGUFReader, sizes: dict[str, Any], head: tuple[Any, Any, An
     return Qwen3NextModel(p, token_embd, layers, output_norm, output, dtype=dtype, vocab=vocab)
 
 
+def _gguf_layout(model: Qwen3NextModel) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each layer field's tensor and shape in llama.cpp's qwen3next; ``ModelError`` for a model llama.cpp
+    would not run as the package does: a dense MLP layer (llama.cpp's qwen3next has experts on every layer),
+    experts' weights not renormalised, a Gated DeltaNet that ``DeltaNetParams.gguf_keys`` refuses."""
+    p = model.hparams
+    dense = [il for il in range(p.n_layer) if il not in p.moe_layers]
+    if dense:
+        raise ModelError(f"layers {dense} have a dense MLP: llama.cpp's qwen3next runs experts on every layer")
+    if not p.norm_top_k:
+        raise ModelError("the chosen experts' weights are not renormalised (norm_topk_prob false): llama.cpp's "
+                         "qwen3next always renormalises them")
+    p.deltanet.gguf_keys()
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for il in range(p.n_layer):
+        for field, shape in layer_shapes(p, il).items():
+            name = DELTANET_TENSORS.get(field) or _GGUF_NAMES.get(field, f"{field}.weight")
+            layout.setdefault(field, (name, shape))
+    return layout
+
+
+def _write_gguf_keys(writer: Any, model: Qwen3NextModel) -> None:
+    """Every qwen3next key but those all families write; the attention layers as llama.cpp's per-layer
+    ``attention.recurrent_layers`` (False where a layer attends)."""
+    p = model.hparams
+    keys = {"feed_forward_length": p.n_ff, "attention.head_count": p.n_head, "attention.head_count_kv": p.n_head_kv,
+            "attention.key_length": p.head_dim, "attention.value_length": p.head_dim,
+            "rope.dimension_count": p.n_rot, "expert_count": p.n_expert, "expert_used_count": p.n_expert_used,
+            "expert_feed_forward_length": p.n_ff_exp, "expert_shared_feed_forward_length": p.n_ff_shexp,
+            **p.deltanet.gguf_keys()}
+    for key, value in keys.items():
+        writer.add_uint32(f"{ARCH}.{key}", value)
+    writer.add_rope_freq_base(p.rope_base)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+    writer.add_array(f"{ARCH}.attention.recurrent_layers", [il not in p.attn_layers for il in range(p.n_layer)])
+
+
 FAMILY = register(Family(label="Qwen3-Next", gguf_arch=ARCH, hf_architecture="Qwen3NextForCausalLM",
-                         model_class=Qwen3NextModel, from_hf=_from_hf, from_gguf=_from_gguf))
+                         model_class=Qwen3NextModel, from_hf=_from_hf, from_gguf=_from_gguf,
+                         gguf_layout=_gguf_layout, write_gguf_keys=_write_gguf_keys, gguf_own_keys=True))

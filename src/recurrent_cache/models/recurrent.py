@@ -152,6 +152,10 @@ class RecurrentModel(LanguageModel):
         logits: np.ndarray | torch.Tensor = super().forward(st)
         return logits
 
+    def reference_run(self, dtype: str = "f32") -> ReferenceRun:
+        """``ReferenceRun``: no cache, one token at a time, states rounded to ``dtype``."""
+        return ReferenceRun(self, dtype, dtype)
+
     @overload
     def forward_ubatch(self, st: HostRows) -> np.ndarray: ...
     @overload
