@@ -31,6 +31,8 @@ from .formats.blob import blob_view, framing_prefix, parse_blob
 from .formats.framings import in_section, unframe
 from .formats.geometry import Geometry
 from .formats.kv import compose_kv_section, parse_kv_section
+from .formats.messages import target_aliases_cache, target_too_small
+from .formats.streams import target_view, write_all
 from .kv_state import KvLoad, KvRows, checked_load, kv_section
 from .storage import Storage, Tensor, allocating, storage_for
 
@@ -592,6 +594,33 @@ class HybridCache:
                    partial_only: bool = False) -> int:
         """Length in bytes of ``state_write`` with the same arguments."""
         return len(self.state_write(seq_id, framing, arch, partial_only=partial_only))
+
+    def state_write_into(self, target: object, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
+                         partial_only: bool = False) -> int:
+        """Write ``state_write(...)`` with the same arguments into ``target``: a writable C-contiguous
+        buffer of at least that many bytes (filled from its start; refused when it shares memory with
+        this cache's tensors), or a binary file object (written at its position).  Returns the bytes
+        written."""
+        data = self.state_write(seq_id, framing, arch, partial_only=partial_only)
+        view = target_view(target)
+        if view is None:
+            write_all(target, data)
+            return len(data)
+        if len(view) < len(data):
+            raise target_too_small(len(view), len(data))
+        host = np.frombuffer(view, dtype=np.uint8)
+        tensors = [*self._kv_tensors, *(t for t in self.r + self.s if t is not None)]
+        if any(isinstance(t, np.ndarray) and np.shares_memory(host, t) for t in tensors):
+            raise target_aliases_cache()
+        view[:len(data)] = data
+        return len(data)
+
+    def seq_state_bound(self) -> int:
+        """The most bytes one sequence's state (``state_write(seq)``) can take: every KV cell held, with
+        its cell header, and the recurrent section; what ``load_seq_file`` reads no further than."""
+        n_attn = len(self._attn_layers)
+        recurrent = self._recurrent.n_layer * 2 * 12 + 64 + self._recurrent_bytes
+        return 64 + n_attn * 2 * 16 + self.kv_size * (12 + self.kv_bytes_per_token) + recurrent
 
     def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
                    partial_only: bool = False, kv_cell_ext: bool | None = None) -> int:

@@ -26,8 +26,9 @@ from .errors import ArgumentError, StateError
 from .formats.blob import arch_string, seq_file_format, seq_file_header
 from .formats.files import FileContents, read_file
 from .formats.geometry import Geometry
-from .formats.layouts import GGSN, MAX_TOKENS
-from .formats.streams import write_all
+from .formats.layouts import FILE_HEADER, GGSN, GGSQ, GGSQ_V2, MAX_TOKENS
+from .formats.streams import check_file, write_all
+from .hybrid import HybridCache
 
 _Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
@@ -91,12 +92,17 @@ def load_seq_file(path: _Path, cache: Any, seq_id: int, *, max_tokens: int = MAX
     ``max_tokens`` (llama.cpp's ``n_token_capacity``; default 2**26) and the
     blob no further than a sequence of this cache can be: a FIFO,
     ``/dev/zero`` or a huge file is rejected after a few bytes.
-    ``kv_section=True``: a hybrid model's file, whose attention KV section
-    (before the recurrent section) is checked and skipped; ``kv_cell_ext``
-    says whether its cells carry the 12-byte extended position (None: found
-    from the bytes, refused when both readings fit).
+    ``kv_section=True``: a hybrid model's file read into a ``RecurrentCache``
+    (the recurrent layers alone), whose attention KV section (before the
+    recurrent section) is checked and skipped; ``kv_cell_ext`` says whether
+    its cells carry the 12-byte extended position (None: found from the
+    bytes, refused when both readings fit).  A ``HybridCache`` reads both
+    sections (its ``state_read``), no further than ``seq_state_bound()``.
     """
     path = _args.path(path, "load_seq_file: path")
+    if isinstance(cache, HybridCache):   # its attention KV section and its recurrent section, both read
+        seq_id = _args.state_seq_id(seq_id, cache.n_seq_max, "load_seq_file")
+        return _load_hybrid(path, cache, seq_id, max_tokens)
     seq_id = _args.state_seq_id(seq_id, cache.size, "load_seq_file")
     return _load(path, "load_seq_file", cache, seq_id, max_tokens, None, kv_section, kv_cell_ext)
 
@@ -111,6 +117,39 @@ def load_session_file(path: _Path, cache: Any, *, arch: str | None = None, max_t
     """
     path = _args.path(path, "load_session_file: path")
     return _load(path, "load_session_file", cache, -1, max_tokens, arch, kv_section, kv_cell_ext)
+
+
+def _load_hybrid(path: str, cache: HybridCache, seq_id: int, max_tokens: int) -> np.ndarray:
+    """A 'ggsq' file of a hybrid memory's sequence: header, tokens, then the sequence's state read by
+    ``HybridCache.state_read`` (every check before either half changes).  No more is read than the
+    header claims and ``cache.seq_state_bound()`` allows, and one byte more to prove the file ends."""
+    op = "load_seq_file"
+    max_tokens = _args.count(max_tokens, f"{op}: max_tokens", 0, int32_only=False)
+    with open(path, "rb") as file:
+        check_file(file, op, "read", "reading")
+        header = file.read(FILE_HEADER.size)
+        if len(header) < FILE_HEADER.size:
+            raise StateError(f"{path}: {len(header)} bytes, shorter than a sequence file's header")
+        magic, version, n_tokens = FILE_HEADER.unpack(header)
+        framing = next((f for f in (GGSQ, GGSQ_V2) if (magic, version) == (f.magic, f.version)), None)
+        if framing is None:
+            raise StateError(f"{path}: magic {magic:#010x} version {version}: not a 'ggsq' sequence file "
+                             "(version 3 or 2)")
+        if n_tokens > max_tokens:
+            raise StateError(f"{path}: n_token_count {n_tokens} is more than max_tokens {max_tokens}")
+        token_bytes = file.read(4 * n_tokens)
+        if len(token_bytes) < 4 * n_tokens:
+            raise StateError(f"{path}: {n_tokens} tokens claimed, the file ends after {len(token_bytes) // 4}")
+        bound = cache.seq_state_bound()
+        state = file.read(bound + 1)
+    if len(state) > bound:
+        raise StateError(f"{path}: the state after the tokens is longer than a sequence of this memory can be "
+                         f"({bound} bytes)")
+    try:
+        cache.state_read(state, seq_id, framing="bare")
+    except StateError as exc:
+        raise StateError(f"{path}: the state at byte {FILE_HEADER.size + 4 * n_tokens}: {exc}") from None
+    return np.frombuffer(token_bytes, dtype="<i4").astype(np.int32)
 
 
 def _load(path: str, op: str, cache: Any, seq_id: int, max_tokens: int, arch: str | None,

@@ -65,3 +65,15 @@ def test_a_model_keeps_each_expert_in_the_products_layout():
     for field in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         stacked = model.layers[il][field]
         assert all(stacked[e].T.flags.c_contiguous for e in range(stacked.shape[0])), field
+
+
+def test_one_token_equals_its_row_of_several_with_a_choice_bias_sigmoid_router_and_relu2_experts():
+    """Nemotron-H's mixture (sigmoid router, a choice bias, a routed scale, non-gated relu² experts): the
+    one-token path gives each row as the several-token path does."""
+    w = {name: a for name, a in weights(shared=False, seed=2).items() if name != "ffn_gate_exps"}
+    w["ffn_exp_probs_b"] = np.random.default_rng(3).uniform(-0.5, 0.5, N_EXPERT)
+    params = MoeParams(N_EXPERT, 2, norm_top_k=True, gating="sigmoid", scale=2.5, activation="relu2")
+    x = np.random.default_rng(4).standard_normal((6, N_EMBD))
+    together = moe(np, w, x, params)
+    for row in range(6):
+        np.testing.assert_allclose(moe(np, w, x[row:row + 1], params), together[row:row + 1], rtol=1e-12, atol=1e-12)

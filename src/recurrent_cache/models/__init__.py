@@ -20,6 +20,7 @@ from .hybrid_model import HybridModel
 from .jamba import JambaHParams, JambaModel, random_jamba_model
 from .lfm2 import Lfm2HParams, Lfm2Model, random_lfm2_model
 from .bamba import GraniteHybridHParams, GraniteHybridModel
+from .falcon_h1 import FalconH1HParams, FalconH1Model, random_falcon_h1_model
 from .language_model import LanguageModel
 from .qwen3_next import Qwen3NextHParams, Qwen3NextModel, random_qwen3_next_model
 from .nemotron_h import NemotronHHParams, NemotronHModel, random_nemotron_h_model
@@ -29,10 +30,11 @@ from .sampling import Sampler
 from .trained import TRAINED_GGUF, held_out_prompts, trained_model, training_facts
 from .vocab import Vocabulary, escape
 
-__all__ = ["GraniteHybridHParams", "GraniteHybridModel", "HybridModel", "JambaHParams", "JambaModel", "LanguageModel",
-           "Lfm2HParams", "Lfm2Model", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "MambaHParams", "MambaLayer",
-           "MambaModel", "ModelError", "NemotronHHParams", "NemotronHModel", "Qwen3NextHParams", "Qwen3NextModel",
-           "RecurrentModel", "ReferenceRun", "Sampler", "TRAINED_GGUF", "Vocabulary", "convert_hf_to_gguf", "escape",
-           "held_out_prompts", "load_gguf", "load_hf", "load_model", "random_jamba_model", "random_lfm2_model",
-           "random_mamba2_model", "random_model", "random_nemotron_h_model", "random_qwen3_next_model",
-           "recurrent_layers", "trained_model", "training_facts", "write_gguf"]
+__all__ = ["FalconH1HParams", "FalconH1Model", "GraniteHybridHParams", "GraniteHybridModel", "HybridModel",
+           "JambaHParams", "JambaModel", "LanguageModel", "Lfm2HParams", "Lfm2Model", "Mamba2HParams", "Mamba2Layer",
+           "Mamba2Model", "MambaHParams", "MambaLayer", "MambaModel", "ModelError", "NemotronHHParams",
+           "NemotronHModel", "Qwen3NextHParams", "Qwen3NextModel", "RecurrentModel", "ReferenceRun", "Sampler",
+           "TRAINED_GGUF", "Vocabulary", "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf",
+           "load_model", "random_falcon_h1_model", "random_jamba_model", "random_lfm2_model", "random_mamba2_model",
+           "random_model", "random_nemotron_h_model", "random_qwen3_next_model", "recurrent_layers", "trained_model",
+           "training_facts", "write_gguf"]

@@ -26,7 +26,7 @@ default (0, inf) for a GGUF file).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,15 +36,15 @@ from ..errors import ModelError
 from ._arrays import Array
 from ._registry import Family, register
 from ._ssm import (causal_conv, conv_state_after, conv_window, gated_rms_norm, linear, random_conv, random_dt_bias,
-                   random_head, selective_scan, softplus)
+                   random_head, rms_norm, selective_scan, silu, softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, check_sizes, checked_layers
 from .gguf_io import GGUFReader
 from .hf import MAX_CONFIG_INT, Checkpoint, as_float, built, common_sizes, head_tensors
 from .vocab import Vocabulary
 
-__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "mamba2_mixer",
-           "random_mamba2_model"]
+__all__ = ["ARCH", "LAYER_TENSORS", "Mamba2HParams", "Mamba2Layer", "Mamba2Model", "gated_output", "hf_mixer_weights",
+           "hf_time_step_limit", "mamba2_mixer", "random_layer", "random_mamba2_model"]
 
 ARCH = "mamba2"
 NO_TIME_STEP_LIMIT = (0.0, math.inf)
@@ -185,10 +185,12 @@ class Mamba2Model(RecurrentModel):
 
 
 def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv: Array, ssm: Array,
-                 storage_r: StateStorage, storage_s: StateStorage, m: int) -> MixerResult:
+                 storage_r: StateStorage, storage_s: StateStorage, m: int, *, norm_before_gate: bool = False
+                 ) -> MixerResult:
     """One Mamba-2 block of sizes ``p`` on ``u`` [n_seqs, n_tokens, n_embd] (see ``RecurrentModel.mixer``).
 
-    conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].
+    conv: [n_seqs, conv_channels, d_conv-1] and ssm: [n_seqs, d_inner, d_state].  The output's gate and
+    norm are ``gated_output``'s (``norm_before_gate``; ``w`` without ``ssm_norm``: gated, not normed).
     """
     n_seqs, n_tokens = u.shape[:2]
     n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
@@ -214,9 +216,40 @@ def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv:
                                          dt[..., None] * x, b, c, storage_s, m)
     conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
     y = (y + x * w["ssm_d"][:, None]).reshape((n_seqs, n_tokens, p.d_inner))
-    out = linear(gated_rms_norm(xp, y, z, w["ssm_norm"], n_group, p.rms_eps), w["ssm_out"])
+    out = linear(gated_output(xp, p, w, y, z, norm_before_gate), w["ssm_out"])
     steps = None if ssm_steps is None else (conv_steps, ssm_steps.reshape((n_seqs, m, p.d_inner, d_state)))
     return out, conv, state.reshape((n_seqs, p.d_inner, d_state)), steps
+
+
+def gated_output(xp: Any, p: Mamba2HParams, w: dict[str, Array], y: Array, z: Array,
+                 norm_before_gate: bool = False) -> Array:
+    """``y`` [..., d_inner] gated by ``silu(z)`` and RMS-normed over each of the ``n_group`` groups times
+    ``ssm_norm``: gated first (transformers' ``norm_before_gate=False``, llama.cpp's only order), or normed
+    first (``norm_before_gate``: Falcon-H1's ``mamba_norm_before_gate``).  Without ``ssm_norm`` in ``w``
+    only gated (Falcon-H1's ``mamba_rms_norm=False``; llama.cpp's graph without the tensor)."""
+    if "ssm_norm" not in w:
+        return y * silu(xp, z)
+    if not norm_before_gate:
+        return gated_rms_norm(xp, y, z, w["ssm_norm"], p.n_group, p.rms_eps)
+    *lead, width = y.shape
+    grouped = rms_norm(xp, y.reshape((*lead, p.n_group, width // p.n_group)), p.rms_eps)
+    return grouped.reshape((*lead, width)) * w["ssm_norm"] * silu(xp, z)
+
+
+def random_layer(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], n_layer: int,
+                 mamba: Mamba2HParams | None = None) -> dict[str, np.ndarray]:
+    """Seeded random weights of a hybrid family's layer of ``shapes``: vectors near 1, matrices scaled by
+    ``1/sqrt(fan_in * n_layer)``; with ``mamba``, the layer's Mamba-2 block initialised as ``mamba_ssm`` does
+    (conv, dt bias, A = -[1..n_head], D = 1)."""
+    layer = {name: (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
+                    else rng.standard_normal(shape) / np.sqrt(shape[-1] * n_layer))
+             for name, shape in shapes.items()}
+    if mamba is not None:
+        layer["ssm_conv1d"], layer["ssm_conv1d_b"] = random_conv(rng, mamba.conv_channels, mamba.d_conv)
+        layer["ssm_dt_b"] = random_dt_bias(rng, mamba.n_head)
+        layer["ssm_a"] = -np.arange(1, mamba.n_head + 1, dtype=np.float64)
+        layer["ssm_d"] = np.ones(mamba.n_head)
+    return layer
 
 
 def random_mamba2_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 64, n_layer: int = 4,
@@ -286,9 +319,34 @@ def _write_gguf_keys(writer: Any, model: Mamba2Model) -> None:
     writer.add_layer_norm_rms_eps(model.hparams.rms_eps)
 
 
+def hf_time_step_limit(checkpoint: Checkpoint) -> tuple[float, float]:
+    """config.json's ``time_step_limit``, transformers' clamp of dt (none when absent)."""
+    limit = checkpoint.config.get("time_step_limit", NO_TIME_STEP_LIMIT)
+    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
+    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
+            or (as_float(limit[1]) is None and limit[1] != math.inf)):
+        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
+    return float(limit[0]), float(limit[1])
+
+
+def hf_mixer_weights(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: Mamba2HParams, prefix: str,
+                     conv_bias: bool, norm: bool = True) -> dict[str, np.ndarray]:
+    """A transformers Mamba-2 block's tensors as the mixer's fields (every ``Mamba2Layer`` field but
+    ``attn_norm``): ``weight(name, shape)`` reads a tensor of the layer, ``prefix`` names the block in it
+    ("mixer.", Falcon-H1's "mamba.").  A = -exp(A_log); a zero conv bias when the config has none
+    (``conv_bias``); no ``ssm_norm`` when ``norm`` is false (Falcon-H1's ``mamba_rms_norm=False``)."""
+    shapes = layer_shapes(p)
+    names = {"ssm_in": "in_proj.weight", "ssm_conv1d": "conv1d.weight", "ssm_dt_b": "dt_bias", "ssm_d": "D",
+             "ssm_out": "out_proj.weight"} | ({"ssm_norm": "norm.weight"} if norm else {})
+    fields = {field: weight(prefix + name, shapes[field]) for field, name in names.items()}
+    fields["ssm_conv1d_b"] = (weight(prefix + "conv1d.bias", shapes["ssm_conv1d_b"]) if conv_bias
+                              else np.zeros(shapes["ssm_conv1d_b"], np.float32))
+    fields["ssm_a"] = -np.exp(weight(prefix + "A_log", shapes["ssm_a"]).astype(np.float64))
+    return fields
+
+
 def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Mamba2Model:
     """The model of a ``Mamba2ForCausalLM`` checkpoint directory (``load_hf``)."""
-    config = checkpoint.config
     common = common_sizes(checkpoint)
     n_embd = common["n_embd"]
     d_inner = int(checkpoint.positive_float("expand", 2, high=MAX_CONFIG_INT) * n_embd)
@@ -296,30 +354,15 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Ma
     if n_head * head_dim != d_inner:
         raise checkpoint.refuse("num_heads", f"num_heads × head_dim = {n_head * head_dim}, but "
                                 f"expand × hidden_size = {d_inner}")
-    limit = config.get("time_step_limit", (0.0, math.inf))
-    # the upper limit may be infinite (no clamp, transformers' default); anything else must be a finite number
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
-            or (as_float(limit[1]) is None and limit[1] != math.inf)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
     p = built(checkpoint, Mamba2HParams, **common, d_inner=d_inner, n_head=n_head,
                                 n_group=checkpoint.field("n_groups", int, 1),
-                                time_step_limit=(float(limit[0]), float(limit[1])))
+                                time_step_limit=hf_time_step_limit(checkpoint))
     use_conv_bias = checkpoint.field("use_conv_bias", bool, True)
     layers = []
     for il in range(p.n_layer):
         weight = checkpoint.layer_tensors(il)
-        layers.append(Mamba2Layer(
-            attn_norm=weight("norm.weight", (p.n_embd,)),
-            ssm_in=weight("mixer.in_proj.weight", (p.d_in_proj, p.n_embd)),
-            ssm_conv1d=weight("mixer.conv1d.weight", (p.conv_channels, p.d_conv)),
-            ssm_conv1d_b=(weight("mixer.conv1d.bias", (p.conv_channels,)) if use_conv_bias
-                          else np.zeros(p.conv_channels, np.float32)),
-            ssm_dt_b=weight("mixer.dt_bias", (p.n_head,)),
-            ssm_a=-np.exp(weight("mixer.A_log", (p.n_head,)).astype(np.float64)),
-            ssm_d=weight("mixer.D", (p.n_head,)),
-            ssm_norm=weight("mixer.norm.weight", (p.d_inner,)),
-            ssm_out=weight("mixer.out_proj.weight", (p.n_embd, p.d_inner)),
-        ))
+        layers.append(Mamba2Layer(attn_norm=weight("norm.weight", (p.n_embd,)),
+                                  **hf_mixer_weights(weight, p, "mixer.", use_conv_bias)))
     token_embd, output_norm, output = head_tensors(checkpoint, p.n_vocab, p.n_embd, tied_default=False)
     return built(checkpoint, Mamba2Model, hparams=p, token_embd=token_embd, layers=layers,
                     output_norm=output_norm, output=output, dtype=dtype, vocab=vocab)

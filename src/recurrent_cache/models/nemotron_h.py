@@ -7,13 +7,17 @@ Each layer is one block, a pre-norm and a residual::
     x = x + mamba2(u)            # "M": Mamba-2 with its grouped gated norm (mamba2.mamba2_mixer)
     x = x + attention(u)         # "*": GQA, no positional encoding, scale 1/sqrt(head_dim)
     x = x + ffn_down @ relu(ffn_up @ u)²    # "-": a non-gated MLP (relu², _ffn.mlp)
+    x = x + moe(u) + shared(u)   # "E": a mixture of non-gated relu² experts beside a shared one (_ffn.moe)
 
-The layer kinds come from ``hybrid_override_pattern`` (a string of M, *, -) or transformers'
-``layers_block_type`` ("linear_attention", "full_attention", "mlp").  MLP layers hold neither K/V
-nor recurrent rows.  The Mamba-2 block has ``mamba_num_heads`` heads of ``mamba_head_dim`` (so
-d_inner need not be ``expand * hidden_size``), ``n_groups`` groups of B / C and of the gated norm.
-Mixture-of-experts layers ("E", "moe": a sigmoid router with a score bias and group-limited
-selection, non-gated relu² experts and a shared expert) are refused by the loader, not computed.
+The layer kinds come from ``hybrid_override_pattern`` (a string of M, *, -, E) or transformers'
+``layers_block_type`` ("linear_attention", "full_attention", "mlp", "moe").  MLP and expert layers
+hold neither K/V nor recurrent rows.  The Mamba-2 block has ``mamba_num_heads`` heads of
+``mamba_head_dim`` (so d_inner need not be ``expand * hidden_size``), ``n_groups`` groups of B / C and
+of the gated norm.  The experts' router is a sigmoid; the ``num_experts_per_tok`` largest of its
+probabilities plus a choice bias (``e_score_correction_bias``, llama.cpp's ``exp_probs_b``) are taken,
+their probabilities (without the bias) renormalised (``norm_topk_prob``) and scaled by
+``routed_scaling_factor``.  Group-limited choice (``n_group`` > 1) and latent expert projections
+(``moe_latent_size``) are refused by the loader, as llama.cpp computes neither.
 
 transformers computes every RMS norm in float32 (also in a float64 model) and returns float32
 logits; the package computes in the model's dtype, so a float64 model differs from transformers
@@ -33,13 +37,15 @@ import numpy as np
 from ..errors import ConfigError, ModelError
 from ._arrays import Array
 from ._attention import AttentionParams
-from ._ffn import mlp
+from ._ffn import MoeParams, mlp, moe
 from ._registry import Family, register
-from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
+from ._ssm import random_head, rms_norm
 from .gguf_io import GGUFReader, layer_layout, write_ssm_sizes
-from .hf import Checkpoint, as_float, built
+from .hf import MAX_CONFIG_INT, Checkpoint, built
 from .hybrid_model import HybridModel, LayerRun, flat_mixer
-from .mamba2 import NO_TIME_STEP_LIMIT, Mamba2HParams, mamba2_mixer
+from .mamba2 import (NO_TIME_STEP_LIMIT, Mamba2HParams, hf_mixer_weights, hf_time_step_limit, mamba2_mixer,
+                     random_layer)
+from .mamba2 import layer_shapes as mamba2_layer_shapes
 from .recurrent import check_sizes
 from .vocab import Vocabulary
 
@@ -48,14 +54,14 @@ __all__ = ["GGUF_KEYS", "GGUF_TENSORS", "LAYER_KINDS", "NemotronHHParams", "Nemo
 
 ARCH = "nemotron_h"
 
-MAMBA, ATTENTION, MLP = "M", "*", "-"
-LAYER_KINDS = (MAMBA, ATTENTION, MLP)
+MAMBA, ATTENTION, MLP, EXPERTS = "M", "*", "-", "E"
+LAYER_KINDS = (MAMBA, ATTENTION, MLP, EXPERTS)
 # transformers' layers_block_type names of the pattern's characters
 _BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
-                "mlp": MLP}
-_REFUSED_KINDS = {"E": "mixture-of-experts", "moe": "mixture-of-experts"}
+                "mlp": MLP, "moe": EXPERTS}
 
-_PRODUCTS = frozenset({"wq", "wk", "wv", "wo", "ssm_in", "ssm_out", "ffn_up", "ffn_down"})
+_PRODUCTS = frozenset({"wq", "wk", "wv", "wo", "ssm_in", "ssm_out", "ffn_up", "ffn_down", "ffn_gate_inp",
+                       "ffn_up_shexp", "ffn_down_shexp"})
 
 # llama.cpp's GGUF name of each layer field (``blk.N.`` + this), as its converter writes them (for GGUF I/O).
 # ssm_a / ssm_d are stored [n_head, 1] and ssm_norm [n_group, d_inner / n_group] there.
@@ -66,23 +72,30 @@ GGUF_TENSORS = {
     "ssm_out": "ssm_out.weight",
     "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
     "ffn_up": "ffn_up.weight", "ffn_down": "ffn_down.weight",
+    "ffn_gate_inp": "ffn_gate_inp.weight", "ffn_exp_probs_b": "exp_probs_b.bias",
+    "ffn_up_exps": "ffn_up_exps.weight", "ffn_down_exps": "ffn_down_exps.weight",
+    "ffn_up_shexp": "ffn_up_shexp.weight", "ffn_down_shexp": "ffn_down_shexp.weight",
 }
 
 # The GGUF key (``nemotron_h.`` + this) each hyper-parameter is read from (llama.cpp's llama-arch.cpp).  The
 # layer kinds are per-layer arrays: attention.head_count_kv is 0 on Mamba and MLP layers, feed_forward_length
-# is 0 on Mamba and attention layers (a layer with both 0 is a Mamba layer).
+# is 0 on Mamba and attention layers (a layer with both 0 is a Mamba layer).  A model with expert layers is
+# llama.cpp's ``nemotron_h_moe`` (its converter picks that architecture when the config names experts).
 GGUF_KEYS = {
     "n_embd": "embedding_length", "n_head": "attention.head_count", "n_head_kv": "attention.head_count_kv",
     "head_dim": "attention.key_length", "n_ff": "feed_forward_length", "d_conv": "ssm.conv_kernel",
     "d_inner": "ssm.inner_size", "d_state": "ssm.state_size", "n_ssm_head": "ssm.time_step_rank",
     "n_group": "ssm.group_count", "rms_eps": "attention.layer_norm_rms_epsilon",
+    "n_expert": "expert_count", "n_expert_used": "expert_used_count", "n_ff_exp": "expert_feed_forward_length",
+    "n_ff_shexp": "expert_shared_feed_forward_length", "norm_top_k": "expert_weights_norm",
+    "expert_scale": "expert_weights_scale",
 }
 
 
 @dataclass(frozen=True)
 class NemotronHHParams:
     """The sizes of a Nemotron-H model (transformers' ``NemotronHConfig``; llama.cpp's ``nemotron_h.*`` keys):
-    ``pattern`` has one character per layer (M Mamba-2, * attention, - MLP)."""
+    ``pattern`` has one character per layer (M Mamba-2, * attention, - MLP, E experts)."""
 
     n_vocab: int
     n_embd: int
@@ -98,15 +111,23 @@ class NemotronHHParams:
     n_group: int = 1
     rms_eps: float = 1e-5
     time_step_limit: tuple[float, float] = NO_TIME_STEP_LIMIT
+    n_expert: int = 1
+    n_expert_used: int = 1
+    n_ff_exp: int = 1
+    n_ff_shexp: int = 1
+    norm_top_k: bool = True
+    expert_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_sizes(self, ("n_vocab", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "d_conv", "d_inner",
-                           "d_state", "n_ssm_head", "n_group"))
+                           "d_state", "n_ssm_head", "n_group", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp"))
+        if not (math.isfinite(self.expert_scale) and self.expert_scale > 0):
+            raise ModelError(f"expert_scale must be a positive number, got {self.expert_scale!r}")
         if not self.pattern or set(self.pattern) - set(LAYER_KINDS):
             raise ModelError(f"layer pattern {self.pattern!r} is not a non-empty string of "
                              f"{', '.join(LAYER_KINDS)}")
-        try:   # their own classes check the Mamba-2 and attention sizes (built once, kept)
-            _ = self.mamba, self.attention
+        try:   # their own classes check the Mamba-2, attention and expert sizes (built once, kept)
+            _ = self.mamba, self.attention, self.moe
         except ConfigError as exc:
             raise ModelError(str(exc)) from None
 
@@ -131,6 +152,11 @@ class NemotronHHParams:
         return Mamba2HParams(self.n_vocab, self.n_embd, self.n_layer, self.d_conv, self.d_inner, self.d_state,
                              self.n_ssm_head, self.n_group, self.rms_eps, self.time_step_limit)
 
+    @cached_property
+    def moe(self) -> MoeParams:
+        return MoeParams(self.n_expert, self.n_expert_used, self.norm_top_k, gating="sigmoid",
+                         scale=self.expert_scale, activation="relu2")
+
     @property
     def n_embd_r(self) -> int:
         return self.mamba.n_embd_r
@@ -151,15 +177,17 @@ def layer_shapes(p: NemotronHHParams, il: int) -> dict[str, tuple[int, ...]]:
     kind = p.pattern[il]
     shapes: dict[str, tuple[int, ...]] = {"attn_norm": (p.n_embd,)}
     if kind == MAMBA:
-        m = p.mamba
-        shapes |= {"ssm_in": (m.d_in_proj, p.n_embd), "ssm_conv1d": (m.conv_channels, p.d_conv),
-                   "ssm_conv1d_b": (m.conv_channels,), "ssm_dt_b": (p.n_ssm_head,), "ssm_a": (p.n_ssm_head,),
-                   "ssm_d": (p.n_ssm_head,), "ssm_norm": (p.d_inner,), "ssm_out": (p.n_embd, p.d_inner)}
+        shapes = mamba2_layer_shapes(p.mamba)
     elif kind == ATTENTION:
         n_q, n_kv = p.n_head * p.head_dim, p.attention.n_embd_k
         shapes |= {"wq": (n_q, p.n_embd), "wk": (n_kv, p.n_embd), "wv": (n_kv, p.n_embd), "wo": (p.n_embd, n_q)}
-    else:
+    elif kind == MLP:
         shapes |= {"ffn_up": (p.n_ff, p.n_embd), "ffn_down": (p.n_embd, p.n_ff)}
+    else:
+        shapes |= {"ffn_gate_inp": (p.n_expert, p.n_embd), "ffn_exp_probs_b": (p.n_expert,),
+                   "ffn_up_exps": (p.n_expert, p.n_ff_exp, p.n_embd),
+                   "ffn_down_exps": (p.n_expert, p.n_embd, p.n_ff_exp),
+                   "ffn_up_shexp": (p.n_ff_shexp, p.n_embd), "ffn_down_shexp": (p.n_embd, p.n_ff_shexp)}
     return shapes
 
 
@@ -190,6 +218,8 @@ class NemotronHModel(HybridModel):
             return x + run.recurrent(il, self._mixer, w, u)
         if kind == ATTENTION:
             return x + run.attention(il, w, u, p.attention)
+        if kind == EXPERTS:
+            return x + moe(xp, w, u, p.moe)
         return x + mlp(xp, w, u, activation="relu2")
 
 
@@ -202,18 +232,8 @@ def random_nemotron_h_model(seed: int = 0, *, n_vocab: int = 256, n_embd: int = 
                          head_dim=head_dim, n_ff=n_ff, d_conv=d_conv, d_inner=n_ssm_head * ssm_head_dim,
                          d_state=d_state, n_ssm_head=n_ssm_head, n_group=n_group)
     rng = np.random.default_rng(seed)
-    layers = []
-    for il, kind in enumerate(pattern):
-        layer: dict[str, Any] = {}
-        for name, shape in layer_shapes(p, il).items():
-            layer[name] = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
-                           else rng.standard_normal(shape) / np.sqrt(shape[-1] * p.n_layer))
-        if kind == MAMBA:
-            layer["ssm_conv1d"], layer["ssm_conv1d_b"] = random_conv(rng, p.mamba.conv_channels, d_conv)
-            layer["ssm_dt_b"] = random_dt_bias(rng, n_ssm_head)
-            layer["ssm_a"] = -np.arange(1, n_ssm_head + 1, dtype=np.float64)
-            layer["ssm_d"] = np.ones(n_ssm_head)
-        layers.append(layer)
+    layers = [random_layer(rng, layer_shapes(p, il), p.n_layer, p.mamba if kind == MAMBA else None)
+              for il, kind in enumerate(pattern)]
     token_embd, output_norm, output = random_head(rng, n_vocab, n_embd, tied)
     return NemotronHModel(p, token_embd, layers, output_norm, output, dtype=dtype)
 
@@ -232,21 +252,24 @@ def _pattern(checkpoint: Checkpoint) -> str:
         name, kinds = "layers_block_type", types
     else:
         raise checkpoint.refuse("layers_block_type", "not a list of layer type names")
-    refused = sorted({_REFUSED_KINDS[k] for k in kinds if k in _REFUSED_KINDS})
-    if refused:
-        raise checkpoint.refuse(name, f"{refused[0]} layers are not supported")
     unknown = sorted({k for k in kinds if k not in _BLOCK_TYPES and k not in LAYER_KINDS})
     if unknown or not kinds:
         raise checkpoint.refuse(name, f"unknown layer kinds {unknown}" if unknown else "no layers")
     return "".join(_BLOCK_TYPES.get(k, k) for k in kinds)
 
 
-def _time_step_limit(checkpoint: Checkpoint) -> tuple[float, float]:
-    limit = checkpoint.config.get("time_step_limit", NO_TIME_STEP_LIMIT)
-    if (not isinstance(limit, (list, tuple)) or len(limit) != 2 or as_float(limit[0]) is None
-            or (as_float(limit[1]) is None and limit[1] != math.inf)):
-        raise checkpoint.refuse("time_step_limit", "not a pair of numbers [low, high], high possibly infinite")
-    return float(limit[0]), float(limit[1])
+def _expert_sizes(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The expert layers' sizes, after refusing what neither llama.cpp nor this package computes."""
+    field = checkpoint.field
+    if field("n_group", int, 1) != 1:
+        raise checkpoint.refuse("n_group", "group-limited expert choice is not supported (llama.cpp has none)")
+    if checkpoint.config.get("moe_latent_size") is not None:
+        raise checkpoint.refuse("moe_latent_size", "latent expert projections are not supported")
+    return dict(n_expert=field("n_routed_experts", int, 8), n_expert_used=field("num_experts_per_tok", int, 2),
+                n_ff_exp=field("moe_intermediate_size", int),
+                n_ff_shexp=field("moe_shared_expert_intermediate_size", int),
+                norm_top_k=field("norm_topk_prob", bool, True),
+                expert_scale=checkpoint.positive_float("routed_scaling_factor", 1.0, high=MAX_CONFIG_INT))
 
 
 def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> NemotronHModel:
@@ -263,16 +286,20 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Ne
     pattern = _pattern(checkpoint)
     n_embd, n_head = field("hidden_size", int), field("num_attention_heads", int)
     n_ssm_head = field("mamba_num_heads", int, 128)
+    experts = _expert_sizes(checkpoint) if EXPERTS in pattern else {}
     p = built(checkpoint, NemotronHHParams, n_vocab=field("vocab_size", int), n_embd=n_embd, pattern=pattern,
               n_head=n_head, n_head_kv=field("num_key_value_heads", int, n_head),
               head_dim=field("head_dim", int, max(1, n_embd // n_head)), n_ff=field("intermediate_size", int),
               d_conv=field("conv_kernel", int, 4), d_inner=n_ssm_head * field("mamba_head_dim", int, 64),
               d_state=field("ssm_state_size", int, 128), n_ssm_head=n_ssm_head, n_group=field("n_groups", int, 8),
               rms_eps=checkpoint.positive_float("layer_norm_epsilon", 1e-5, high=1.0),
-              time_step_limit=_time_step_limit(checkpoint))
+              time_step_limit=hf_time_step_limit(checkpoint), **experts)
     prefix = "backbone" if checkpoint.has("backbone.embeddings.weight") else "model"
     conv_bias = field("use_conv_bias", bool, True)
-    layers = [_hf_layer(checkpoint.layer_tensors(il, f"{prefix}.layers"), p, il, conv_bias) for il in range(p.n_layer)]
+    # transformers writes each expert's tensors (experts.{e}.up_proj.weight); its in-memory layout stacks them
+    stacked = [checkpoint.has(f"{prefix}.layers.{il}.mixer.experts.up_proj") for il in range(p.n_layer)]
+    layers = [_hf_layer(checkpoint.layer_tensors(il, f"{prefix}.layers"), p, il, conv_bias, stacked[il])
+              for il in range(p.n_layer)]
     token_embd = checkpoint.tensor(f"{prefix}.embeddings.weight", (p.n_vocab, n_embd))
     output_norm = checkpoint.tensor(f"{prefix}.norm_f.weight", (n_embd,))
     tied = field("tie_word_embeddings", bool, False)
@@ -284,24 +311,27 @@ def _from_hf(checkpoint: Checkpoint, dtype: Any, vocab: Vocabulary | None) -> Ne
 
 
 def _hf_layer(weight: Callable[[str, tuple[int, ...]], np.ndarray], p: NemotronHHParams, il: int,
-              conv_bias: bool) -> dict[str, np.ndarray]:
+              conv_bias: bool, stacked_experts: bool) -> dict[str, np.ndarray]:
     shapes = layer_shapes(p, il)
     layer = {"attn_norm": weight("norm.weight", shapes["attn_norm"])}
     kind = p.pattern[il]
     if kind == MAMBA:
-        names = {"ssm_in": "in_proj.weight", "ssm_conv1d": "conv1d.weight", "ssm_dt_b": "dt_bias", "ssm_d": "D",
-                 "ssm_norm": "norm.weight", "ssm_out": "out_proj.weight"}
-        for field, name in names.items():
-            layer[field] = weight(f"mixer.{name}", shapes[field])
-        layer["ssm_conv1d_b"] = (weight("mixer.conv1d.bias", shapes["ssm_conv1d_b"]) if conv_bias
-                                 else np.zeros(shapes["ssm_conv1d_b"], np.float32))
-        layer["ssm_a"] = -np.exp(weight("mixer.A_log", shapes["ssm_a"]).astype(np.float64))
+        layer |= hf_mixer_weights(weight, p.mamba, "mixer.", conv_bias)
     elif kind == ATTENTION:
         for field, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             layer[field] = weight(f"mixer.{name}.weight", shapes[field])
-    else:
+    elif kind == MLP:
         for field, name in (("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
             layer[field] = weight(f"mixer.{name}.weight", shapes[field])
+    else:
+        names = {"ffn_gate_inp": "gate.weight", "ffn_exp_probs_b": "gate.e_score_correction_bias",
+                 "ffn_up_shexp": "shared_experts.up_proj.weight", "ffn_down_shexp": "shared_experts.down_proj.weight"}
+        for field, name in names.items():
+            layer[field] = weight(f"mixer.{name}", shapes[field])
+        for field, name in (("ffn_up_exps", "up_proj"), ("ffn_down_exps", "down_proj")):
+            layer[field] = (weight(f"mixer.experts.{name}", shapes[field]) if stacked_experts else
+                            np.stack([weight(f"mixer.experts.{e}.{name}.weight", shapes[field][1:])
+                                      for e in range(p.n_expert)]))
     return layer
 
 
