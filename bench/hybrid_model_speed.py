@@ -14,6 +14,10 @@ generated tokens per second (summed over the sequences) and the ratio to llama.c
 * **Jamba-like**: Mamba-1 layers (d_inner 1,536, d_state 16), attention every 8th layer (offset 4; 12 heads,
   4 KV heads), a mixture of 4 experts (2 per token, n_ff 768) on every other layer and a dense SwiGLU MLP
   (n_ff 768) on the others.
+* **Qwen3-Next-like**: Gated DeltaNet layers (Qwen3-Next's head size 128, its head counts scaled to n_embd 768:
+  4 key heads, 8 value heads, so a layer's state is 8 x 128 x 128, Mamba-2 130m's order), gated attention every
+  4th layer (6 heads of 128, 2 KV heads, a quarter of each head rotated), a mixture of 4 experts (2 per token,
+  n_ff 768, renormalised) with a gated shared expert (n_ff 768) on every layer.
 """
 
 from __future__ import annotations
@@ -51,7 +55,26 @@ def jamba_config(quick: bool) -> Any:
                                     mamba_expand=2, tie_word_embeddings=False)
 
 
-MODELS = {"Jamba-like": ("JambaForCausalLM", jamba_config)}
+def qwen3_next_config(quick: bool) -> Any:
+    import transformers
+
+    if quick:
+        return transformers.Qwen3NextConfig(vocab_size=1000, hidden_size=128, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=128,
+                                            shared_expert_intermediate_size=128, tie_word_embeddings=False)
+    return transformers.Qwen3NextConfig(vocab_size=50280, hidden_size=768, intermediate_size=768, num_hidden_layers=24,
+                                        num_attention_heads=6, num_key_value_heads=2, head_dim=128,
+                                        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                                        linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=768, shared_expert_intermediate_size=768,
+                                        tie_word_embeddings=False)
+
+
+MODELS = {"Jamba-like": ("JambaForCausalLM", jamba_config),
+          "Qwen3-Next-like": ("Qwen3NextForCausalLM", qwen3_next_config)}
 
 
 def saved_checkpoint(label: str, quick: bool, directory: Path) -> Any:

@@ -59,14 +59,16 @@ import numpy as np
 from ..errors import ModelError
 from ._arrays import Array
 from ._ffn import sigmoid
-from ._ssm import causal_conv, conv_state_after, conv_window, random_conv, random_dt_bias, rms_norm, silu, softplus
+from ._scan import delta_step
+from ._ssm import (causal_conv, conv_state_after, conv_window, host_step_rounding, random_conv, random_dt_bias,
+                   rms_norm, silu, softplus)
 from ._storage import StateStorage
 from .hf import MAX_CONFIG_INT, as_float
 from .recurrent import check_sizes
 
 __all__ = ["GGUF_TENSORS", "HF_DEFAULTS", "PRODUCTS", "DeltaNetParams", "deltanet_weights_from_gguf",
-           "deltanet_weights_from_hf", "delta_rule", "gated_deltanet", "gguf_shapes", "qkvz_split",
-           "random_deltanet_weights", "weight_shapes"]
+           "deltanet_weights_from_hf", "delta_rule", "delta_rule_tokens", "gated_deltanet", "gguf_shapes",
+           "qkvz_split", "random_deltanet_weights", "weight_shapes"]
 
 # What transformers' Qwen3NextConfig takes for a field config.json leaves out.
 HF_DEFAULTS: dict[str, Any] = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -299,12 +301,49 @@ def delta_rule(xp: Any, state: Array, q: Array, k: Array, v: Array, g: Array, be
     """The gated delta rule, token by token, per value head.
 
     ``state`` [n, Hv, Dv, Dk] is the state before the first token; ``q``, ``k``
-    [n, T, Hv, Dk] (q already scaled), ``v`` [n, T, Hv, Dv], ``g`` (log-decay)
-    and ``beta`` [n, T, Hv].  The state is rounded to its storage after every
-    token; a token's output reads the state before that rounding.  Returns
-    ``y`` [n, T, Hv, Dv], the state after the last token, and (``m > 0``) the
-    states after tokens T-1-m .. T-2, [n, m, Hv, Dv, Dk].
+    [n, T, Hk, Dk] (q already scaled; value head h reads key head
+    h // (Hv / Hk)), ``v`` [n, T, Hv, Dv], ``g`` (log-decay) and ``beta``
+    [n, T, Hv].  The state is rounded to its storage after every token; a
+    token's output reads the state before that rounding.  Returns ``y``
+    [n, T, Hv, Dv], the state after the last token, and (``m > 0``) the states
+    after tokens T-1-m .. T-2, [n, m, Hv, Dv, Dk].
+
+    In host memory (numpy, torch on the CPU; float32 / float64, a state stored
+    as its dtype or f32) every token runs the compiled step
+    (``_scan.delta_step``: one pass over the state where the array-API math
+    makes several), however many tokens the ubatch has, so a sequence's bits
+    still do not depend on its split; elsewhere, and as the reference the
+    kernel is tested against, ``delta_rule_tokens``.
     """
+    round_f32 = host_step_rounding(xp, state, storage_s)
+    if round_f32 is None:
+        return delta_rule_tokens(xp, state, q, k, v, g, beta, storage_s, m)
+    n_tokens = q.shape[1]
+    first_step = n_tokens - 1 - m
+    # host views (a CPU tensor's memory through __array__, no copy), token-major: each token's inputs C-contiguous
+    # (one token's already are)
+    host = {name: np.ascontiguousarray(np.moveaxis(np.asarray(a), 1, 0)) for name, a in
+            (("q", q), ("k", k), ("v", v), ("decay", xp.exp(g)), ("beta", beta))}
+    current = np.ascontiguousarray(np.asarray(state))
+    y = np.empty(host["v"].shape, current.dtype)
+    steps = []
+    for t in range(n_tokens):
+        new = np.empty_like(current)
+        delta_step(current, host["decay"][t], host["q"][t], host["k"][t], host["v"][t], host["beta"][t], new, y[t],
+                   round_f32)
+        current = new
+        if first_step <= t < n_tokens - 1:
+            steps.append(current)
+    return (xp.asarray(np.moveaxis(y, 0, 1)), xp.asarray(current),
+            xp.asarray(np.stack(steps, axis=1)) if m else None)
+
+
+def delta_rule_tokens(xp: Any, state: Array, q: Array, k: Array, v: Array, g: Array, beta: Array,
+                      storage_s: StateStorage, m: int) -> tuple[Array, Array, Array | None]:
+    """``delta_rule`` in the array API, token by token (any device, any storage)."""
+    heads_per_key = v.shape[2] // q.shape[2]
+    if heads_per_key > 1:   # value head h reads key head h // heads_per_key
+        q, k = xp.repeat(q, heads_per_key, axis=2), xp.repeat(k, heads_per_key, axis=2)
     n_tokens = q.shape[1]
     first_step = n_tokens - 1 - m
     ys, steps = [], []
@@ -351,8 +390,6 @@ def gated_deltanet(xp: Any, p: DeltaNetParams, w: dict[str, Array], u: Array, co
     q = _l2_normed(xp, mixed[..., :p.key_dim].reshape((n_seqs, n_tokens, p.n_k_heads, d_k)), p.l2_eps)
     k = _l2_normed(xp, mixed[..., p.key_dim:2 * p.key_dim].reshape((n_seqs, n_tokens, p.n_k_heads, d_k)), p.l2_eps)
     v = mixed[..., 2 * p.key_dim:].reshape((n_seqs, n_tokens, n_v, d_v))
-    if p.heads_per_key > 1:   # value head h reads key head h // heads_per_key
-        q, k = xp.repeat(q, p.heads_per_key, axis=2), xp.repeat(k, p.heads_per_key, axis=2)
     g = w["ssm_a"] * softplus(xp, a + w["ssm_dt_b"])
     beta = sigmoid(xp, b)
 

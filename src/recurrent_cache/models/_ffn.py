@@ -17,8 +17,9 @@ Weights are named as llama.cpp's GGUF tensors (``blk.N.`` + name + ``.weight``):
 
 Which experts a token uses is decided on the host (one transfer of the router's probabilities per
 layer): each chosen expert then multiplies only its own tokens, as transformers and llama.cpp do, so
-a decoded token costs n_expert_used experts, not n_expert.  Equal to transformers'
-``JambaSparseMoeBlock`` / ``Qwen3NextSparseMoeBlock`` within rounding (tests/models/test_ffn_hf.py);
+a decoded token costs n_expert_used experts, not n_expert; one token (decoding one sequence) runs its experts in
+turn, without gathers or slots.  Equal to the mixture written out densely (tests/models/test_moe_paths.py) and to
+transformers' ``JambaSparseMoeBlock`` / ``Qwen3NextSparseMoeBlock`` within rounding (the families' hf tests);
 experts tied in probability are taken in index order (torch.topk's order is unspecified there).
 """
 
@@ -33,10 +34,14 @@ from ..errors import ConfigError
 from ._arrays import Array
 from ._ssm import linear, silu
 
-__all__ = ["ACTIVATIONS", "GATINGS", "MoeParams", "mlp", "moe", "sigmoid"]
+__all__ = ["ACTIVATIONS", "EXPERT_PRODUCTS", "GATINGS", "MoeParams", "mlp", "moe", "sigmoid"]
 
 ACTIVATIONS = ("silu", "relu2")
 GATINGS = ("softmax", "sigmoid")
+
+# The experts' stacked weights: a model keeps each expert's in ``_ssm.product_weight``'s layout (``products()``),
+# which BLAS streams once per product (at 130m shapes an expert's product ~1.4x faster than on [out, in] rows)
+EXPERT_PRODUCTS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 
 
 def sigmoid(xp: Any, v: Array) -> Array:
@@ -84,12 +89,12 @@ class MoeParams:
 
 def _expert(xp: Any, w: dict[str, Array], e: int, x: Array, activation: str) -> Array:
     """Expert ``e``'s MLP on rows ``x`` [n, n_embd]: gated (SwiGLU) when ``w`` has ``ffn_gate_exps``."""
-    up = x @ xp.permute_dims(w["ffn_up_exps"][e], (1, 0))
+    up = linear(x, w["ffn_up_exps"][e])
     if "ffn_gate_exps" in w:
-        hidden = _activated(xp, x @ xp.permute_dims(w["ffn_gate_exps"][e], (1, 0)), activation) * up
+        hidden = _activated(xp, linear(x, w["ffn_gate_exps"][e]), activation) * up
     else:
         hidden = _activated(xp, up, activation)
-    return hidden @ xp.permute_dims(w["ffn_down_exps"][e], (1, 0))
+    return linear(hidden, w["ffn_down_exps"][e])
 
 
 def moe(xp: Any, w: dict[str, Array], x: Array, params: MoeParams) -> Array:
@@ -103,24 +108,32 @@ def moe(xp: Any, w: dict[str, Array], x: Array, params: MoeParams) -> Array:
     else:
         probs = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
         probs = probs / xp.sum(probs, axis=-1, keepdims=True)
-    choice = probs + w["ffn_exp_probs_b"] if "ffn_exp_probs_b" in w else probs
-    host = np.asarray(choice.cpu() if hasattr(choice, "cpu") else choice, dtype=np.float64)
-    chosen = np.argsort(-host, axis=1, kind="stable")[:, :k]                          # [n_rows, k]
-    weights = xp.take_along_axis(probs, xp.asarray(chosen, device=probs.device), axis=1)
+    # the routing on the host, in the model's dtype (a CPU tensor's memory is not copied)
+    host = np.asarray(probs.cpu() if hasattr(probs, "cpu") else probs)
+    if "ffn_exp_probs_b" in w:   # the choice bias picks the experts; their weights are the probabilities
+        choice = probs + w["ffn_exp_probs_b"]
+        host_choice = np.asarray(choice.cpu() if hasattr(choice, "cpu") else choice)
+    else:
+        host_choice = host
+    chosen = np.argsort(-host_choice, axis=1, kind="stable")[:, :k]                   # [n_rows, k]
+    weights = np.take_along_axis(host, chosen, axis=1)
     if params.norm_top_k:
-        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
     if params.scale != 1.0:
         weights = weights * params.scale
-    # each chosen expert on its own tokens, into the token's slot; the slots summed per token
-    slots = xp.zeros((n_rows * k, shape[-1]), dtype=x.dtype, device=x.device)
-    flat = chosen.reshape(-1)
-    for e in np.unique(flat):
-        where = np.flatnonzero(flat == e)                       # slot = token * k + position
-        tokens = xp.asarray(where // k, device=x.device)
-        scale = xp.reshape(weights, (-1,))[xp.asarray(where, device=x.device)]
-        expert = _expert(xp, w, int(e), rows[tokens], params.activation)
-        slots[xp.asarray(where, device=x.device)] = expert * scale[:, None]
-    out = xp.sum(xp.reshape(slots, (n_rows, k, shape[-1])), axis=1)
+    if n_rows == 1:   # one token (decoding one sequence): its experts in turn, no gathers or scatters
+        out = _expert(xp, w, int(chosen[0, 0]), rows, params.activation) * float(weights[0, 0])
+        for e, weight in zip(chosen[0, 1:], weights[0, 1:]):
+            out = out + _expert(xp, w, int(e), rows, params.activation) * float(weight)
+    else:   # each chosen expert on its own tokens, into the token's slot; the slots summed per token
+        slots = xp.zeros((n_rows * k, shape[-1]), dtype=x.dtype, device=x.device)
+        flat, scales = chosen.reshape(-1), xp.asarray(weights.reshape((-1, 1)), device=x.device)
+        for e in np.unique(flat):
+            where = np.flatnonzero(flat == e)                   # slot = token * k + position
+            slot = xp.asarray(where, device=x.device)
+            expert = _expert(xp, w, int(e), rows[xp.asarray(where // k, device=x.device)], params.activation)
+            slots[slot] = expert * scales[slot]
+        out = xp.sum(xp.reshape(slots, (n_rows, k, shape[-1])), axis=1)
     if "ffn_up_shexp" in w:
         shared = mlp(xp, w, rows, params.activation, suffix="_shexp")
         if "ffn_gate_inp_shexp" in w:

@@ -10,6 +10,9 @@ reads the state once and writes the new one once.  It is the one
 implementation both backends run where the arrays are in host memory (numpy,
 torch on the CPU: ``_ssm`` hands it views through DLPack); elsewhere, for more
 than one token and for f16/bf16 states the array-API math runs.
+
+``delta_step`` is Gated DeltaNet's one-token step (``_deltanet.delta_rule``) in the same way: one pass over
+each value head's matrix state where the array-API math makes several.
 """
 
 cimport cython
@@ -77,3 +80,55 @@ def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real
                 else:
                     y[s, ch] = rc_scan_row_f64(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
                                                &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0], d_state, round_f32)
+
+
+cdef extern from "_delta_row.h" nogil:
+    float rc_delta_row_f32(const float* state, float decay, const float* q, const float* k, float v, float beta,
+                           float* out, Py_ssize_t d_k, int round_f32)
+    double rc_delta_row_f64(const double* state, double decay, const double* q, const double* k, double v,
+                            double beta, double* out, Py_ssize_t d_k, int round_f32)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def delta_step(const real[:, :, :, ::1] state, const real[:, ::1] decay, const real[:, :, ::1] q,
+               const real[:, :, ::1] k, const real[:, :, ::1] v, const real[:, ::1] beta,
+               real[:, :, :, ::1] out, real[:, :, ::1] y, bint round_f32):
+    """One token of the gated delta rule (``_deltanet.delta_rule``) in one pass over the state: per value head
+    ``h``, ``S = state * decay``, ``S += ((v - S @ k) * beta) ⊗ k``, ``y = S @ q``, ``out = S`` (rounded through
+    float32 when ``round_f32``; ``y`` is of ``S`` unrounded).
+
+    Shapes, for ``n`` sequences of ``Hv`` value heads over ``Hk`` key heads (value head ``h`` reads key head
+    ``h // (Hv / Hk)``): ``state`` / ``out`` [n, Hv, Dv, Dk]; ``decay`` and ``beta`` [n, Hv]; ``q`` / ``k``
+    [n, Hk, Dk]; ``v`` / ``y`` [n, Hv, Dv]; all C-contiguous.  Any other shape is a ``ValueError`` before
+    anything is written.
+    """
+    cdef Py_ssize_t n = state.shape[0], n_v = state.shape[1], d_v = state.shape[2], d_k = state.shape[3]
+    cdef Py_ssize_t n_k = q.shape[1]
+    if n_k < 1 or n_v % n_k:
+        raise ValueError(f"{n_k} key heads for {n_v} value heads")
+    for name, view_shape, wanted in (("decay", (decay.shape[0], decay.shape[1]), (n, n_v)),
+                                     ("beta", (beta.shape[0], beta.shape[1]), (n, n_v)),
+                                     ("q", (q.shape[0], q.shape[1], q.shape[2]), (n, n_k, d_k)),
+                                     ("k", (k.shape[0], k.shape[1], k.shape[2]), (n, n_k, d_k)),
+                                     ("v", (v.shape[0], v.shape[1], v.shape[2]), (n, n_v, d_v)),
+                                     ("y", (y.shape[0], y.shape[1], y.shape[2]), (n, n_v, d_v)),
+                                     ("out", (out.shape[0], out.shape[1], out.shape[2], out.shape[3]),
+                                      (n, n_v, d_v, d_k))):
+        if view_shape != wanted:
+            raise ValueError(f"{name} of shape {view_shape}, expected {wanted}")
+    if n == 0 or n_v == 0 or d_v == 0 or d_k == 0:
+        return
+    cdef Py_ssize_t per_key = n_v // n_k
+    cdef Py_ssize_t s, h, hk, j
+    with nogil:
+        for s in range(n):
+            for h in range(n_v):
+                hk = h // per_key
+                for j in range(d_v):
+                    if real is float:
+                        y[s, h, j] = rc_delta_row_f32(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
+                                                      v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)
+                    else:
+                        y[s, h, j] = rc_delta_row_f64(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
+                                                      v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)

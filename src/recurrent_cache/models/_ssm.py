@@ -20,21 +20,23 @@ from ._storage import StateStorage
 
 _DLPACK_CPU = 1   # DLPack's device type of host memory (kDLCPU)
 
-__all__ = ["causal_conv", "conv_state_after", "conv_window", "gated_rms_norm", "linear", "product_weight",
+__all__ = ["causal_conv", "conv_state_after", "conv_window", "gated_rms_norm", "host_step_rounding", "linear",
+           "product_weight",
            "random_conv", "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host", "scan_tokens",
            "selective_scan", "silu", "softplus"]
 
 
 def product_weight(weight: np.ndarray) -> np.ndarray:
     """A weight ``[out, in]`` of ``linear`` with the same values, stored as ``[in, out]`` rows (a Fortran-ordered
-    view), so that ``weight.T`` is C-contiguous.
+    view), so that ``weight.T`` is C-contiguous; a stack of them ``[n, out, in]`` (a mixture's experts) likewise,
+    each ``weight[e]`` in that layout.
 
     BLAS then streams the weight once, adding ``x[k] * weight.T[k]`` into the
     outputs, rather than taking one dot product per output row: measured at
     130m shapes (one core), the 50,280 x 768 head 9.7 -> 6.7 ms for one row
     and 31 -> 17 ms for 8, on numpy's OpenBLAS and torch's MKL alike.
     """
-    return np.ascontiguousarray(weight.T).T
+    return np.ascontiguousarray(np.swapaxes(weight, -1, -2)).swapaxes(-1, -2)
 
 
 def linear(x: Array, weight: Array) -> Array:
@@ -145,6 +147,17 @@ def scan_tokens(xp: Any, state: Array, dt: Array, a: Array, x: Array, b: Array, 
     return y, state, xp.stack(steps, axis=1) if m else None
 
 
+def host_step_rounding(xp: Any, state: Array, storage_s: StateStorage) -> bool | None:
+    """How a compiled one-token step (``_scan``) keeps the new ``state``: rounded through float32 (True), as
+    computed (False: its storage is of its dtype), or None where no kernel applies: arrays outside host memory,
+    a compute dtype other than float32 / float64, a storage that rounds other than through float32 (f16, bf16)."""
+    if state.__dlpack_device__()[0] != _DLPACK_CPU or state.dtype not in (xp.float32, xp.float64):
+        return None
+    if storage_s.dtype == state.dtype:
+        return False
+    return True if storage_s.dtype == xp.float32 else None
+
+
 def scan_step_on_host(xp: Any, state: Array, dt: Array, a: Array, x: Array, b: Array, c: Array,
                       storage_s: StateStorage) -> tuple[Array, Array, None] | None:
     """``selective_scan`` of one token (no step states) by the compiled kernel (``_scan.scan_step``: one pass
@@ -154,13 +167,8 @@ def scan_step_on_host(xp: Any, state: Array, dt: Array, a: Array, x: Array, b: A
     The arrays go to the kernel and back without a copy (a CPU tensor's memory is
     a numpy array's): numpy's and torch's CPU tensors alike run this one implementation.
     """
-    if state.__dlpack_device__()[0] != _DLPACK_CPU or state.dtype not in (xp.float32, xp.float64):
-        return None
-    if storage_s.dtype == state.dtype:
-        round_f32 = False
-    elif storage_s.dtype == xp.float32:
-        round_f32 = True
-    else:
+    round_f32 = host_step_rounding(xp, state, storage_s)
+    if round_f32 is None:
         return None
     n, n_state = state.shape[0], state.shape[-1]
     # host views (np.asarray: numpy's own array, or a CPU tensor's memory through __array__, no copy)

@@ -150,7 +150,8 @@ class HybridModel(LanguageModel):
     """A language model of attention and recurrent layers over a ``HybridCache``.
 
     ``layers`` holds each layer's weights by field name (``layer_shapes(il)`` says which fields layer
-    ``il`` has and their shapes; ``products()`` the 2-D weights kept in ``_ssm.linear``'s layout).
+    ``il`` has and their shapes; ``products()`` the weights kept in ``_ssm.linear``'s layout, 2-D or a
+    mixture's stack of experts).
     Subclasses define ``layer_shapes``, ``products`` and ``block``.
     """
 
@@ -173,7 +174,7 @@ class HybridModel(LanguageModel):
                     ([f"unexpected tensors {', '.join(unknown)}"] if unknown else [])
                     + ([f"missing tensors {', '.join(missing)}"] if missing else [])))
             checked.append({name: checked_tensor(layer[name], shape, f"blk.{il}.{name}", self.dtype,
-                                                 product=name in products and len(shape) == 2)
+                                                 product=name in products and len(shape) >= 2)
                             for name, shape in shapes.items()})
         self.layers = checked
 
@@ -183,7 +184,7 @@ class HybridModel(LanguageModel):
 
     @abstractmethod
     def products(self) -> frozenset[str]:
-        """The fields ``_ssm.linear`` multiplies by (kept as ``[in, out]`` rows)."""
+        """The fields ``_ssm.linear`` multiplies by (kept as ``[in, out]`` rows; ``[n, in, out]`` for experts)."""
 
     @abstractmethod
     def block(self, run: LayerRun, il: int, w: dict[str, Array], x: Array) -> Array:

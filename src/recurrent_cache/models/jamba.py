@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import ModelError
 from ._arrays import Array
 from ._attention import AttentionParams
-from ._ffn import MoeParams, mlp, moe
+from ._ffn import EXPERT_PRODUCTS, MoeParams, mlp, moe
 from ._registry import Family, register
 from ._ssm import random_conv, random_dt_bias, random_head, rms_norm
 from .gguf_io import GGUFReader, layer_layout, write_ssm_sizes
@@ -46,7 +46,7 @@ _ATTENTION = ("wq", "wk", "wv", "wo")
 _MAMBA = ("ssm_in", "ssm_conv1d", "ssm_conv1d_b", "ssm_x", "ssm_dt", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_out",
           "ssm_dt_norm", "ssm_b_norm", "ssm_c_norm")
 _PRODUCTS = frozenset({"wq", "wk", "wv", "wo", "ssm_in", "ssm_x", "ssm_dt", "ssm_out", "ffn_gate", "ffn_up",
-                       "ffn_down", "ffn_gate_inp"})
+                       "ffn_down", "ffn_gate_inp"}) | EXPERT_PRODUCTS
 
 
 @dataclass(frozen=True)

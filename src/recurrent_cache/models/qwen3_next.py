@@ -35,7 +35,7 @@ from ._deltanet import GGUF_TENSORS as DELTANET_TENSORS
 from ._deltanet import PRODUCTS as DELTANET_PRODUCTS
 from ._deltanet import (DeltaNetParams, deltanet_weights_from_gguf, deltanet_weights_from_hf, gated_deltanet,
                         random_deltanet_weights, weight_shapes)
-from ._ffn import MoeParams, mlp, moe
+from ._ffn import EXPERT_PRODUCTS, MoeParams, mlp, moe
 from ._registry import Family, register
 from ._ssm import random_head, rms_norm
 from ._storage import StateStorage
@@ -58,7 +58,7 @@ _GGUF_NAMES = {"ffn_norm": "post_attention_norm.weight", "wq": "attn_q.weight", 
                "wv": "attn_v.weight", "wo": "attn_output.weight", "q_norm": "attn_q_norm.weight",
                "k_norm": "attn_k_norm.weight"}
 _PRODUCTS = DELTANET_PRODUCTS | frozenset({"wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp",
-                                           "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"})
+                                           "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}) | EXPERT_PRODUCTS
 
 
 @dataclass(frozen=True)
