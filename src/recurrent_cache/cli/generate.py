@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if "state_bytes" in figures:
         print(f"--- cache: {figures['cells_used']} of {figures['size']} cell used, holding sequence 0 up to "
               f"position {figures['pos_max']}; its state is {figures['state_bytes']:,} bytes "
-              f"({options.dtype}; {state_shape(model)})", file=sys.stderr)
+              f"({options.dtype}; {state_shape(model)}", file=sys.stderr)
     else:   # nothing to read: the sequence was removed in the step that finished it
         print(f"--- cache: the request finished in its first step (up to position {figures['pos_max']}), "
               f"and its sequence was removed", file=sys.stderr)
@@ -210,15 +210,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def state_shape(model: LanguageModel) -> str:
-    """What a sequence's state holds: the recurrent rows (the same at any length) and, for a hybrid
-    model, the K and V rows of its attention layers (per token)."""
+    """What a sequence's state holds, closing the report's parenthesis: the recurrent rows (the same at
+    any length) and, for a hybrid model, the K and V rows of its attention layers (per token)."""
     p: Any = model.hparams
     if not isinstance(model, HybridModel):
-        return f"{p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values whatever the length"
+        return f"{p.n_layer} layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values) whatever the length"
     params = p.attention
     kv = (f"; K and V rows of {len(p.attn_layers)} attention layers x {params.n_embd_k} values per token"
           if params is not None and p.attn_layers else "")
-    return f"{len(p.recr_layers)} recurrent layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values{kv}"
+    return f"{len(p.recr_layers)} recurrent layers x (conv {p.n_embd_r} + ssm {p.n_embd_s}) values{kv})"
 
 
 def encoded_prompt(model: LanguageModel, options: argparse.Namespace) -> tuple[list[int], str]:
