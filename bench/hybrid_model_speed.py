@@ -138,6 +138,8 @@ def main() -> None:
                 engines["llama.cpp"] = f"skipped: {exc}"
             engines["package, numpy"] = package_decoder(model, "numpy")   # type: ignore[arg-type]
             engines["package, torch CPU"] = package_decoder(model, "torch")   # type: ignore[arg-type]
+            engines["package, torch CPU, torch's ops"] = package_decoder(model, "torch",  # type: ignore[arg-type]
+                                                                         native=True)
             engines["transformers"] = transformers_rate(hf)
             rates: dict[str, list[float]] = {}
             for engine, decoder in engines.items():

@@ -8,7 +8,8 @@ The models have mamba-130m's shapes (n_embd 768, 24 layers, vocab 50,280,
 d_inner 1,536; Mamba-1 d_state 16; Mamba-2 d_state 128 in heads of 64) and
 seeded random weights, since only the arithmetic matters here.  Everything
 computes in float32: the package's model (``dtype=np.float32``, f32 states) on
-numpy storage and on torch storage (CPU); llama.cpp (llama-cpp-python, when it
+numpy storage and on torch storage (CPU: the numpy math over the tensors' memory,
+``forward``'s default there, and torch's own ops, ``native=True``); llama.cpp (llama-cpp-python, when it
 imports) on the f32 GGUF file the package writes of the same model, with
 ``n_threads`` 2; transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM``
 built from the same weights (when installed).  Each decodes ``--tokens`` greedy
@@ -91,10 +92,11 @@ def former_models(directory: Path) -> Any:
     return module
 
 
-def package_decoder(model: RecurrentModel, storage: str) -> Decoder:
-    """The package's forward on a cache of ``storage`` ("numpy" or "torch"), greedy."""
+def package_decoder(model: RecurrentModel, storage: str, native: bool = False) -> Decoder:
+    """The package's forward on a cache of ``storage`` ("numpy" or "torch"), greedy; ``native``: torch's own ops
+    on the CPU rather than the numpy math over the tensors' memory (``LanguageModel.forward``)."""
     def greedy(cache: rc.RecurrentCache, batch: rc.Batch, n_ubatch: int) -> list[int]:
-        logits = model.forward(cache.init_batch(batch, n_ubatch))
+        logits = model.forward(cache.init_batch(batch, n_ubatch), native=native)
         return [int(i) for i in logits.argmax(1)]
 
     def rate(n_seqs: int, n_tokens: int) -> float:
@@ -267,6 +269,8 @@ def main() -> None:
                                                  "package, numpy": package_decoder(model, "numpy")}
             engines["package, torch CPU"] = (package_decoder(model, "torch") if torch_available()
                                              else "skipped: torch is not installed")
+            if torch_available():
+                engines["package, torch CPU, torch's ops"] = package_decoder(model, "torch", native=True)
             if label in before:
                 engines["package, numpy (before)"] = package_decoder(before[label], "numpy")
                 if torch_available():

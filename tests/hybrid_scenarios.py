@@ -79,7 +79,9 @@ def _decode(model: Any, cache: Any, steps: dict[int, list[int]], histories: dict
         pos += list(range(start, start + len(new)))
     st = cache.init_batch(rc.Batch(token=tokens, seq_id=seqs, pos=pos, logits=[1] * len(tokens)), n_ubatch=n_ubatch)
     assert st.status == rc.MemoryStatus.SUCCESS, st.status
-    logits = host(model.forward(st))
+    # torch storage runs torch's own ops here (native), so each family's torch math meets transformers; the numpy
+    # math on torch rows (forward's default on the CPU) is tests/models/test_host_math.py's
+    logits = host(model.forward(st, native=True))
     ordered = np.empty_like(logits)
     ordered[np.asarray(st.out_ids)] = logits     # row i belongs to batch index out_ids[i]
     out, at = {}, 0

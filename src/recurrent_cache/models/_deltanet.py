@@ -60,8 +60,7 @@ from ..errors import ModelError
 from ._arrays import Array
 from ._ffn import sigmoid
 from ._scan import delta_step
-from ._ssm import (causal_conv, conv_state_after, conv_window, host_step_rounding, random_conv, random_dt_bias,
-                   rms_norm, silu, softplus)
+from ._ssm import conv_tokens, host_step_rounding, random_conv, random_dt_bias, rms_norm, silu, softplus
 from ._storage import StateStorage
 from .hf import MAX_CONFIG_INT, as_float
 from .recurrent import check_sizes
@@ -382,11 +381,11 @@ def gated_deltanet(xp: Any, p: DeltaNetParams, w: dict[str, Array], u: Array, co
     b = ba[..., :p.heads_per_key].reshape((n_seqs, n_tokens, n_v))
     a = ba[..., p.heads_per_key:].reshape((n_seqs, n_tokens, n_v))
 
-    window = conv_window(xp, conv.reshape((n_seqs, p.conv_channels, p.d_conv - 1)), qkv, storage_r)
-    # Qwen3-Next's conv has no bias.  Its output over several tokens is channel-major in memory; flattened, it is
-    # token-major like a single token's, so the sums over a head below run in one order whatever the split
-    mixed = causal_conv(xp, window, w["ssm_conv1d"], 0.0, n_tokens).reshape((-1,)).reshape(
-        (n_seqs, n_tokens, p.conv_channels))
+    # Qwen3-Next's conv has no bias.  Its output over several tokens may be channel-major in memory; flattened, it
+    # is token-major like a single token's, so the sums over a head below run in one order whatever the split
+    mixed, conv_after, conv_steps = conv_tokens(xp, conv.reshape((n_seqs, p.conv_channels, p.d_conv - 1)), qkv,
+                                                w["ssm_conv1d"], 0.0, storage_r, m)
+    mixed = mixed.reshape((-1,)).reshape((n_seqs, n_tokens, p.conv_channels))
     q = _l2_normed(xp, mixed[..., :p.key_dim].reshape((n_seqs, n_tokens, p.n_k_heads, d_k)), p.l2_eps)
     k = _l2_normed(xp, mixed[..., p.key_dim:2 * p.key_dim].reshape((n_seqs, n_tokens, p.n_k_heads, d_k)), p.l2_eps)
     v = mixed[..., 2 * p.key_dim:].reshape((n_seqs, n_tokens, n_v, d_v))
@@ -395,7 +394,6 @@ def gated_deltanet(xp: Any, p: DeltaNetParams, w: dict[str, Array], u: Array, co
 
     state = ssm.reshape((n_seqs, n_v, d_v, d_k))
     y, state, ssm_steps = delta_rule(xp, state, q * (1.0 / math.sqrt(d_k)), k, v, g, beta, storage_s, m)
-    conv_after, conv_steps = conv_state_after(xp, window, p.d_conv, m)
     gated = rms_norm(xp, y, p.rms_eps) * w["ssm_norm"] * silu(xp, z)
     out = _per_token(gated.reshape((n_seqs, n_tokens, p.value_dim)), w["ssm_out"])
     steps = (None if conv_steps is None or ssm_steps is None

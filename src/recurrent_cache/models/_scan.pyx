@@ -12,7 +12,9 @@ torch on the CPU: ``_ssm`` hands it views through DLPack); elsewhere, for more
 than one token and for f16/bf16 states the array-API math runs.
 
 ``delta_step`` is Gated DeltaNet's one-token step (``_deltanet.delta_rule``) in the same way: one pass over
-each value head's matrix state where the array-API math makes several.
+each value head's matrix state where the array-API math makes several.  ``conv_tokens`` is the causal conv
+of every recurrent family (``_ssm.conv_tokens``): window, taps, bias, silu and the kept inputs in one pass
+where the array-API math makes a dozen small ones.
 """
 
 cimport cython
@@ -132,3 +134,91 @@ def delta_step(const real[:, :, :, ::1] state, const real[:, ::1] decay, const r
                     else:
                         y[s, h, j] = rc_delta_row_f64(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
                                                       v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)
+
+
+cdef extern from "math.h" nogil:
+    float expf(float)
+    double exp(double)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def conv_tokens(const real[:, :, ::1] state, const real[:, :, :] x, const real[:, ::1] weight, const real[::1] bias,
+                real[:, :, ::1] out, real[:, :, ::1] new_state, real[:, :, :, ::1] steps, bint round_f32,
+                bint use_silu):
+    """The depthwise causal conv over ``T`` tokens in one pass (``_ssm.conv_tokens``' kernel): per sequence and
+    channel, the window of the last ``K - 1`` inputs (``state``) takes each token's input (rounded through
+    float32 when ``round_f32``: as its storage keeps it), ``out[s, t, ch] = sum_k window[k] * weight[ch, k] +
+    bias[ch]`` summed in ``k`` order (then ``silu`` when ``use_silu``), and the window after the last token goes to
+    ``new_state``; ``steps`` [n, m, C, K-1] gets the windows after tokens ``T-1-m .. T-2``.
+
+    Shapes: ``state`` / ``new_state`` [n, C, K-1]; ``x`` [n, T, C] (any strides); ``weight`` [C, K]; ``bias``
+    [C]; ``out`` [n, T, C].  Any other shape is a ``ValueError`` before anything is written.
+    """
+    cdef Py_ssize_t n = x.shape[0], n_tokens = x.shape[1], channels = x.shape[2], taps = weight.shape[1]
+    cdef Py_ssize_t kept = taps - 1, m = steps.shape[1]
+    for name, view_shape, wanted in (("state", (state.shape[0], state.shape[1], state.shape[2]), (n, channels, kept)),
+                                     ("weight", (weight.shape[0], weight.shape[1]), (channels, taps)),
+                                     ("bias", (bias.shape[0],), (channels,)),
+                                     ("out", (out.shape[0], out.shape[1], out.shape[2]), (n, n_tokens, channels)),
+                                     ("new_state", (new_state.shape[0], new_state.shape[1], new_state.shape[2]),
+                                      (n, channels, kept)),
+                                     ("steps", (steps.shape[0], steps.shape[2], steps.shape[3]), (n, channels, kept))):
+        if view_shape != wanted:
+            raise ValueError(f"{name} of shape {view_shape}, expected {wanted}")
+    if not 2 <= taps <= 64 or m > max(n_tokens - 1, 0):   # convolutions are a few taps wide
+        raise ValueError(f"{taps} taps and {m} step states for {n_tokens} tokens")
+    cdef Py_ssize_t s, ch, t, k, first_step = n_tokens - 1 - m
+    cdef real acc, value
+    cdef real window[64]     # the K - 1 kept inputs and the new one
+    with nogil:
+        for s in range(n):
+            for ch in range(channels):
+                for k in range(kept):
+                    window[k] = state[s, ch, k]
+                for t in range(n_tokens):
+                    value = x[s, t, ch]
+                    if round_f32:
+                        value = <real><float>value
+                    window[kept] = value
+                    acc = window[0] * weight[ch, 0]
+                    for k in range(1, taps):
+                        acc = acc + window[k] * weight[ch, k]
+                    acc = acc + bias[ch]
+                    if use_silu:
+                        if real is float:
+                            acc = acc / (1 + expf(-acc))
+                        else:
+                            acc = acc / (1 + exp(-acc))
+                    out[s, t, ch] = acc
+                    for k in range(kept):
+                        window[k] = window[k + 1]
+                    if first_step <= t < n_tokens - 1:
+                        for k in range(kept):
+                            steps[s, t - first_step, ch, k] = window[k]
+                for k in range(kept):
+                    new_state[s, ch, k] = window[k]
+
+
+cdef extern from "math.h" nogil:
+    double sqrt(double)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def rms_rows(const real[:, ::1] v, double eps, real[:, ::1] out):
+    """``out = v / sqrt(mean(v * v) + eps)`` row by row (``_ssm.rms_norm``'s kernel), the mean summed in double
+    precision.  ``out`` of ``v``'s shape, else a ``ValueError`` before anything is written."""
+    cdef Py_ssize_t rows = v.shape[0], width = v.shape[1], i, j
+    if (out.shape[0], out.shape[1]) != (rows, width) or width == 0:
+        raise ValueError(f"rows of shape {(rows, width)} into {(out.shape[0], out.shape[1])}")
+    cdef double total
+    cdef real scale
+    with nogil:
+        for i in range(rows):
+            total = 0
+            for j in range(width):
+                total = total + <double>v[i, j] * v[i, j]
+            scale = <real>sqrt(total / width + eps)
+            for j in range(width):
+                out[i, j] = v[i, j] / scale

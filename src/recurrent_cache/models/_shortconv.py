@@ -31,7 +31,7 @@ import numpy as np
 from .. import _args
 from ..errors import ModelError
 from ._arrays import Array
-from ._ssm import conv_state_after, conv_window, linear
+from ._ssm import conv_tokens, linear
 from ._storage import StateStorage
 
 __all__ = ["SHORTCONV_PRODUCTS", "ShortConvParams", "random_shortconv_weights", "short_conv",
@@ -160,21 +160,17 @@ def short_conv(xp: Any, p: ShortConvParams, w: dict[str, Array], u: Array, conv:
     ``storage_s`` has nothing to round: it is taken for the mixers' one signature.
     """
     n_seqs, n_tokens = u.shape[:2]
-    n_embd, taps = p.n_embd, p.l_cache
+    n_embd = p.n_embd
     bcx = linear(u, w["shortconv_in_proj"])
     if p.conv_bias:
         bcx = bcx + w["shortconv_in_proj_b"]
     b, c, x = bcx[..., :n_embd], bcx[..., n_embd:2 * n_embd], bcx[..., 2 * n_embd:]
-    window = conv_window(xp, xp.reshape(conv, (n_seqs, n_embd, p.n_kept)), b * x, storage_r)
-    # the inputs token by token [n_seqs, n_kept + n_tokens, n_embd]: tap k of output t reads input t + k
-    inputs = xp.permute_dims(window, (0, 2, 1))
-    y = sum(inputs[:, k:k + n_tokens] * w["shortconv_conv"][:, k] for k in range(taps))
-    if p.conv_bias:
-        y = y + w["shortconv_conv_b"]
+    y, conv_after, conv_steps = conv_tokens(xp, xp.reshape(conv, (n_seqs, n_embd, p.n_kept)), b * x,
+                                            w["shortconv_conv"], w["shortconv_conv_b"] if p.conv_bias else 0.0,
+                                            storage_r, m, activation=False)
     out = linear(c * y, w["shortconv_out_proj"])
     if p.conv_bias:
         out = out + w["shortconv_out_proj_b"]
-    conv_after, conv_steps = conv_state_after(xp, window, taps, m)
     steps = None if conv_steps is None else (xp.reshape(conv_steps, (n_seqs, m, p.n_embd_r)),
                                               xp.reshape(ssm, (n_seqs, m, 0)))
     return out, xp.reshape(conv_after, (n_seqs, p.n_embd_r)), ssm, steps

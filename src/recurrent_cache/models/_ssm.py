@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 
 from ._arrays import Array
-from ._scan import scan_step
+from ._scan import conv_tokens as conv_tokens_kernel
+from ._scan import rms_rows, scan_step
 from ._storage import StateStorage
 
 _DLPACK_CPU = 1   # DLPack's device type of host memory (kDLCPU)
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-__all__ = ["causal_conv", "conv_state_after", "conv_window", "gated_rms_norm", "host_step_rounding", "linear",
-           "product_weight",
-           "random_conv", "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host", "scan_tokens",
-           "selective_scan", "silu", "softplus"]
+__all__ = ["causal_conv", "conv_state_after", "conv_tokens", "conv_window", "gated_rms_norm", "host_step_rounding",
+           "linear", "product_weight", "random_conv", "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host",
+           "scan_tokens", "selective_scan", "silu", "softplus"]
 
 
 def product_weight(weight: np.ndarray) -> np.ndarray:
@@ -47,7 +48,14 @@ def linear(x: Array, weight: Array) -> Array:
 
 
 def rms_norm(xp: Any, v: Array, eps: float) -> Array:
-    """``v / sqrt(mean(v*v) + eps)`` over the last axis (ggml_rms_norm, no weight)."""
+    """``v / sqrt(mean(v*v) + eps)`` over the last axis (ggml_rms_norm, no weight): numpy's float32 / float64
+    arrays by the compiled kernel (``_scan.rms_rows``: one pass, the mean summed in double precision, where
+    numpy's ufuncs make six), anything else by the array API."""
+    if xp is np and v.dtype in _KERNEL_DTYPES and v.size:
+        rows = np.ascontiguousarray(v).reshape((-1, v.shape[-1]))
+        out = np.empty(rows.shape, v.dtype)
+        rms_rows(rows, eps, out)
+        return out.reshape(v.shape)
     return v / xp.sqrt(xp.mean(v * v, axis=-1, keepdims=True) + eps)
 
 
@@ -84,14 +92,46 @@ def conv_window(xp: Any, conv: Array, inputs: Array, storage_r: StateStorage) ->
     return xp.concat([conv, xp.permute_dims(storage_r.round(inputs), (0, 2, 1))], axis=2)
 
 
-def causal_conv(xp: Any, window: Array, weight: Array, bias: Array, n_tokens: int) -> Array:
-    """``silu(depthwise conv + bias)`` over ``window`` (from ``conv_window``): [n, T, channels]."""
+def causal_conv(xp: Any, window: Array, weight: Array, bias: Array | float, n_tokens: int,
+                activation: bool = True) -> Array:
+    """``silu(depthwise conv + bias)`` (``activation`` false: without the silu) over ``window`` (from
+    ``conv_window``): [n, T, channels]."""
     if n_tokens == 1:   # decoding: the window is the one token's, a dot product per channel (one op, not 2*d_conv)
-        return silu(xp, xp.vecdot(window, weight)[:, None, :] + bias)
-    summed = window[:, :, 0:n_tokens] * weight[:, 0, None]
-    for k in range(1, weight.shape[1]):
-        summed = summed + window[:, :, k:k + n_tokens] * weight[:, k, None]
-    return silu(xp, xp.permute_dims(summed, (0, 2, 1)) + bias)
+        summed = xp.vecdot(window, weight)[:, None, :] + bias
+    else:
+        summed = window[:, :, 0:n_tokens] * weight[:, 0, None]
+        for k in range(1, weight.shape[1]):
+            summed = summed + window[:, :, k:k + n_tokens] * weight[:, k, None]
+        summed = xp.permute_dims(summed, (0, 2, 1)) + bias
+    return silu(xp, summed) if activation else summed
+
+
+def conv_tokens(xp: Any, conv: Array, inputs: Array, weight: Array, bias: Array | float, storage_r: StateStorage,
+                m: int, activation: bool = True) -> tuple[Array, Array, Array | None]:
+    """The causal conv of ``inputs`` [n, T, channels] after the state ``conv`` [n, channels, d_conv-1]: its
+    outputs [n, T, channels] (``silu`` of the sums when ``activation``), the state after the last token and
+    (``m > 0``) after tokens T-1-m .. T-2 [n, m, channels, d_conv-1] — ``conv_window``, ``causal_conv`` and
+    ``conv_state_after`` in one.
+
+    In host memory, with a state storage that rounds through float32 or not at all, the compiled kernel
+    (``_scan.conv_tokens``) does it in one pass for any number of tokens, so a sequence's result does not
+    depend on its ubatch split; elsewhere the array-API functions run.
+    """
+    round_f32 = host_step_rounding(xp, conv, storage_r)
+    d_conv = weight.shape[1]
+    if round_f32 is None or weight.shape[1] > 64:
+        window = conv_window(xp, conv, inputs, storage_r)
+        outputs = causal_conv(xp, window, weight, bias, inputs.shape[1], activation)
+        return (outputs, *conv_state_after(xp, window, d_conv, m))
+    host_conv, host_inputs = np.ascontiguousarray(np.asarray(conv)), np.asarray(inputs)
+    n, n_tokens, channels = host_inputs.shape
+    host_bias = np.broadcast_to(np.asarray(bias, dtype=host_conv.dtype), (channels,))
+    outputs = np.empty((n, n_tokens, channels), host_conv.dtype)
+    new_state = np.empty_like(host_conv)
+    steps = np.empty((n, m, channels, d_conv - 1), host_conv.dtype)
+    conv_tokens_kernel(host_conv, host_inputs, np.asarray(weight), np.ascontiguousarray(host_bias), outputs,
+                       new_state, steps, round_f32, activation)
+    return xp.asarray(outputs), xp.asarray(new_state), xp.asarray(steps) if m else None
 
 
 def conv_state_after(xp: Any, window: Array, d_conv: int, m: int) -> tuple[Array, Array | None]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from ..errors import ModelError, OutOfRangeError
+from ..errors import ModelError, OutOfRangeError, RecurrentCacheError
 from ..memory_state import MemoryStatus
 from ..storage import Storage
 from ._arrays import Array, Backend, ModelWeights
@@ -252,6 +252,16 @@ class HybridModel(LanguageModel):
             outputs = backend.from_host(np.flatnonzero(ub.output), device)
             return self.head(backend.xp, weights, backend.xp.take(backend.xp.reshape(x, (ub.n_tokens, p.n_embd)),
                                                                   outputs, axis=0))
+
+    def state_samples(self, st: Any) -> list[Any]:
+        """``LanguageModel.state_samples``: the first recurrent layer's r and s rows, the first attention layer's
+        K and V rows (none when ``st`` cannot give them: the forward then raises what is wrong)."""
+        p = self.hparams
+        try:
+            recurrent = [st.r(p.recr_layers[0]), st.s(p.recr_layers[0])] if p.recr_layers else []
+            return recurrent + ([st.k(p.attn_layers[0]), st.v(p.attn_layers[0])] if p.attn_layers else [])
+        except (RecurrentCacheError, AttributeError):
+            return []
 
     def _probe_rows(self, st: Any) -> Any:
         """A state tensor of ``st`` (its library and device decide the backend), after checking that the

@@ -19,6 +19,7 @@ from ..errors import ModelError
 from ..memory_state import MemoryStatus
 from ..storage import Storage
 from ._arrays import NUMPY, Array, Backend, ModelWeights
+from ._host import host_views
 from ._ssm import linear, product_weight, rms_norm
 from .vocab import Vocabulary
 
@@ -101,21 +102,36 @@ class LanguageModel(ABC):
         recurrent states stored as ``dtype``, ``n_rollback`` past states per sequence for speculative decoding,
         on ``storage`` / ``device`` (where ``forward`` then runs)."""
 
-    def forward(self, st: Any) -> Any:
+    def forward(self, st: Any, *, native: bool = False) -> Any:
         """Run every ubatch of ``st`` (from ``cache.init_batch``), applying each in turn.
 
         Returns the logits of the output tokens, shape ``[n_outputs, n_vocab]``:
         row ``i`` belongs to batch index ``st.out_ids[i]``.  Where the cache keeps
         its states decides where the model runs: numpy rows, numpy and a numpy
         array; torch rows, torch on their device and a torch tensor on that device,
-        in the model's dtype.
+        in the model's dtype.  Torch rows in host memory (the CPU; float32 or
+        float16) are computed on by numpy over the same memory — the faster on a
+        CPU, bit for bit what a numpy cache gives — unless ``native`` asks for torch's
+        own ops (``_host.py``); the logits are a torch tensor either way.
         """
         if st.status != MemoryStatus.SUCCESS:
             raise ModelError(f"cannot run a batch whose init_batch status is {st.status.name}")
-        logits = [self.forward_ubatch(st) for _ in st]
+        logits = [self._ubatch_logits(st, native) for _ in st]
         if not logits:
             return np.zeros((0, self.hparams.n_vocab), self.dtype)
         return logits[0] if len(logits) == 1 else _namespace_of(logits[0]).concat(logits)
+
+    def _ubatch_logits(self, st: Any, native: bool) -> Any:
+        """``forward_ubatch`` of the applied ubatch, through numpy views of torch CPU rows unless ``native``."""
+        views = None if native else host_views(st, self.state_samples(st))
+        if views is None:
+            return self.forward_ubatch(st)
+        return views.tensor(self.forward_ubatch(views))
+
+    @abstractmethod
+    def state_samples(self, st: Any) -> list[Any]:
+        """One state tensor of each kind ``st`` (with its ubatch applied) holds for this model — r and s rows,
+        K and V rows — whose library, device and dtypes decide where ``forward`` computes."""
 
     @abstractmethod
     def reference_run(self, dtype: str = "f32") -> Any:

@@ -33,8 +33,8 @@ import numpy as np
 
 from ._arrays import Array
 from ._registry import Family, register
-from ._ssm import (causal_conv, conv_state_after, conv_window, linear, random_conv, random_dt_bias, random_head,
-                   rms_norm, selective_scan, silu, softplus)
+from ._ssm import (conv_tokens, linear, random_conv, random_dt_bias, random_head, rms_norm, selective_scan, silu,
+                   softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, ReferenceRun, check_sizes, checked_layers
 from .gguf_io import GGUFReader
@@ -169,11 +169,10 @@ def mamba_mixer(xp: Any, p: MambaHParams, w: dict[str, Array], u: Array, conv: A
     and C are RMS-normed, and multiplied by ``w``'s ``ssm_dt_norm`` / ``ssm_b_norm`` / ``ssm_c_norm`` where
     the layer has them (Jamba; Falcon-Mamba's norms have no weight).
     """
-    n_tokens = u.shape[1]
     xz = linear(u, w["ssm_in"])
     z = xz[..., p.d_inner:]
-    window = conv_window(xp, conv, xz[..., :p.d_inner], storage_r)     # [n_seqs, d_inner, d_conv-1+n_tokens]
-    xc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)   # [n_seqs, n_tokens, d_inner]
+    # [n_seqs, n_tokens, d_inner], the conv states after the last token (and the step states)
+    xc, conv, conv_steps = conv_tokens(xp, conv, xz[..., :p.d_inner], w["ssm_conv1d"], w["ssm_conv1d_b"], storage_r, m)
 
     dbc = linear(xc, w["ssm_x"])
     dt = dbc[..., :p.dt_rank]
@@ -186,7 +185,6 @@ def mamba_mixer(xp: Any, p: MambaHParams, w: dict[str, Array], u: Array, conv: A
     dt = softplus(xp, linear(dt, w["ssm_dt"]) + w["ssm_dt_b"])               # [n_seqs, n_tokens, d_inner]
     # per channel: the decay exp(dt * A[ch, :]) and the input dt * xc, over d_state
     y, ssm, ssm_steps = selective_scan(xp, ssm, dt[..., None], w["ssm_a"], dt * xc, b, c, storage_s, m)
-    conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
     out = linear((y + xc * w["ssm_d"]) * silu(xp, z), w["ssm_out"])
     return out, conv, ssm, None if conv_steps is None else (conv_steps, ssm_steps)
 

@@ -35,8 +35,8 @@ import numpy as np
 from ..errors import ModelError
 from ._arrays import Array
 from ._registry import Family, register
-from ._ssm import (causal_conv, conv_state_after, conv_window, gated_rms_norm, linear, random_conv, random_dt_bias,
-                   random_head, rms_norm, selective_scan, silu, softplus)
+from ._ssm import (conv_tokens, gated_rms_norm, linear, random_conv, random_dt_bias, random_head, rms_norm,
+                   selective_scan, silu, softplus)
 from ._storage import StateStorage
 from .recurrent import MixerResult, RecurrentModel, check_sizes, checked_layers
 from .gguf_io import GGUFReader
@@ -196,8 +196,9 @@ def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv:
     n_head, head_dim, n_group, d_state = p.n_head, p.head_dim, p.n_group, p.d_state
     zxbcdt = linear(u, w["ssm_in"])
     z = zxbcdt[..., :p.d_inner]
-    window = conv_window(xp, conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels], storage_r)
-    xbc = causal_conv(xp, window, w["ssm_conv1d"], w["ssm_conv1d_b"], n_tokens)  # [n_seqs, n_tokens, channels]
+    # [n_seqs, n_tokens, channels], the conv states after the last token (and the step states)
+    xbc, conv, conv_steps = conv_tokens(xp, conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels],
+                                        w["ssm_conv1d"], w["ssm_conv1d_b"], storage_r, m)
     x = xbc[..., :p.d_inner].reshape((n_seqs, n_tokens, n_head, head_dim))
     # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave
     per_group = n_head // n_group
@@ -214,7 +215,6 @@ def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv:
     state = ssm.reshape((n_seqs, n_head, head_dim, d_state))
     y, state, ssm_steps = selective_scan(xp, state, dt[..., None, None], w["ssm_a"][:, None, None],
                                          dt[..., None] * x, b, c, storage_s, m)
-    conv, conv_steps = conv_state_after(xp, window, p.d_conv, m)
     y = (y + x * w["ssm_d"][:, None]).reshape((n_seqs, n_tokens, p.d_inner))
     out = linear(gated_output(xp, p, w, y, z, norm_before_gate), w["ssm_out"])
     steps = None if ssm_steps is None else (conv_steps, ssm_steps.reshape((n_seqs, m, p.d_inner, d_state)))

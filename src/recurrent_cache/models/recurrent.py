@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 import numpy as np
 
 from .. import _args
-from ..errors import ModelError
+from ..errors import ModelError, RecurrentCacheError
 from ..storage import Storage
 from ._arrays import NUMPY, Array, ModelWeights
 from ._ssm import rms_norm
@@ -143,13 +143,13 @@ class RecurrentModel(LanguageModel):
     # -- running on the cache ---------------------------------------------------
 
     @overload
-    def forward(self, st: HostRows) -> np.ndarray: ...
+    def forward(self, st: HostRows, *, native: bool = False) -> np.ndarray: ...
     @overload
-    def forward(self, st: TorchRows) -> torch.Tensor: ...
+    def forward(self, st: TorchRows, *, native: bool = False) -> torch.Tensor: ...
 
-    def forward(self, st: Any) -> np.ndarray | torch.Tensor:
+    def forward(self, st: Any, *, native: bool = False) -> np.ndarray | torch.Tensor:
         """``LanguageModel.forward``: numpy rows give a numpy array, torch rows a tensor on their device."""
-        logits: np.ndarray | torch.Tensor = super().forward(st)
+        logits: np.ndarray | torch.Tensor = super().forward(st, native=native)
         return logits
 
     def reference_run(self, dtype: str = "f32") -> ReferenceRun:
@@ -202,6 +202,16 @@ class RecurrentModel(LanguageModel):
             logits: np.ndarray | torch.Tensor = self.head(xp, weights, xp.take(x.reshape((ub.n_tokens, p.n_embd)),
                                                                                 outputs, axis=0))
             return logits
+
+    def state_samples(self, st: Any) -> list[Any]:
+        """``LanguageModel.state_samples``: layer 0's r and s rows (none when ``st`` cannot give them: the forward
+        then raises what is wrong)."""
+        if not self.hparams.n_layer:
+            return []
+        try:
+            return [st.r(0), st.s(0)]
+        except (RecurrentCacheError, AttributeError):
+            return []
 
     def state_rows(self, st: Any) -> tuple[list[Any], list[Any]]:
         """The r and s rows of every layer for ``st``'s applied ubatch (numpy arrays or torch tensors),
