@@ -96,7 +96,8 @@ def package_decoder(model: RecurrentModel, storage: str, native: bool = False) -
     """The package's forward on a cache of ``storage`` ("numpy" or "torch"), greedy; ``native``: torch's own ops
     on the CPU rather than the numpy math over the tensors' memory (``LanguageModel.forward``)."""
     def greedy(cache: rc.RecurrentCache, batch: rc.Batch, n_ubatch: int) -> list[int]:
-        logits = model.forward(cache.init_batch(batch, n_ubatch), native=native)
+        st = cache.init_batch(batch, n_ubatch)
+        logits = model.forward(st, native=True) if native else model.forward(st)   # (a --before model: no native)
         return [int(i) for i in logits.argmax(1)]
 
     def rate(n_seqs: int, n_tokens: int) -> float:
