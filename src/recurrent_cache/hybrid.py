@@ -557,6 +557,10 @@ class HybridCache:
         n = positions.size
         if n == 0:
             raise ArgumentError("seq_restore: pos holds no position")
+        if n > 1 and bool((positions[1:] < positions[:-1]).any()):   # the state is at the last: the largest
+            at = int(np.flatnonzero(positions[1:] < positions[:-1])[0]) + 1
+            raise ArgumentError(f"seq_restore: pos must be in increasing order (as seq_state gives them), but "
+                                f"pos[{at}] = {int(positions[at])} follows {int(positions[at - 1])}")
         k = self._kv_rows_of("k", k, 0, n)
         v = self._kv_rows_of("v", v, 1, n)
         seqs = np.full(n, seq, dtype=np.int32)
@@ -720,6 +724,14 @@ class HybridCache:
         n_attn = len(self._attn_layers)
         recurrent = self._recurrent.n_layer * 2 * 12 + 64 + self._recurrent_bytes
         return 64 + n_attn * 2 * 16 + self.kv_size * (12 + self.kv_bytes_per_token) + recurrent
+
+    def state_bound(self) -> int:
+        """The most bytes the whole memory's state (``state_write()``) can take: every KV cell held by
+        every sequence, every recurrent cell; what ``load_session_file`` reads no further than."""
+        n_attn, n_seq = len(self._attn_layers), self._n_seq_max
+        cell_header = 8 + 4 * n_seq   # position, sequence count, sequence ids
+        recurrent = self._recurrent.n_layer * 2 * 12 + 64 + n_seq * (cell_header + self._recurrent_bytes)
+        return 64 + n_attn * 2 * 16 + self.kv_size * (cell_header + self.kv_bytes_per_token) + recurrent
 
     def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
                    partial_only: bool = False, kv_cell_ext: bool | None = None) -> int:

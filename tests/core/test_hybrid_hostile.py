@@ -347,3 +347,30 @@ def test_state_write_into_refuses_a_target_sharing_the_first_or_last_byte_of_any
     free = storage.arena[storage.next_free:storage.next_free + n]
     assert cache.state_write_into(free, framing=framing, arch=arch) == n
     assert bytes(free) == cache.state_write(framing=framing, arch=arch)
+
+
+# -- seq_restore's positions: the recurrent state sits at the last, so they must not go down ------
+
+@pytest.mark.parametrize("pos", [[2, 1, 0], [0, 2, 1], [1, 1, 0]])
+def test_seq_restore_refuses_positions_out_of_order_changing_nothing(pos):
+    cache, twin = new_cache("numpy"), new_cache("numpy")
+    for memory in (cache, twin):
+        decode(memory, Histories(N_SEQ), {0: [1, 2, 3]})
+    state = cache.seq_state(0)
+    with pytest.raises(rc.ArgumentError, match="increasing order"):
+        cache.seq_restore(1, pos, state.k, state.v, state.r, state.s)
+    assert alike(everything(cache), everything(twin))
+    cache.check()
+
+
+def test_seq_restore_takes_repeated_positions_as_seq_div_leaves_them():
+    cache, histories = new_cache("numpy"), Histories(N_SEQ)
+    decode(cache, histories, {0: [1, 2, 3, 4]})
+    cache.seq_div(0, 0, -1, 2)   # positions 0 0 1 1
+    state = cache.seq_state(0)
+    assert state.pos.tolist() == [0, 0, 1, 1]
+    cache.seq_restore(1, state.pos, state.k, state.v, state.r, state.s)
+    cache.check()
+    restored = cache.seq_state(1)
+    assert cache.seq_pos_max(1) == 1 and restored.pos.tolist() == [0, 0, 1, 1]
+    assert np.array_equal(restored.k, state.k) and np.array_equal(restored.v, state.v)
