@@ -107,6 +107,11 @@ class HybridPrefixCache:
                        "store_lookups": 0, "store_hits": 0, "store_tokens_restored": 0, "store_puts": 0,
                        "store_written": 0}
 
+    @property
+    def cache(self) -> HybridCache:
+        """The memory this prefix cache restores into and saves from."""
+        return self._cache
+
     # -- asking --------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> int:
