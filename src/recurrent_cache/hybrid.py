@@ -65,6 +65,19 @@ def _layers(value: Any, name: str, n_layer: int) -> tuple[int, ...]:
     return tuple(range(n_layer)) if layers is None else layers
 
 
+def _prefix_of(n_tokens: int, kv_pos: np.ndarray | None, recurrent_pos: list[int]) -> None:
+    """``StateError`` unless a sequence's state (its KV cells' positions, None when not read, and its
+    recurrent cells' positions) is that of exactly ``n_tokens`` tokens at positions ``0 .. n_tokens - 1``."""
+    if recurrent_pos != [n_tokens - 1]:
+        held = recurrent_pos or "none"
+        raise StateError(f"the state is not that of a prefix of {n_tokens} tokens: its recurrent state is at "
+                         f"position{'s' if len(recurrent_pos) != 1 else ''} {held}, not {n_tokens - 1}")
+    if kv_pos is not None and not np.array_equal(np.sort(kv_pos), np.arange(n_tokens)):
+        shown = kv_pos.tolist()[:8] + (["..."] if kv_pos.size > 8 else [])
+        raise StateError(f"the state is not that of a prefix of {n_tokens} tokens: its KV cells hold positions "
+                         f"{shown}, not 0 .. {n_tokens - 1}")
+
+
 def _kv_type(value: Any, name: str) -> StateType:
     if not isinstance(value, str) or value not in STATE_TYPES:
         raise ConfigError(f"{name} must be one of {', '.join(STATE_TYPES)}, got {value!r}")
@@ -734,7 +747,7 @@ class HybridCache:
         return 64 + n_attn * 2 * 16 + self.kv_size * (cell_header + self.kv_bytes_per_token) + recurrent
 
     def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
-                   partial_only: bool = False, kv_cell_ext: bool | None = None) -> int:
+                   partial_only: bool = False, kv_cell_ext: bool | None = None, n_tokens: int | None = None) -> int:
         """Restore a hybrid state in any framing llama.cpp or this package writes (found from the
         bytes, as ``RecurrentCache.state_read``); returns its length.  The KV section is found
         without being told: a hybrid memory's state has one (``partial_only``: none, the recurrent
@@ -743,10 +756,16 @@ class HybridCache:
         ``seq_id = -1`` replaces the whole memory; ``seq_id >= 0`` replaces that sequence in both
         halves (its KV cells go where a ubatch of them would).  Everything is checked before either
         half changes: a ``StateError`` (or ``NoFreeCellError`` when the sequence's cells fit nowhere)
-        leaves both exactly as they were."""
+        leaves both exactly as they were.  ``n_tokens`` (one sequence): the state must be that of a
+        prefix of ``n_tokens`` tokens — KV cells at exactly positions ``0 .. n_tokens - 1`` and the
+        recurrent state at the last — else ``StateError`` (a prefix store's entry that is not one)."""
         seq_id = state_seq_id(seq_id, self._n_seq_max, "state_read")
         self._usable("state_read")   # a broken memory refuses before reading a byte
         partial = as_flag(partial_only, "state_read: partial_only")
+        if n_tokens is not None:
+            if seq_id < 0:
+                raise ArgumentError("state_read: n_tokens is for the state of one sequence (seq_id >= 0)")
+            n_tokens = _args.in_range(n_tokens, "state_read: n_tokens", 1, POS_MAX + 1)
         geometry = Geometry.of(self._recurrent)
         unframed = unframe(data, seq_id, arch, not partial, framing=framing, cache=geometry, kv_cell_ext=kv_cell_ext)
         found = unframed.framing
@@ -760,7 +779,9 @@ class HybridCache:
                 section = parse_kv_section(blob_view(data)[found.kv_offset:found.section_offset], seq_id, False,
                                            geometry)
                 load = checked_load(section, self._kv_rows, self._kv.size, self._n_seq_max, seq_id)
-            parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before anything changes
+            blob = parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before any change
+            if n_tokens is not None:
+                _prefix_of(n_tokens, None if load is None else load.pos, [cell.pos for cell in blob.cells])
         except StateError as exc:
             raise in_section(exc, found) from None
         self._enter("state_read")

@@ -232,8 +232,8 @@ class HybridPrefixCache:
         if found is None:
             return 0
         length, state = found
-        try:
-            self._cache.state_read(state, seq)
+        try:   # an entry must hold exactly its tokens' positions (one shifted or cut is not this prefix)
+            self._cache.state_read(state, seq, n_tokens=length)
         except (StateError, NoFreeCellError):   # an entry this cache cannot take: a miss, nothing changed
             self._tier.damaged(length)
             return 0
