@@ -291,7 +291,7 @@ def torch_cache(path: str) -> tuple[HybridCache, Histories]:
     return cache, histories
 
 
-@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("which", ["k", "v", "r"])
 @pytest.mark.parametrize("flavour", ["sparse", "meta", "requires_grad", "inference", "non-contiguous"])
 def test_seq_restore_of_torch_kv_rows_of_every_flavour_is_checked_alike_on_both_paths(flavour, which):
     make = torch_flavours()[flavour]
@@ -299,11 +299,14 @@ def test_seq_restore_of_torch_kv_rows_of_every_flavour_is_checked_alike_on_both_
     for path in PATHS:
         cache, histories = torch_cache(path)
         state = cache.seq_state(0)
-        rows = {"k": state.k, "v": state.v}
-        rows[which] = make(rows[which])
+        rows = {"k": state.k, "v": state.v, "r": list(state.r)}
+        if which == "r":
+            rows["r"][-1] = make(rows["r"][-1][None, None])[0, 0]   # the last layer's row, flavoured as 3-D
+        else:
+            rows[which] = make(rows[which])
         before = everything(cache)
         try:
-            cache.seq_restore(2, state.pos, rows["k"], rows["v"], state.r, state.s)
+            cache.seq_restore(2, state.pos, rows["k"], rows["v"], rows["r"], state.s)
         except rc.ArgumentError as exc:
             assert flavour in REFUSED and REFUSED[flavour] in str(exc), exc
             assert alike(everything(cache), before), f"{path}: a refused restore changed the memory"
@@ -374,3 +377,30 @@ def test_seq_restore_takes_repeated_positions_as_seq_div_leaves_them():
     restored = cache.seq_state(1)
     assert cache.seq_pos_max(1) == 1 and restored.pos.tolist() == [0, 0, 1, 1]
     assert np.array_equal(restored.k, state.k) and np.array_equal(restored.v, state.v)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_memory_made_inside_inference_mode_serves_outside_it_and_inside(path):
+    torch = pytest.importorskip("torch", reason="inference mode is torch's")
+    from recurrent_cache.storage import TorchStorage
+    with torch.inference_mode():   # a serving idiom: the model and its memory made under inference mode
+        cache = new_cache(TorchStorage("cpu", host_access=path == "host"))
+        histories = Histories(N_SEQ)
+        decode(cache, histories, {0: [1, 2, 3]})
+    assert not any(t.is_inference() for t in cache.kv_tensors)
+    decode(cache, histories, {0: [4]})
+    cache.seq_cp(0, 1)
+    histories.copy(0, 1)
+    decode(cache, histories, {1: [5], 0: [6]})
+    state = cache.seq_state(1)
+    cache.seq_restore(2, state.pos, state.k, state.v, state.r, state.s)
+    histories.copy(1, 2)
+    cache.state_read(cache.state_write(0), 3)
+    histories.copy(0, 3)
+    with torch.inference_mode():
+        decode(cache, histories, {2: [7]})
+        inside = cache.seq_state(2)
+    decode(cache, histories, {2: [8]})
+    assert inside.pos.tolist() == list(range(6))
+    assert_holds_its_history(cache, histories)
+    cache.check()
