@@ -4,6 +4,7 @@ overlap exactly one byte of a tensor)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,3 +112,21 @@ class ArenaStorage:
 
     def __getattr__(self, method: str) -> Any:   # take, put, zero, stack, to_host, from_host
         return getattr(self.inner, method)
+
+
+def strike(storage: FailingStorage, attacked: Any, twin: Any, steps: Sequence[tuple[str, Callable[[Any], Any]]],
+           index: int, n: int) -> Exception | None:
+    """Both runs taken through the steps before ``index``, then step ``index`` run on ``attacked`` (whose
+    storage is ``storage``) failing at its ``n``-th storage call: what the step raised, or None.  The
+    storage is disarmed after."""
+    for _, step in steps[:index]:
+        step(attacked)
+        step(twin)
+    storage.arm(n)
+    try:
+        steps[index][1](attacked)
+    except Exception as exc:
+        return exc
+    finally:
+        storage.arm(None)
+    return None

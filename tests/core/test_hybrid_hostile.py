@@ -23,7 +23,7 @@ from recurrent_cache.hybrid import HybridCache
 from recurrent_cache.hybrid_prefix import HybridPrefixCache
 
 from hybrid_model import Histories, assert_holds_its_history, decode, same, snapshot
-from storage_doubles import GAP, ArenaStorage, DeviceOutOfMemory, FailingStorage
+from storage_doubles import GAP, ArenaStorage, DeviceOutOfMemory, FailingStorage, strike
 
 N_SEQ = 4
 
@@ -201,15 +201,10 @@ def every_call_refuses(run: Run) -> None:
 def test_a_storage_failing_mid_call_leaves_the_memory_as_it_was_or_broken(index, n):
     storage = FailingStorage()
     attacked, twin = new_run(storage), new_run("numpy")
-    replay(attacked, index)
-    replay(twin, index)
     name, step = STEPS[index]
-    storage.arm(n)
-    try:
-        step(attacked)
-    except rc.BrokenCacheError as exc:
-        assert isinstance(exc.__cause__, DeviceOutOfMemory), name
-        storage.arm(None)
+    failure = strike(storage, attacked, twin, STEPS, index, n)
+    if isinstance(failure, rc.BrokenCacheError):
+        assert isinstance(failure.__cause__, DeviceOutOfMemory), name
         every_call_refuses(attacked)
         clear(attacked)
         clear(twin)
@@ -219,13 +214,13 @@ def test_a_storage_failing_mid_call_leaves_the_memory_as_it_was_or_broken(index,
         assert alike(everything(attacked.cache), everything(twin.cache))
         assert_holds_its_history(attacked.cache, attacked.histories)
         return
-    except (DeviceOutOfMemory, MemoryError):   # raised before anything changed
-        storage.arm(None)
+    if isinstance(failure, (DeviceOutOfMemory, MemoryError)):   # raised before anything changed
         assert alike(everything(attacked.cache), everything(twin.cache)), f"{name}: not as it was"
         attacked.cache.check()
         return
-    storage.arm(None)   # the failure hit nothing the call needed: it must have done its work
-    step(twin)
+    if failure is not None:
+        raise failure
+    step(twin)   # the failure hit nothing the call needed: the call must have done its work
     assert alike(everything(attacked.cache), everything(twin.cache)), f"{name}: a swallowed failure changed it"
 
 
