@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from recurrent_cache.errors import BrokenCacheError
 from recurrent_cache.storage import NumpyStorage
 
 
@@ -114,11 +115,14 @@ class ArenaStorage:
         return getattr(self.inner, method)
 
 
-def strike(storage: FailingStorage, attacked: Any, twin: Any, steps: Sequence[tuple[str, Callable[[Any], Any]]],
-           index: int, n: int) -> Exception | None:
-    """Both runs taken through the steps before ``index``, then step ``index`` run on ``attacked`` (whose
-    storage is ``storage``) failing at its ``n``-th storage call: what the step raised, or None.  The
-    storage is disarmed after."""
+def strike(new_run: Callable[[Any], Any], steps: Sequence[tuple[str, Callable[[Any], Any]]], index: int,
+           n: int) -> tuple[Any, Any, Exception | None]:
+    """Two runs, ``new_run(FailingStorage())`` and its twin ``new_run("numpy")``, taken through the steps
+    before ``index``; then step ``index`` run on the first with its storage failing at its ``n``-th call.
+    Returns both runs and what the step raised (None); a ``BrokenCacheError`` is checked to chain the
+    storage's failure."""
+    storage = FailingStorage()
+    attacked, twin = new_run(storage), new_run("numpy")
     for _, step in steps[:index]:
         step(attacked)
         step(twin)
@@ -126,7 +130,9 @@ def strike(storage: FailingStorage, attacked: Any, twin: Any, steps: Sequence[tu
     try:
         steps[index][1](attacked)
     except Exception as exc:
-        return exc
+        if isinstance(exc, BrokenCacheError):
+            assert isinstance(exc.__cause__, DeviceOutOfMemory), steps[index][0]
+        return attacked, twin, exc
     finally:
         storage.arm(None)
-    return None
+    return attacked, twin, None
