@@ -317,15 +317,17 @@ def test_seq_restore_of_torch_kv_rows_of_every_flavour_is_checked_alike_on_both_
 
 # -- state_write_into: a target sharing one byte with any tensor -----------------------------------
 
-ARENAS = [("numpy", True), ("torch", True), ("torch", False)]
+ARENAS = [("numpy", True, "compiled"), ("numpy", True, "reference"), ("torch", True, "compiled"),
+          ("torch", True, "reference"), ("torch", False, "compiled")]
 
 
 @pytest.mark.parametrize("framing", ["bare", "llama"])
-@pytest.mark.parametrize(("kind", "host_access"), ARENAS,
-                         ids=[f"{k}-{'host' if h else 'indices'}" for k, h in ARENAS])
-def test_state_write_into_refuses_a_target_sharing_the_first_or_last_byte_of_any_tensor(kind, host_access, framing):
+@pytest.mark.parametrize(("kind", "host_access", "engine"), ARENAS,
+                         ids=[f"{k}-{'host' if h else 'indices'}-{e}" for k, h, e in ARENAS])
+def test_state_write_into_refuses_a_target_sharing_the_first_or_last_byte_of_any_tensor(kind, host_access, engine,
+                                                                                        framing):
     storage = ArenaStorage(kind, host_access)
-    cache = new_cache(storage)
+    cache = new_cache(storage, engine)
     decode(cache, Histories(N_SEQ), {0: [1], 1: [2], 2: [3]})
     extents = list(storage.extents)   # K, V, the recurrent rows, their history and scratch
     arch = "jamba" if framing == "llama" else None
