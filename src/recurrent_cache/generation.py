@@ -29,7 +29,10 @@ import numpy as np
 
 from . import _args
 from .batch import Batch
+from .cache import RecurrentCache
 from .errors import ArgumentError, ConfigError, CoreError, NoFreeCellError
+from .hybrid import HybridCache
+from .hybrid_prefix import HybridPrefixCache
 from .memory_state import MemoryStatus
 from .models.sampling import Sampler
 from .prefix_cache import PrefixCache
@@ -262,6 +265,9 @@ class Generator:
         if (draft is None) != (n_draft == 0):
             raise ConfigError(f"speculative decoding takes a draft source and n_draft >= 1, got draft={draft!r} "
                               f"and n_draft={n_draft}")
+        if draft is not None and not isinstance(draft, DraftModel) and not callable(draft):
+            raise ConfigError(f"draft must be a DraftModel or a callable (history, k) -> tokens, got "
+                              f"{type(draft).__name__}")
         if prefix_cache is not None and store is not None:
             raise ConfigError("give the store to the prefix cache you pass (PrefixCache(..., store=...)), "
                               "or pass only the store")
@@ -270,6 +276,14 @@ class Generator:
             cache = model.new_cache(n_seq_max=wanted, n_rollback=n_draft, **cache_options)
         elif cache_options:
             raise ConfigError(f"cache options {sorted(cache_options)} are for a cache made here; this one is made")
+        if not isinstance(cache, (RecurrentCache, HybridCache)):
+            raise ConfigError(f"cache must be a RecurrentCache or a HybridCache, got {type(cache).__name__}")
+        if prefix_cache is not None:
+            if not isinstance(prefix_cache, (PrefixCache, HybridPrefixCache)):
+                raise ConfigError(f"prefix_cache must be a PrefixCache or a HybridPrefixCache, got "
+                                  f"{type(prefix_cache).__name__}")
+            if prefix_cache.cache is not cache:   # it would restore into, and save from, another memory
+                raise ConfigError("prefix_cache keeps the states of another cache than this generator's")
         n_seq_max = cache.n_seq_max if n_seq_max is None else _args.count(n_seq_max, "n_seq_max", 1, ConfigError)
         if n_seq_max > cache.n_seq_max:
             raise ConfigError(f"n_seq_max {n_seq_max} is more than the cache's {cache.n_seq_max} sequences")
@@ -333,8 +347,10 @@ class Generator:
                                 f"longer than {where} allow{draft} ({longest} tokens)")
         try:
             sampler = Sampler(temperature, top_k, seed, top_p)
-        except ValueError as exc:
-            raise ArgumentError(str(exc)) from None
+        except (ValueError, TypeError) as exc:   # numpy's words for a seed it cannot take (TypeError)
+            raise ArgumentError(f"seed {seed!r}: {exc}" if isinstance(exc, TypeError) else str(exc)) from None
+        if not isinstance(stop, (str, bytes, Sequence)):
+            raise ArgumentError(f"stop must be a string or a sequence of strings, got {type(stop).__name__}")
         strings = tuple(s.encode() if isinstance(s, str) else s for s in ([stop] if isinstance(stop, (str, bytes))
                                                                           else stop))
         if any(not isinstance(s, bytes) or not s for s in strings):
@@ -385,6 +401,8 @@ class Generator:
         and resample its last token, each with its own seed (``seeds``, default ``(parent's seed,
         k)``).  Forks of a request still waiting or in its prompt start at its prompt's end.
         ``NoFreeCellError`` when there are not ``n`` free sequences for a running parent."""
+        if not isinstance(parent, Request):
+            raise ArgumentError(f"fork takes a Request of this generator, got {type(parent).__name__}")
         n = _args.count(n, "n", 1)
         seeds = [(parent.sampler.seed, len(parent.forks) + k + 1) for k in range(n)] if seeds is None else list(seeds)
         if len(seeds) != n:
@@ -465,6 +483,9 @@ class Generator:
 
     def generate(self, prompts: Sequence[str | bytes | Sequence[int]], **options: Any) -> list[Request]:
         """Every prompt served with the same ``submit`` options; the finished requests, in order."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ArgumentError(f"generate takes a sequence of prompts, got {type(prompts).__name__} (one prompt: "
+                                "[prompt])")
         requests = [self.submit(prompt, **options) for prompt in prompts]
         for _ in self.run_until_done():
             pass

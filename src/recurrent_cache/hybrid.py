@@ -14,7 +14,7 @@ ubatch to both halves, on slots both found at ``init_batch``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -22,8 +22,8 @@ from . import _args, _engines
 from ._args import as_flag, as_int, state_seq_id
 from .batch import Batch
 from .cache import RecurrentCache
-from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, NoFreeCellError, StateError,
-                     UsageError, engine_error)
+from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, BrokenCacheError, ConfigError, CoreError, NoFreeCellError,
+                     StateError, UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
 from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
 from .memory_state import MemoryStatus, ThreadGuard
@@ -33,6 +33,7 @@ from .formats.geometry import Geometry
 from .formats.kv import compose_kv_section, parse_kv_section
 from .formats.messages import target_aliases_cache, target_too_small
 from .formats.streams import target_view, write_all
+from ._core import host_extent
 from .hybrid_state import HybridState, KvPlan, KvTokens, TokenPlan, seq_lists
 from .kv_state import KvLoad, KvRows, checked_load, kv_section
 from .storage import Storage, Tensor, allocating, storage_for
@@ -62,6 +63,19 @@ def _bound(value: int) -> int:
 def _layers(value: Any, name: str, n_layer: int) -> tuple[int, ...]:
     layers = _args.layer_filter(value, n_layer, ConfigError)
     return tuple(range(n_layer)) if layers is None else layers
+
+
+def _prefix_of(n_tokens: int, kv_pos: np.ndarray | None, recurrent_pos: list[int]) -> None:
+    """``StateError`` unless a sequence's state (its KV cells' positions, None when not read, and its
+    recurrent cells' positions) is that of exactly ``n_tokens`` tokens at positions ``0 .. n_tokens - 1``."""
+    if recurrent_pos != [n_tokens - 1]:
+        held = recurrent_pos or "none"
+        raise StateError(f"the state is not that of a prefix of {n_tokens} tokens: its recurrent state is at "
+                         f"position{'s' if len(recurrent_pos) != 1 else ''} {held}, not {n_tokens - 1}")
+    if kv_pos is not None and not np.array_equal(np.sort(kv_pos), np.arange(n_tokens)):
+        shown = kv_pos.tolist()[:8] + (["..."] if kv_pos.size > 8 else [])
+        raise StateError(f"the state is not that of a prefix of {n_tokens} tokens: its KV cells hold positions "
+                         f"{shown}, not 0 .. {n_tokens - 1}")
 
 
 def _kv_type(value: Any, name: str) -> StateType:
@@ -140,6 +154,9 @@ class HybridCache:
             self._compiled_plan = _hybrid_step.prepare
         self._generation = 0
         self._guard = ThreadGuard()
+        # the storage's failure that left the halves (or one half's cells and rows) disagreeing: while
+        # set, every call raises BrokenCacheError until clear() succeeds
+        self._broken: BaseException | None = None
 
     # -- what it is ------------------------------------------------------------------------
 
@@ -265,15 +282,20 @@ class HybridCache:
 
     def kv_cell(self, i: int) -> tuple[int, tuple[int, ...]] | None:
         """KV cell ``i``: ``(pos, seq ids)``, or None when empty."""
-        return self._kv.cell(_args.index(i, "KV cell index", self._kv.size))
+        i = _args.index(i, "KV cell index", self._kv.size)
+        self._usable("kv_cell")
+        return self._kv.cell(i)
 
     def kv_cells(self) -> list[tuple[int, tuple[int, ...]] | None]:
         """Every KV cell, as ``kv_cell``."""
+        self._usable("kv_cells")
         return self._kv.cells()
 
     def seq_kv_cells(self, seq: int) -> np.ndarray:
         """The KV cells holding ``seq``, ordered by position (int32)."""
-        return self._kv.seq_cells(self._seq(seq, "seq_kv_cells"))
+        seq = self._seq(seq, "seq_kv_cells")
+        self._usable("seq_kv_cells")
+        return self._kv.seq_cells(seq)
 
     def recurrent_cell(self, i: int) -> Any:
         """Recurrent cell ``i`` (``RecurrentCache.cell``)."""
@@ -291,11 +313,12 @@ class HybridCache:
 
     def kv_shifts(self) -> np.ndarray:
         """[kv_size] int32: how far each cell's position moved since its key was last rotated."""
+        self._usable("kv_shifts")
         return self._kv.shifts()
 
     def kv_reset_shift(self) -> None:
         """The model rotated the keys by ``kv_shifts()``: none is pending any more."""
-        self._enter()
+        self._enter("kv_reset_shift")
         try:
             self._kv.reset_shift()
             self._generation += 1
@@ -305,7 +328,9 @@ class HybridCache:
     def check(self) -> None:
         """Raise ``CoreError`` if an invariant of either half is broken, or if they disagree on which
         sequences hold a position (a sequence's recurrent position must be its largest KV position
-        where it holds KV cells and the model has attention layers)."""
+        where it holds KV cells and the model has attention layers).  ``BrokenCacheError`` when a
+        storage failure broke it."""
+        self._usable("check")
         self._kv.check()
         self._recurrent.check()
         if not self._attn_layers:
@@ -318,11 +343,45 @@ class HybridCache:
 
     # -- one thread at a time ------------------------------------------------------------------
 
-    def _enter(self) -> None:
+    def _enter(self, op: str) -> None:
+        """Take the thread guard; raise ``BrokenCacheError`` (leaving it) if the memory is broken."""
         self._guard.enter()
+        try:
+            self._usable(op)
+        except BaseException:
+            self._guard.leave()
+            raise
 
     def _leave(self) -> None:
         self._guard.leave()
+
+    def _usable(self, op: str) -> None:
+        """Raise ``BrokenCacheError`` if a storage failure broke the memory.  The recurrent half broken
+        by one (in a decode's moves) is found by asking it, and breaks the whole memory."""
+        if self._broken is None:
+            try:
+                self._recurrent.seq_pos_max(0)
+            except BrokenCacheError as exc:
+                self._break(op, exc)
+            return
+        raise self._broken_error(op)
+
+    def _broken_error(self, op: str) -> BrokenCacheError:
+        error = BrokenCacheError(f"{op}: the cache is broken: {self._storage!r} failed while moving its rows "
+                                 f"({type(self._broken).__name__}: {self._broken}); clear() it to use it again")
+        error.__cause__ = self._broken
+        return error
+
+    def _break(self, op: str, failure: BaseException) -> NoReturn:
+        """A failure after a half changed (a storage's, or the recurrent half broken by one): the memory
+        is marked broken and every state prepared before made stale; raises ``BrokenCacheError`` with
+        the storage's exception as its cause (an interrupt goes on as it came)."""
+        cause = failure.__cause__ if isinstance(failure, BrokenCacheError) and failure.__cause__ else failure
+        self._broken = cause
+        self._generation += 1
+        if not isinstance(failure, Exception):
+            raise failure
+        raise self._broken_error(op) from cause
 
     def _seq(self, value: Any, op: str) -> int:
         seq = as_int(value, "seq")
@@ -333,13 +392,18 @@ class HybridCache:
     # -- the sequence API -------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Empty every cell of both halves and zero every row."""
-        self._enter()
+        """Empty every cell of both halves and zero every row; a broken memory (``BrokenCacheError``)
+        is usable again once this succeeds."""
+        self._guard.enter()
         try:
-            self._kv.clear()
-            for tensor in self._kv_tensors:
-                tensor[...] = 0
-            self._recurrent.clear()
+            try:
+                self._kv.clear()
+                for tensor in self._kv_tensors:
+                    self._storage.zero(tensor, np.arange(tensor.shape[1], dtype=np.int64))
+                self._recurrent.clear()
+            except BaseException as failure:
+                self._break("clear", failure)
+            self._broken = None
             self._generation += 1
         finally:
             self._leave()
@@ -355,11 +419,17 @@ class HybridCache:
         if seq >= self._n_seq_max:
             return False   # as llama.cpp: no such sequence in the recurrent half, nothing removed
         seq = max(seq, -1)
-        self._enter()
+        self._enter("seq_rm")
         try:
-            if not self._recurrent.seq_rm(seq, p0, p1):
-                return False
-            self._kv.seq_rm(seq, p0, p1)
+            try:   # the recurrent half refuses (False) or fails (a storage's error) before changing
+                if not self._recurrent.seq_rm(seq, p0, p1):
+                    return False
+            except BrokenCacheError as exc:
+                self._break("seq_rm", exc)
+            try:
+                self._kv.seq_rm(seq, p0, p1)
+            except BaseException as failure:
+                self._break("seq_rm", failure)
             self._generation += 1
             return True
         finally:
@@ -375,7 +445,7 @@ class HybridCache:
         p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
         if src == dst:
             return
-        self._enter()
+        self._enter("seq_cp")
         try:
             if self._kv.seq_pos_max(dst) >= 0 or self._recurrent.seq_pos_max(dst) >= 0:
                 raise ArgumentError(f"seq_cp: sequence {dst} holds positions: remove it first (seq_rm({dst}))")
@@ -385,7 +455,10 @@ class HybridCache:
                 raise ArgumentError(f"seq_cp: [{p0}, {p1}) does not cover sequence {src}'s positions {first} .. "
                                     f"{last}: a hybrid sequence is copied whole")
             self._kv.seq_cp(src, dst, p0, p1)      # refuses (out of memory) before changing anything
-            self._recurrent.seq_cp(src, dst, p0, p1)
+            try:
+                self._recurrent.seq_cp(src, dst, p0, p1)
+            except BaseException as failure:
+                self._break("seq_cp", failure)
             self._generation += 1
         finally:
             self._leave()
@@ -393,10 +466,13 @@ class HybridCache:
     def seq_keep(self, seq: int) -> None:
         """Every other sequence leaves both halves."""
         seq = self._seq(seq, "seq_keep")
-        self._enter()
+        self._enter("seq_keep")
         try:
             self._kv.seq_keep(seq)
-            self._recurrent.seq_keep(seq)
+            try:
+                self._recurrent.seq_keep(seq)
+            except BaseException as failure:
+                self._break("seq_keep", failure)
             self._generation += 1
         finally:
             self._leave()
@@ -410,14 +486,17 @@ class HybridCache:
         seq = self._seq(seq, "seq_add")
         p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
         shift = _args.in_range(shift, "shift", _args.INT32_MIN, _args.INT32_END)
-        self._enter()
+        self._enter("seq_add")
         try:
             pos = self._recurrent.seq_pos_max(seq)
             low, high = max(p0, 0), (_POS_END if p1 < 0 else p1)
             if shift and low <= pos < high and not 0 <= pos + shift < POS_MAX:
                 self._recurrent.seq_add(seq, p0, p1, shift)   # the recurrent half refuses, in its words
             self._kv.seq_add(seq, p0, p1, shift)         # refuses before changing anything
-            self._recurrent.seq_add(seq, p0, p1, shift)  # cannot refuse: ruled out above
+            try:
+                self._recurrent.seq_add(seq, p0, p1, shift)  # cannot refuse: ruled out above
+            except BaseException as failure:
+                self._break("seq_add", failure)
             self._generation += 1
         finally:
             self._leave()
@@ -426,10 +505,13 @@ class HybridCache:
         """Divide ``seq``'s positions in ``[p0, p1)`` by ``d >= 1`` (truncating) in both halves."""
         seq = self._seq(seq, "seq_div")
         p0, p1, d = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1")), as_int(d, "d")
-        self._enter()
+        self._enter("seq_div")
         try:
             self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
-            self._recurrent.seq_div(seq, p0, p1, d)
+            try:
+                self._recurrent.seq_div(seq, p0, p1, d)
+            except BaseException as failure:
+                self._break("seq_div", failure)
             self._generation += 1
         finally:
             self._leave()
@@ -437,6 +519,7 @@ class HybridCache:
     def seq_pos_min(self, seq: int) -> int:
         """The first position ``seq`` holds in both halves (the larger of the two minima; -1: none)."""
         seq = self._seq(seq, "seq_pos_min")
+        self._usable("seq_pos_min")
         if not self._attn_layers:
             return self._recurrent.seq_pos_min(seq)
         return max(self._kv.seq_pos_min(seq), self._recurrent.seq_pos_min(seq))
@@ -444,6 +527,7 @@ class HybridCache:
     def seq_pos_max(self, seq: int) -> int:
         """The last position ``seq`` holds in both halves (the smaller of the two maxima; -1: none)."""
         seq = self._seq(seq, "seq_pos_max")
+        self._usable("seq_pos_max")
         if not self._attn_layers:
             return self._recurrent.seq_pos_max(seq)
         return min(self._kv.seq_pos_max(seq), self._recurrent.seq_pos_max(seq))
@@ -460,7 +544,7 @@ class HybridCache:
         cells (``[n_attn, n, n_embd_k]`` / ``[n_attn, n, n_embd_v]``, tensors of the cache's storage), and
         its recurrent r and s rows (``RecurrentCache.seq_state``)."""
         seq = self._seq(seq, "seq_state")
-        self._enter()
+        self._enter("seq_state")
         try:
             index = self._kv.seq_cells(seq).astype(np.int64)
             pos = np.array([cell[0] for cell in map(self._kv.cell, index.tolist()) if cell is not None],
@@ -481,14 +565,19 @@ class HybridCache:
         changes: a call that raises (``ArgumentError``, ``SeqIdError``, ``NoFreeCellError``, ...) has
         changed neither half."""
         seq = self._seq(seq, "seq_restore")
+        self._usable("seq_restore")   # (before the storage is asked to take the rows)
         positions = _args.int_array(pos, "seq_restore: pos")
         n = positions.size
         if n == 0:
             raise ArgumentError("seq_restore: pos holds no position")
+        if n > 1 and bool((positions[1:] < positions[:-1]).any()):   # the state is at the last: the largest
+            at = int(np.flatnonzero(positions[1:] < positions[:-1])[0]) + 1
+            raise ArgumentError(f"seq_restore: pos must be in increasing order (as seq_state gives them), but "
+                                f"pos[{at}] = {int(positions[at])} follows {int(positions[at - 1])}")
         k = self._kv_rows_of("k", k, 0, n)
         v = self._kv_rows_of("v", v, 1, n)
         seqs = np.full(n, seq, dtype=np.int32)
-        self._enter()
+        self._enter("seq_restore")
         try:
             if self.seq_pos_max(seq) >= 0 or self._kv.seq_pos_max(seq) >= 0:
                 raise ArgumentError(f"seq_restore: sequence {seq} holds positions: remove it first (seq_rm)")
@@ -497,19 +586,28 @@ class HybridCache:
             if slots is None:
                 raise NoFreeCellError(f"seq_restore: {n} KV cells for sequence {seq} fit nowhere "
                                       f"({self._kv.used} of {self._kv.size} cells used)")
-            self._recurrent.seq_restore(seq, int(positions[-1]), r_rows, s_rows)   # checks its rows first
+            try:   # checks its rows first: refuses before changing, or breaks (a storage failure)
+                self._recurrent.seq_restore(seq, int(positions[-1]), r_rows, s_rows)
+            except BrokenCacheError as exc:
+                self._break("seq_restore", exc)
             if self._attn_layers:
-                cells = slots[0]
-                self._kv.apply(cells, positions, seqs)
-                self._storage.put(self._kv_rows.k_by_cell, cells.astype(np.int64), k)
-                self._storage.put(self._kv_rows.v_by_cell, cells.astype(np.int64), v)
+                cells = slots[0].astype(np.int64)
+                try:
+                    self._kv.apply(slots[0], positions, seqs)
+                    self._storage.put(self._kv_rows.k_by_cell, cells, k)
+                    self._storage.put(self._kv_rows.v_by_cell, cells, v)
+                except BaseException as failure:
+                    self._break("seq_restore", failure)
             self._generation += 1
         finally:
             self._leave()
 
     def _kv_rows_of(self, which: str, rows: Any, kind: int, n: int) -> Tensor:
         """``rows`` checked as ``[n_attn, n, n_embd]`` of the K (kind 0) or V (1) dtype — a numpy array,
-        or a tensor of the storage's type — as a tensor of the storage."""
+        or a tensor of the storage's type — as a new tensor of the storage.  A tensor goes through the
+        storage's ``stack`` (as ``RecurrentCache.seq_restore``'s rows do), which refuses one it cannot
+        read (sparse, ``meta``) and detaches and moves the others: checked on both paths alike, before
+        either half changes."""
         state_type = (self._type_k, self._type_v)[kind]
         shape = (len(self._attn_layers), n, (self._n_embd_k, self._n_embd_v)[kind])
         own = self._kv_tensors[kind]
@@ -522,7 +620,10 @@ class HybridCache:
             raise ArgumentError(f"seq_restore: {which} must be {dtype} of shape {shape}, got {got}")
         if isinstance(rows, np.ndarray):
             return self._storage.from_host(rows, state_type)
-        return rows.to(own.device) if hasattr(rows, "device") and rows.device != own.device else rows
+        try:
+            return self._storage.stack([rows], state_type)[0]
+        except ArgumentError as exc:   # the storage names the tensor rows[0]
+            raise ArgumentError(f"seq_restore: {which}{str(exc).removeprefix('rows[0]')}") from None
 
     # -- batches --------------------------------------------------------------------------
 
@@ -535,6 +636,8 @@ class HybridCache:
         guard = self._guard   # (the decode step's hot path: the guard without _enter's frame)
         guard.enter()
         try:
+            if self._broken is not None:   # (a broken recurrent half refuses in its own init_batch)
+                raise self._broken_error("init_batch")
             recurrent = self._recurrent.init_batch(batch, n_ubatch, embd_pooled, logits_all)
             plan: KvPlan | None = None
             if recurrent.status is MemoryStatus.SUCCESS:
@@ -583,7 +686,7 @@ class HybridCache:
         seq_id = state_seq_id(seq_id, self._n_seq_max, "state_write")
         partial = as_flag(partial_only, "state_write: partial_only")
         prefix = framing_prefix(framing, seq_id, arch)
-        self._enter()
+        self._enter("state_write")
         try:
             kv = b"" if partial else compose_kv_section(kv_section(self._kv, self._kv_rows, seq_id))
             recurrent = self._recurrent.state_write(seq_id)
@@ -599,9 +702,10 @@ class HybridCache:
     def state_write_into(self, target: object, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
                          partial_only: bool = False) -> int:
         """Write ``state_write(...)`` with the same arguments into ``target``: a writable C-contiguous
-        buffer of at least that many bytes (filled from its start; refused when it shares memory with
-        this cache's tensors), or a binary file object (written at its position).  Returns the bytes
-        written."""
+        buffer of at least that many bytes (filled from its start; refused, ``ArgumentError``, when it
+        shares a byte with any tensor of this cache — K, V, the recurrent rows, their history and
+        scratch — on either path), or a binary file object (written at its position).  Returns the
+        bytes written."""
         data = self.state_write(seq_id, framing, arch, partial_only=partial_only)
         view = target_view(target)
         if view is None:
@@ -609,12 +713,23 @@ class HybridCache:
             return len(data)
         if len(view) < len(data):
             raise target_too_small(len(view), len(data))
-        host = np.frombuffer(view, dtype=np.uint8)
-        tensors = [*self._kv_tensors, *(t for t in self.r + self.s if t is not None)]
-        if any(isinstance(t, np.ndarray) and np.shares_memory(host, t) for t in tensors):
+        if self._aliases(view):
             raise target_aliases_cache()
         view[:len(data)] = data
         return len(data)
+
+    def _aliases(self, view: memoryview) -> bool:
+        """Whether ``view`` shares a byte with the K or V tensor (where they lie in host memory) or with
+        any tensor of the recurrent half (its core's own test)."""
+        if not len(view):
+            return False
+        begin = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+        end = begin + len(view)
+        for tensor in self._kv_tensors:
+            extent = host_extent(tensor)
+            if extent is not None and begin < extent[1] and extent[0] < end:
+                return True
+        return bool(self._recurrent.memory_core.aliases(view))
 
     def seq_state_bound(self) -> int:
         """The most bytes one sequence's state (``state_write(seq)``) can take: every KV cell held, with
@@ -623,8 +738,16 @@ class HybridCache:
         recurrent = self._recurrent.n_layer * 2 * 12 + 64 + self._recurrent_bytes
         return 64 + n_attn * 2 * 16 + self.kv_size * (12 + self.kv_bytes_per_token) + recurrent
 
+    def state_bound(self) -> int:
+        """The most bytes the whole memory's state (``state_write()``) can take: every KV cell held by
+        every sequence, every recurrent cell; what ``load_session_file`` reads no further than."""
+        n_attn, n_seq = len(self._attn_layers), self._n_seq_max
+        cell_header = 8 + 4 * n_seq   # position, sequence count, sequence ids
+        recurrent = self._recurrent.n_layer * 2 * 12 + 64 + n_seq * (cell_header + self._recurrent_bytes)
+        return 64 + n_attn * 2 * 16 + self.kv_size * (cell_header + self.kv_bytes_per_token) + recurrent
+
     def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
-                   partial_only: bool = False, kv_cell_ext: bool | None = None) -> int:
+                   partial_only: bool = False, kv_cell_ext: bool | None = None, n_tokens: int | None = None) -> int:
         """Restore a hybrid state in any framing llama.cpp or this package writes (found from the
         bytes, as ``RecurrentCache.state_read``); returns its length.  The KV section is found
         without being told: a hybrid memory's state has one (``partial_only``: none, the recurrent
@@ -633,9 +756,16 @@ class HybridCache:
         ``seq_id = -1`` replaces the whole memory; ``seq_id >= 0`` replaces that sequence in both
         halves (its KV cells go where a ubatch of them would).  Everything is checked before either
         half changes: a ``StateError`` (or ``NoFreeCellError`` when the sequence's cells fit nowhere)
-        leaves both exactly as they were."""
+        leaves both exactly as they were.  ``n_tokens`` (one sequence): the state must be that of a
+        prefix of ``n_tokens`` tokens — KV cells at exactly positions ``0 .. n_tokens - 1`` and the
+        recurrent state at the last — else ``StateError`` (a prefix store's entry that is not one)."""
         seq_id = state_seq_id(seq_id, self._n_seq_max, "state_read")
+        self._usable("state_read")   # a broken memory refuses before reading a byte
         partial = as_flag(partial_only, "state_read: partial_only")
+        if n_tokens is not None:
+            if seq_id < 0:
+                raise ArgumentError("state_read: n_tokens is for the state of one sequence (seq_id >= 0)")
+            n_tokens = _args.in_range(n_tokens, "state_read: n_tokens", 1, POS_MAX + 1)
         geometry = Geometry.of(self._recurrent)
         unframed = unframe(data, seq_id, arch, not partial, framing=framing, cache=geometry, kv_cell_ext=kv_cell_ext)
         found = unframed.framing
@@ -649,37 +779,42 @@ class HybridCache:
                 section = parse_kv_section(blob_view(data)[found.kv_offset:found.section_offset], seq_id, False,
                                            geometry)
                 load = checked_load(section, self._kv_rows, self._kv.size, self._n_seq_max, seq_id)
-            parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before anything changes
+            blob = parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before any change
+            if n_tokens is not None:
+                _prefix_of(n_tokens, None if load is None else load.pos, [cell.pos for cell in blob.cells])
         except StateError as exc:
             raise in_section(exc, found) from None
-        self._enter()
+        self._enter("state_read")
         try:
-            if load is not None:
-                self._load_kv(load, seq_id)
-            self._recurrent.state_read(unframed.section, seq_id, framing="bare")
+            cells = self._place_kv(load, seq_id) if load is not None else None   # NoFreeCellError: nothing changed
+            try:
+                if cells is not None and cells.size:
+                    assert load is not None
+                    rows, storage = self._kv_rows, self._storage
+                    storage.put(rows.k_by_cell, cells, storage.from_host(load.k, self._type_k))
+                    storage.put(rows.v_by_cell, cells, storage.from_host(load.v, self._type_v))
+                self._recurrent.state_read(unframed.section, seq_id, framing="bare")
+            except BaseException as failure:   # a half changed: a storage's failure breaks the memory
+                self._break("state_read", failure)
             self._generation += 1
         finally:
             self._leave()
         return found.section_offset + len(unframed.section)
 
-    def _load_kv(self, load: KvLoad, seq_id: int) -> None:
-        """A checked section into the KV half: its cells (where llama.cpp puts them), then their rows."""
+    def _place_kv(self, load: KvLoad, seq_id: int) -> np.ndarray:
+        """A checked section's cells into the KV half (where llama.cpp puts them): the cells whose rows
+        it then fills.  ``NoFreeCellError`` before anything changed when a sequence's fit nowhere."""
         if seq_id < 0:
             self._kv.load(load.pos, load.flat, load.offsets)
-            cells = np.arange(load.n_cells, dtype=np.int64)
-        elif load.n_cells == 0:
+            return np.arange(load.n_cells, dtype=np.int64)
+        if load.n_cells == 0:
             self._kv.seq_rm(seq_id, -1, -1)
-            return
-        else:
-            slot = self._kv.load_seq(seq_id, load.pos)
-            if slot is None:
-                raise NoFreeCellError(f"state_read: the {load.n_cells} KV cells of sequence {seq_id} fit nowhere "
-                                      f"in the KV cache ({self._kv.used} of {self._kv.size} cells used)")
-            cells = slot.astype(np.int64)
-        if cells.size:
-            rows, storage = self._kv_rows, self._storage
-            storage.put(rows.k_by_cell, cells, storage.from_host(load.k, self._type_k))
-            storage.put(rows.v_by_cell, cells, storage.from_host(load.v, self._type_v))
+            return np.empty(0, dtype=np.int64)
+        slot = self._kv.load_seq(seq_id, load.pos)
+        if slot is None:
+            raise NoFreeCellError(f"state_read: the {load.n_cells} KV cells of sequence {seq_id} fit nowhere "
+                                  f"in the KV cache ({self._kv.used} of {self._kv.size} cells used)")
+        return slot.astype(np.int64)
 
     def __repr__(self) -> str:
         return (f"HybridCache(n_layer={self.n_layer}, attn_layers={self._attn_layers}, "

@@ -107,6 +107,11 @@ class HybridPrefixCache:
                        "store_lookups": 0, "store_hits": 0, "store_tokens_restored": 0, "store_puts": 0,
                        "store_written": 0}
 
+    @property
+    def cache(self) -> HybridCache:
+        """The memory this prefix cache restores into and saves from."""
+        return self._cache
+
     # -- asking --------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> int:
@@ -227,8 +232,8 @@ class HybridPrefixCache:
         if found is None:
             return 0
         length, state = found
-        try:
-            self._cache.state_read(state, seq)
+        try:   # an entry must hold exactly its tokens' positions (one shifted or cut is not this prefix)
+            self._cache.state_read(state, seq, n_tokens=length)
         except (StateError, NoFreeCellError):   # an entry this cache cannot take: a miss, nothing changed
             self._tier.damaged(length)
             return 0

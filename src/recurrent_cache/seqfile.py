@@ -26,7 +26,7 @@ from .errors import ArgumentError, StateError
 from .formats.blob import arch_string, seq_file_format, seq_file_header
 from .formats.files import FileContents, read_file
 from .formats.geometry import Geometry
-from .formats.layouts import FILE_HEADER, GGSN, GGSQ, GGSQ_V2, MAX_TOKENS
+from .formats.layouts import FILE_HEADER, GGSN, GGSN_V9, GGSQ, GGSQ_V2, MAX_ARCH, MAX_TOKENS
 from .formats.streams import check_file, write_all
 from .hybrid import HybridCache
 
@@ -102,7 +102,7 @@ def load_seq_file(path: _Path, cache: Any, seq_id: int, *, max_tokens: int = MAX
     path = _args.path(path, "load_seq_file: path")
     if isinstance(cache, HybridCache):   # its attention KV section and its recurrent section, both read
         seq_id = _args.state_seq_id(seq_id, cache.n_seq_max, "load_seq_file")
-        return _load_hybrid(path, cache, seq_id, max_tokens)
+        return _load_hybrid(path, "load_seq_file", cache, seq_id, max_tokens, None)
     seq_id = _args.state_seq_id(seq_id, cache.size, "load_seq_file")
     return _load(path, "load_seq_file", cache, seq_id, max_tokens, None, kv_section, kv_cell_ext)
 
@@ -113,40 +113,50 @@ def load_session_file(path: _Path, cache: Any, *, arch: str | None = None, max_t
     whose output block is checked and skipped); returns its tokens.
 
     ``arch``, when given, must be the file's architecture name.  Checked as ``load_seq_file`` checks: nothing changes
-    unless the whole file is good.
+    unless the whole file is good.  A ``HybridCache`` reads version 10 (its KV and recurrent sections,
+    its ``state_read``), no further than ``state_bound()`` allows.
     """
     path = _args.path(path, "load_session_file: path")
+    if isinstance(cache, HybridCache):
+        if arch is not None:
+            arch_string(arch)   # a name llama.cpp could have written, checked before the file is opened
+        return _load_hybrid(path, "load_session_file", cache, -1, max_tokens, arch)
     return _load(path, "load_session_file", cache, -1, max_tokens, arch, kv_section, kv_cell_ext)
 
 
-def _load_hybrid(path: str, cache: HybridCache, seq_id: int, max_tokens: int) -> np.ndarray:
-    """A 'ggsq' file of a hybrid memory's sequence: header, tokens, then the sequence's state read by
-    ``HybridCache.state_read`` (every check before either half changes).  No more is read than the
-    header claims and ``cache.seq_state_bound()`` allows, and one byte more to prove the file ends."""
-    op = "load_seq_file"
+def _load_hybrid(path: str, op: str, cache: HybridCache, seq_id: int, max_tokens: int, arch: str | None) -> np.ndarray:
+    """A 'ggsq' file of a hybrid memory's sequence (``seq_id >= 0``) or a 'ggsn' session file of the whole
+    memory (-1): header, tokens, then the state read by ``HybridCache.state_read`` (every check before
+    either half changes).  No more is read than the header claims and the memory's state bound allows
+    (``seq_state_bound()``; ``state_bound()`` and the architecture string for a session), and one byte
+    more to prove the file ends."""
     max_tokens = _args.count(max_tokens, f"{op}: max_tokens", 0, int32_only=False)
+    formats, kind, named = (((GGSQ, GGSQ_V2), "sequence", "'ggsq' sequence file (version 3 or 2)") if seq_id >= 0
+                            else ((GGSN,), "session", "'ggsn' session file (version 10)"))
     with open(path, "rb") as file:
         check_file(file, op, "read", "reading")
         header = file.read(FILE_HEADER.size)
         if len(header) < FILE_HEADER.size:
-            raise StateError(f"{path}: {len(header)} bytes, shorter than a sequence file's header")
+            raise StateError(f"{path}: {len(header)} bytes, shorter than a {kind} file's header")
         magic, version, n_tokens = FILE_HEADER.unpack(header)
-        framing = next((f for f in (GGSQ, GGSQ_V2) if (magic, version) == (f.magic, f.version)), None)
+        framing = next((f for f in formats if (magic, version) == (f.magic, f.version)), None)
         if framing is None:
-            raise StateError(f"{path}: magic {magic:#010x} version {version}: not a 'ggsq' sequence file "
-                             "(version 3 or 2)")
+            june = seq_id < 0 and (magic, version) == (GGSN_V9.magic, GGSN_V9.version)
+            raise StateError(f"{path}: magic {magic:#010x} version {version}: "
+                             + ("a June-2025 session file (version 9): a HybridCache reads version 10" if june else
+                                f"not a {named}"))
         if n_tokens > max_tokens:
             raise StateError(f"{path}: n_token_count {n_tokens} is more than max_tokens {max_tokens}")
         token_bytes = file.read(4 * n_tokens)
         if len(token_bytes) < 4 * n_tokens:
             raise StateError(f"{path}: {n_tokens} tokens claimed, the file ends after {len(token_bytes) // 4}")
-        bound = cache.seq_state_bound()
+        bound = cache.seq_state_bound() if seq_id >= 0 else cache.state_bound() + 4 + MAX_ARCH
         state = file.read(bound + 1)
     if len(state) > bound:
-        raise StateError(f"{path}: the state after the tokens is longer than a sequence of this memory can be "
-                         f"({bound} bytes)")
+        raise StateError(f"{path}: the state after the tokens is longer than a {'sequence of ' if seq_id >= 0 else ''}"
+                         f"this memory can be ({bound} bytes)")
     try:
-        cache.state_read(state, seq_id, framing="bare")
+        cache.state_read(state, seq_id, arch, framing="bare" if seq_id >= 0 else "llama")
     except StateError as exc:
         raise StateError(f"{path}: the state at byte {FILE_HEADER.size + 4 * n_tokens}: {exc}") from None
     return np.frombuffer(token_bytes, dtype="<i4").astype(np.int32)

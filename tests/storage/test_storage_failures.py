@@ -20,69 +20,9 @@ import pytest
 
 import recurrent_cache as rc
 from recurrent_cache import PrefixCache
-from recurrent_cache.storage import NumpyStorage
 
 from rows import assign, host
-
-
-class DeviceOutOfMemory(RuntimeError):
-    """What the failing storage raises (a device's out-of-memory error)."""
-
-
-class FailingStorage:
-    """Numpy's storage without host access (the index path a GPU takes) that raises at the N-th
-    storage call after ``arm(N)``; ``calls`` counts every call."""
-
-    name = "failing"
-    device = "cpu"
-
-    def __init__(self) -> None:
-        self.inner = NumpyStorage()
-        self.calls = 0
-        self.fail_at: int | None = None
-        self.kinds: set[str] = set()   # the methods called since arm()
-
-    def arm(self, n: int | None) -> None:
-        self.calls = 0
-        self.fail_at = n
-        self.kinds = set()
-
-    def _call(self, method: str) -> None:
-        self.calls += 1
-        self.kinds.add(method)
-        if self.calls == self.fail_at:
-            raise DeviceOutOfMemory(f"storage call {self.calls} failed")
-
-    def allocate(self, shape, dtype):
-        self._call("allocate")
-        return self.inner.allocate(shape, dtype)
-
-    def host_view(self, tensor):
-        return None
-
-    def take(self, tensor, rows):
-        self._call("take")
-        return self.inner.take(tensor, rows)
-
-    def put(self, tensor, rows, values):
-        self._call("put")
-        self.inner.put(tensor, rows, values)
-
-    def zero(self, tensor, rows):
-        self._call("zero")
-        self.inner.zero(tensor, rows)
-
-    def stack(self, rows, dtype):
-        self._call("stack")
-        return self.inner.stack(rows, dtype)
-
-    def to_host(self, tensor):
-        self._call("to_host")
-        return self.inner.to_host(tensor)
-
-    def from_host(self, array, dtype):
-        self._call("from_host")
-        return self.inner.from_host(array, dtype)
+from storage_doubles import GAP, ArenaStorage, DeviceOutOfMemory, FailingStorage, strike
 
 
 N_LAYER, N_EMBD_R, N_EMBD_S, SIZE, N_ROLLBACK = 2, 3, 4, 4, 2
@@ -178,11 +118,6 @@ def snapshot(cache: rc.RecurrentCache) -> tuple[Any, ...]:
             [cache.storage.to_host(tensor).tobytes() for tensor in cache.tensors], held, cache.state_write())
 
 
-def replay(run: Run, upto: int) -> None:
-    for _, step in STEPS[:upto]:
-        step(run)
-
-
 def calls_of_each_step() -> tuple[list[int], set[str]]:
     """How many storage calls each step makes in a run without failures, and their methods."""
     storage = FailingStorage()
@@ -230,17 +165,9 @@ def every_call_refuses(run: Run) -> None:
 
 @pytest.mark.parametrize(("index", "n"), ATTACKS)
 def test_a_storage_failing_mid_call_leaves_the_cache_as_it_was_or_broken(index, n):
-    storage = FailingStorage()
-    attacked, twin = new_run(storage), new_run("numpy")
-    replay(attacked, index)
-    replay(twin, index)
+    attacked, twin, failure = strike(new_run, STEPS, index, n)
     name, step = STEPS[index]
-    storage.arm(n)
-    try:
-        step(attacked)
-    except rc.BrokenCacheError as exc:
-        assert isinstance(exc.__cause__, DeviceOutOfMemory), name
-        storage.arm(None)
+    if isinstance(failure, rc.BrokenCacheError):
         every_call_refuses(attacked)
         # clear() gives a clean, usable cache: all rows zero, no cell, no history
         attacked.cache.clear()
@@ -252,8 +179,8 @@ def test_a_storage_failing_mid_call_leaves_the_cache_as_it_was_or_broken(index, 
         decode(twin, [0, 1], 3, 2)
         assert snapshot(attacked.cache) == snapshot(twin.cache)
         return
-    except (DeviceOutOfMemory, MemoryError):   # failed before anything changed: a decode's earlier ubatches stay
-        storage.arm(None)
+    if isinstance(failure, (DeviceOutOfMemory, MemoryError)):   # before anything changed (a decode's earlier
+        # ubatches stay)
         if name.startswith("decode") and attacked.applied:
             twin_step = STEPS[index][1]
             assert twin_step is step
@@ -262,8 +189,9 @@ def test_a_storage_failing_mid_call_leaves_the_cache_as_it_was_or_broken(index, 
             decode(twin, *limited, limit=attacked.applied)
         assert snapshot(attacked.cache) == snapshot(twin.cache), f"{name}: not as it was"
         return
+    if failure is not None:
+        raise failure
     # the failure did not surface (it hit nothing the call needed): the call must have done its work
-    storage.arm(None)
     step(twin)
     assert snapshot(attacked.cache) == snapshot(twin.cache), f"{name}: a swallowed failure changed the result"
 
@@ -288,47 +216,6 @@ def test_a_broken_cache_stays_broken_when_clear_fails_too():
 
 
 # -- state_write_into's target may share no byte with the cache ---------------------------------
-
-GAP = 1 << 14   # free bytes around every tensor of an arena: room for a whole blob on either side
-
-
-class ArenaStorage:
-    """A storage (numpy or torch on the CPU, with or without host access) whose tensors are carved out
-    of one host arena with GAP free bytes around each, so a test can make a target that overlaps
-    exactly one byte of a tensor and lies in free arena bytes otherwise."""
-
-    def __init__(self, kind: str, host_access: bool) -> None:
-        if kind == "torch":
-            torch = pytest.importorskip("torch", reason="the torch arena needs torch")
-            from recurrent_cache.storage import TorchStorage
-            self.inner: Any = TorchStorage("cpu", host_access=host_access)
-            self.torch_arena = torch.zeros(1 << 20, dtype=torch.uint8)
-            self.arena = self.torch_arena.numpy()   # the same memory
-        else:
-            self.inner = NumpyStorage()
-            self.arena = np.zeros(1 << 20, dtype=np.uint8)
-        self.kind, self.host_access = kind, host_access
-        self.name, self.device = self.inner.name, "cpu"
-        self.extents: list[tuple[int, int]] = []   # [begin, end) of each tensor, as arena offsets
-        self.next_free = GAP
-
-    def allocate(self, shape, dtype):
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        begin = self.next_free
-        self.next_free = begin + (nbytes + 63) // 64 * 64 + GAP
-        assert self.next_free <= self.arena.size
-        self.extents.append((begin, begin + nbytes))
-        if self.kind == "torch":
-            raw = self.torch_arena[begin:begin + nbytes]
-            return raw.view(self.inner.torch_dtype(dtype)).reshape(shape)
-        return self.arena[begin:begin + nbytes].view(dtype.numpy).reshape(shape)
-
-    def host_view(self, tensor):
-        return self.inner.host_view(tensor) if self.host_access else None
-
-    def __getattr__(self, method: str) -> Any:   # take, put, zero, stack, to_host, from_host
-        return getattr(self.inner, method)
-
 
 ARENAS = [("numpy", True, "compiled"), ("numpy", True, "reference"), ("numpy", False, "compiled"),
           ("torch", True, "compiled"), ("torch", True, "reference"), ("torch", False, "compiled")]

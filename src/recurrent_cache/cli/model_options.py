@@ -28,8 +28,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     """``--model`` / ``--random-weights`` (one or the other) and ``--compute``."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="GGUF|DIR", type=text("model path"),
-                        help="a Mamba-1/2 GGUF file or Hugging Face checkpoint directory "
-                             "(default: the shipped byte-level model)")
+                        help="a GGUF file or Hugging Face checkpoint directory: Mamba-1/2 or a hybrid (Jamba, "
+                             "LFM2, Granite-4.0-H, Falcon-H1, Qwen3-Next, Nemotron-H) (default: the shipped "
+                             "byte-level model)")
     source.add_argument("--random-weights", action="store_true", help="a random model instead, seeded by --seed")
     parser.add_argument("--compute", choices=sorted(COMPUTE_DTYPES), default="f32",
                         help="model arithmetic (default f32, as the model was trained)")
