@@ -249,6 +249,17 @@ class HybridCache:
         return self._kv_tensors
 
     @property
+    def memory_core(self) -> _engines.Core:
+        """The recurrent half's memory core (``RecurrentCache.memory_core``): with ``kv_table``, what the
+        C API (``rc_ctx_new``) drives; not for Python callers, which use this facade."""
+        return self._recurrent.memory_core
+
+    @property
+    def kv_table(self) -> _engines.KVTable:
+        """The KV half's cell table, for the C API (``rc_ctx_new``) beside ``memory_core``."""
+        return self._kv
+
+    @property
     def generation(self) -> int:
         """Moves with every change to either half (a state prepared before a change is stale)."""
         return self._generation
