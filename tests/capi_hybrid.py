@@ -59,13 +59,12 @@ class CHybrid:
 
     def kv_rows(self, attn_index: int, which: int) -> tuple[np.ndarray, bool]:
         """Attention layer ``attn_index``'s K (0) or V (1) storage as rc_kv_tensor describes it."""
-        data, row_bytes, v_trans = P(), size_t(), ctypes.c_int()
-        code = T.kv_tensor(self.ctx, attn_index, which, ctypes.byref(data), ctypes.byref(row_bytes),
-                           ctypes.byref(v_trans))
+        data, rows, row_bytes, v_trans = P(), i32(), size_t(), ctypes.c_int()
+        code = T.kv_tensor(self.ctx, attn_index, which, ctypes.byref(data), ctypes.byref(rows),
+                           ctypes.byref(row_bytes), ctypes.byref(v_trans))
         assert code == 0, self.message(code)
         width = row_bytes.value // 4
-        rows = self.cache.n_embd_v if v_trans.value else T.kv_size(self.ctx)
-        return host_floats(data.value, rows * width).reshape(rows, width), bool(v_trans.value)
+        return host_floats(data.value, rows.value * width).reshape(rows.value, width), bool(v_trans.value)
 
     def state_rows(self, tensor: int) -> np.ndarray:
         """State tensor ``tensor``'s rows (rc_tensor: r of layer il is il, s is n_layer + il)."""

@@ -116,8 +116,8 @@ cdef extern from "recurrent_cache/capi.h":
         int32_t (*attn_layer)(const rc_ctx* ctx, int32_t attn_index) noexcept nogil
         int32_t (*kv_size)(const rc_ctx* ctx) noexcept nogil
         int32_t (*kv_used)(const rc_ctx* ctx) noexcept nogil
-        int (*kv_tensor)(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, size_t* row_bytes,
-                         int* v_trans) noexcept nogil
+        int (*kv_tensor)(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                         size_t* row_bytes, int* v_trans) noexcept nogil
         int (*batch_kv_cells)(const rc_batch* batch, const int32_t** cells, int32_t* n_kv) noexcept nogil
         int (*batch_kv_mask)(const rc_batch* batch, int32_t kind, float* out, size_t capacity) noexcept nogil
         int (*seq_cp_range)(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst, int32_t p0, int32_t p1) noexcept nogil
@@ -162,8 +162,8 @@ cdef int32_t rc_n_attn(const rc_ctx* ctx) noexcept nogil
 cdef int32_t rc_attn_layer(const rc_ctx* ctx, int32_t attn_index) noexcept nogil
 cdef int32_t rc_kv_size(const rc_ctx* ctx) noexcept nogil
 cdef int32_t rc_kv_used(const rc_ctx* ctx) noexcept nogil
-cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, size_t* row_bytes,
-                      int* v_trans) noexcept nogil
+cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                      size_t* row_bytes, int* v_trans) noexcept nogil
 cdef int rc_batch_kv_cells(const rc_batch* batch, const int32_t** cells, int32_t* n_kv) noexcept nogil
 cdef int rc_batch_kv_mask(const rc_batch* batch, int32_t kind, float* out, size_t capacity) noexcept nogil
 cdef int rc_seq_cp_range(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst, int32_t p0, int32_t p1) noexcept nogil

@@ -795,15 +795,15 @@ cdef int32_t rc_kv_used(const rc_ctx* ctx) noexcept nogil:
     return code if c == NULL else c.kv.used
 
 
-cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, size_t* row_bytes,
-                      int* v_trans) noexcept nogil:
-    """Attention layer ``attn_index``'s K (which 0) or V (1) storage: K is one row of row_bytes per cell;
-    V too, or with ``*v_trans`` one run of row_bytes (kv_size elements) per dimension."""
+cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                      size_t* row_bytes, int* v_trans) noexcept nogil:
+    """Attention layer ``attn_index``'s K (which 0) or V (1) storage, ``*n_rows`` rows of row_bytes: K
+    one row per cell; V too, or with ``*v_trans`` one row (kv_size elements) per dimension."""
     cdef int code = RC_OK
     cdef CtxData* c = hybrid_of(ctx, "rc_kv_tensor", &code)
     if c == NULL:
         return code
-    if data == NULL or row_bytes == NULL or v_trans == NULL:
+    if data == NULL or n_rows == NULL or row_bytes == NULL or v_trans == NULL:
         return record(c, RC_ERR_NULL, "rc_kv_tensor")
     if not 0 <= attn_index < c.n_attn:
         record(c, RC_ERR_TENSOR_INDEX, "rc_kv_tensor")
@@ -816,10 +816,12 @@ cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void
         data[0] = c.k_data + attn_index * c.k_layer_bytes
         row_bytes[0] = <size_t>c.k_row_bytes
         v_trans[0] = 0
+        n_rows[0] = c.kv.size
     else:
         data[0] = c.v_data + attn_index * c.v_layer_bytes
         row_bytes[0] = <size_t>c.v_row_bytes
         v_trans[0] = c.v_trans
+        n_rows[0] = <int32_t>(c.v_layer_bytes // c.v_row_bytes)
     return RC_OK
 
 

@@ -188,12 +188,13 @@ typedef struct rc_capi {
     int32_t (*attn_layer)(const rc_ctx* ctx, int32_t attn_index);  /* its model layer, ascending */
     int32_t (*kv_size)(const rc_ctx* ctx);                      /* KV cells */
     int32_t (*kv_used)(const rc_ctx* ctx);                      /* KV cells holding a token */
-    /* attention layer attn_index's K (which 0) or V (1) storage, of the cache's dtype_k / dtype_v:
-     * K: cell c's row at data + c * row_bytes.  V: the same when *v_trans is 0; else transposed as
-     * llama.cpp keeps it without flash attention: dimension d's run over the cells at data + d *
-     * row_bytes, cell c's element of it at + c * element size (row_bytes = kv_size elements). */
-    int (*kv_tensor)(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, size_t* row_bytes,
-                     int* v_trans);
+    /* attention layer attn_index's K (which 0) or V (1) storage, *n_rows rows of row_bytes, of the
+     * cache's dtype_k / dtype_v: K: cell c's row (n_embd_k elements) at data + c * row_bytes, kv_size
+     * rows.  V: the same when *v_trans is 0; else transposed as llama.cpp keeps it without flash
+     * attention: n_embd_v rows of kv_size elements, cell c's element of dimension d at data + d *
+     * row_bytes + c * element size. */
+    int (*kv_tensor)(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                     size_t* row_bytes, int* v_trans);
     /* after rc_batch_apply: *cells [n_tokens] each token's KV cell (ubatch order: where the model
      * writes its K and V rows; NULL without attention layers), *n_kv: attend to cells [0, n_kv).
      * Valid until the next call that changes the cache (then RC_ERR_STALE). */

@@ -138,20 +138,20 @@ def test_null_and_bad_arguments_give_codes_and_change_nothing(twins):
     in_c, _ = twins
     in_c.decode([1, 2, 3], [0, 0, 1], [0, 1, 0], 4)
     ctx, before = in_c.ctx, snapshot(in_c.cache)
-    data, n, flag, cells, n_kv = P(), size_t(), ctypes.c_int(), i32p(), i32()
+    data, rows, n, flag, cells, n_kv = P(), i32(), size_t(), ctypes.c_int(), i32p(), i32()
     for call in (lambda: T.n_attn(None), lambda: T.attn_layer(None, 0), lambda: T.kv_size(None),
-                 lambda: T.kv_used(None), lambda: T.kv_tensor(None, 0, 0, None, None, None),
+                 lambda: T.kv_used(None), lambda: T.kv_tensor(None, 0, 0, None, None, None, None),
                  lambda: T.batch_kv_cells(None, None, None), lambda: T.batch_kv_mask(None, 0, None, 0),
                  lambda: T.seq_cp_range(None, 0, 1, -1, -1), lambda: T.kv_has_shift(None),
                  lambda: T.kv_shifts(None, None), lambda: T.kv_reset_shift(None),
-                 lambda: T.kv_tensor(ctx, 0, 0, None, ctypes.byref(n), ctypes.byref(flag)),
+                 lambda: T.kv_tensor(ctx, 0, 0, None, ctypes.byref(rows), ctypes.byref(n), ctypes.byref(flag)),
                  lambda: T.kv_shifts(ctx, None), lambda: T.state_size(ctx, -1, None)):
         assert call() == errors.CAPI_NULL
     cases = [
         (lambda: T.attn_layer(ctx, 2), errors.CAPI_TENSOR_INDEX, "rc_attn_layer: tensor index 2 is out of range [0, 2)"),
-        (lambda: T.kv_tensor(ctx, -1, 0, ctypes.byref(data), ctypes.byref(n), ctypes.byref(flag)),
+        (lambda: T.kv_tensor(ctx, -1, 0, ctypes.byref(data), ctypes.byref(rows), ctypes.byref(n), ctypes.byref(flag)),
          errors.CAPI_TENSOR_INDEX, "rc_kv_tensor: tensor index -1 is out of range [0, 2)"),
-        (lambda: T.kv_tensor(ctx, 0, 2, ctypes.byref(data), ctypes.byref(n), ctypes.byref(flag)),
+        (lambda: T.kv_tensor(ctx, 0, 2, ctypes.byref(data), ctypes.byref(rows), ctypes.byref(n), ctypes.byref(flag)),
          errors.ARGUMENT, "rc_kv_tensor: argument out of its domain"),
         (lambda: T.seq_keep(ctx, 4), errors.SEQ_RANGE, "seq_keep: seq_id 4: seq_id 4 is out of range [0, 4)"),
         (lambda: T.seq_cp(ctx, 0, 1), errors.CAPI_SEQ_HOLDS,
