@@ -27,9 +27,10 @@ from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
 from ._core cimport (Core, MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add,
                      core_seq_cp, core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row,
                      core_steps, shares_rows, blob_source)
-from ._kv_cells cimport (KVCells, kv_apply, kv_check_tokens, kv_clear, kv_padded_n_kv, kv_prepare, kv_reset_shift,
-                        kv_seq_add, kv_seq_cp, kv_seq_div, kv_seq_keep, kv_seq_pos_max, kv_seq_pos_min, kv_seq_rm)
+from ._kv_cells cimport KVCells, kv_apply, kv_check_tokens, kv_clear, kv_padded_n_kv, kv_prepare, kv_reset_shift
 from ._kv_mask cimport kv_mask
+from ._hybrid_rule cimport (RuleDetail, rule_error, rule_rollback_min, rule_seq_add, rule_seq_cp,
+                            rule_seq_div, rule_seq_keep, rule_seq_pos, rule_seq_rm)
 from ._kv_table cimport KV_NO_MEMORY, KV_NO_SLOT, KV_OK, KvTable
 from ._split cimport (Split, SplitDetail, split_batch, split_prepare, split_release, split_token_arrays,
                       split_token_entries)
@@ -37,7 +38,6 @@ from ._state_io cimport (BLOB_ERR_TRUNCATED, BlobDefect, BlobPieces, BlobSource,
                          blob_release, blob_size)
 
 from . import errors
-from .kv_reference import kv_error
 
 cdef extern from "Python.h":
     int Py_IsInitialized() nogil
@@ -47,15 +47,11 @@ cdef extern from "<stdio.h>":
     int snprintf(char* buffer, size_t capacity, const char* fmt, ...) nogil
 
 
-cdef enum:                          # how a message names its call (Detail.what_kind)
-    WHAT_CALL = 0                   # the call alone
-    WHAT_SEQ = 1                    # "{what}: seq_id {seq}" (HybridCache's sequence checks)
-    WHAT_SHIFT = 2                  # "{what}: seq_id {seq} at pos {pos} shifted by {n}" (its seq_add)
-
 cdef struct Detail:                 # what the last failure of a context was about
     int code
     const char* what                # the call (a static string)
-    int what_kind                   # WHAT_*: the values the call's name carries
+    bint by_rule                    # a hybrid's refusal: worded by _hybrid_rule.rule_error from rule
+    RuleDetail rule
     int64_t token, seq, pos, prev, n, index, need
     int64_t size                    # the range's bound when it is not the cell count (0: the cell count)
     BlobDefect blob                 # for a state blob's codes
@@ -226,16 +222,11 @@ cdef str message_for(const CtxData* ctx, int code):
             return f"state_read: the blob has a defect (code {code}; no detail recorded for it)"
         return str((<Context>ctx.owner).core.blob_error(code, &d.blob, d.blob_length))
     cdef bint recorded = ctx != NULL and ctx.detail.code == code
-    if recorded and code == RC_ERR_KV:          # the KV table's own words, as the Python API raises them
-        return str(kv_error(d.n, d.index, d.need))
+    if recorded and d.by_rule:                  # a hybrid's refusal, in the Python API's words
+        return str(rule_error(&d.rule))
     if recorded and code == RC_ERR_PYTHON and (<Context>ctx.owner).python_error is not None:
         return (<Context>ctx.owner).python_error
-    what = d.what.decode("utf-8", "replace")
-    if d.what_kind == WHAT_SEQ:
-        what = f"{what}: seq_id {d.seq}"
-    elif d.what_kind == WHAT_SHIFT:
-        what = f"{what}: seq_id {d.seq} at pos {d.pos} shifted by {d.n}"
-    return str(errors.engine_error(code, what=what, token=d.token, seq=d.seq,
+    return str(errors.engine_error(code, what=d.what.decode("utf-8", "replace"), token=d.token, seq=d.seq,
                                    pos=d.pos, prev=d.prev, n=d.n, index=d.index, need=d.need,
                                    size=d.size if d.size else size)) + missing
 
@@ -499,7 +490,7 @@ cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept no
     if ctx == NULL:
         return RC_ERR_NULL
     if (<CtxData*>ctx).hybrid:
-        return hybrid_seq_rm(<CtxData*>ctx, seq, p0, p1)
+        return rule_seq_rm((<CtxData*>ctx).core, (<CtxData*>ctx).kv, seq, p0, p1)
     return 1 if core_seq_rm((<CtxData*>ctx).core, seq, p0, p1) else 0
 
 
@@ -508,8 +499,10 @@ cdef int rc_seq_cp(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst) noexcept nogil
     HybridCache: HybridCache.seq_cp over every position (rc_seq_cp_range for a range)."""
     if ctx == NULL:
         return RC_ERR_NULL
-    if (<CtxData*>ctx).hybrid:
-        return hybrid_seq_cp(<CtxData*>ctx, seq_src, seq_dst, -1, -1)
+    cdef RuleDetail rule
+    cdef CtxData* c = <CtxData*>ctx
+    if c.hybrid:
+        return hybrid_code(c, rule_seq_cp(c.core, c.kv, seq_src, seq_dst, -1, -1, &rule), &rule)
     core_seq_cp((<CtxData*>ctx).core, seq_src, seq_dst)
     return RC_OK
 
@@ -518,32 +511,40 @@ cdef int rc_seq_cp_range(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst, int32_t 
     """HybridCache.seq_cp(src, dst, p0, p1) on a hybrid's context; rc_seq_cp on a RecurrentCache's."""
     if ctx == NULL:
         return RC_ERR_NULL
-    if (<CtxData*>ctx).hybrid:
-        return hybrid_seq_cp(<CtxData*>ctx, seq_src, seq_dst, p0, p1)
+    cdef RuleDetail rule
+    cdef CtxData* c = <CtxData*>ctx
+    if c.hybrid:
+        return hybrid_code(c, rule_seq_cp(c.core, c.kv, seq_src, seq_dst, p0, p1, &rule), &rule)
     return rc_seq_cp(ctx, seq_src, seq_dst)
 
 
 cdef int rc_seq_keep(rc_ctx* ctx, int32_t seq) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    if (<CtxData*>ctx).hybrid:
-        return hybrid_seq_keep(<CtxData*>ctx, seq)
+    cdef RuleDetail rule
+    cdef CtxData* c = <CtxData*>ctx
+    if c.hybrid:
+        return hybrid_code(c, rule_seq_keep(c.core, c.kv, seq, &rule), &rule)
     return seq_code(<CtxData*>ctx, core_seq_keep((<CtxData*>ctx).core, seq), "rc_seq_keep", seq)
 
 
 cdef int rc_seq_add(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    if (<CtxData*>ctx).hybrid:
-        return hybrid_seq_add(<CtxData*>ctx, seq, p0, p1, shift)
+    cdef RuleDetail rule
+    cdef CtxData* c = <CtxData*>ctx
+    if c.hybrid:
+        return hybrid_code(c, rule_seq_add(c.core, c.kv, seq, p0, p1, shift, &rule), &rule)
     return seq_code(<CtxData*>ctx, core_seq_add((<CtxData*>ctx).core, seq, p0, p1, shift), "rc_seq_add", seq)
 
 
 cdef int rc_seq_div(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
     if ctx == NULL:
         return RC_ERR_NULL
-    if (<CtxData*>ctx).hybrid:
-        return hybrid_seq_div(<CtxData*>ctx, seq, p0, p1, d)
+    cdef RuleDetail rule
+    cdef CtxData* c = <CtxData*>ctx
+    if c.hybrid:
+        return hybrid_code(c, rule_seq_div(c.core, c.kv, seq, p0, p1, d, &rule), &rule)
     return seq_code(<CtxData*>ctx, core_seq_div((<CtxData*>ctx).core, seq, p0, p1, d), "rc_seq_div", seq)
 
 
@@ -668,10 +669,15 @@ cdef int32_t rc_seq_rollback_min(const rc_ctx* ctx, int32_t seq) noexcept nogil:
     """The smallest q that rc_seq_rm(ctx, seq, q + 1, -1) can roll seq back to, or -1."""
     if ctx == NULL:
         return RC_ERR_NULL
-    cdef int code = RC_OK
-    if (<const CtxData*>ctx).hybrid:
-        code = hybrid_seq(<CtxData*>ctx, seq, "seq_rollback_min")
-    return code if code != RC_OK else core_rollback_min((<const CtxData*>ctx).core, seq)
+    cdef RuleDetail rule
+    cdef CtxData* c = <CtxData*>ctx
+    cdef int32_t q
+    if not c.hybrid:
+        return core_rollback_min(c.core, seq)
+    q = rule_rollback_min(c.core, c.kv, seq, &rule)
+    if not 0 <= seq < c.kv.n_seq_max:   # -1 (no position), the refusal recorded
+        rule_failure(c, q, &rule)
+    return q
 
 
 cdef int32_t rc_batch_n_steps(const rc_batch* batch) noexcept nogil:
@@ -700,20 +706,25 @@ cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group,
 
 
 # -- a HybridCache's context (API version 3; docs/c-api.md, "Hybrid memories") ----------------
-# HybridCache's rule (hybrid.py), written once more in C: every call changes both halves or neither;
-# its arguments are checked first, then the half that may still refuse goes first, and the other is
-# asked only once what it would refuse is ruled out.  tests/capi/test_capi_hybrid_lockstep.py drives
-# both through the same random scripts and compares every result, message and row.
+# The sequence operations are HybridCache's, from _hybrid_rule (the one copy of its both-halves rule
+# for the compiled engine, which HybridCache's facade calls too).
+
+cdef int rule_failure(CtxData* c, int code, const RuleDetail* rule) noexcept nogil:
+    """Record a hybrid's refusal: rc_error_message words it as the Python API's exception."""
+    record(c, code, rule.what)
+    c.detail.by_rule = True
+    c.detail.rule = rule[0]
+    return code
+
 
 cdef int kv_failure(CtxData* c, int kv_code, int64_t a, int64_t b, const char* what) noexcept nogil:
     """Record a KV table's refusal (its message is the Python API's: ``kv_reference.kv_error``)."""
+    cdef RuleDetail rule
     if kv_code == KV_NO_MEMORY:
         return record(c, RC_ERR_NO_MEMORY, what)
-    record(c, RC_ERR_KV, what)
-    c.detail.n = kv_code
-    c.detail.index = a
-    c.detail.need = b
-    return RC_ERR_KV
+    memset(&rule, 0, sizeof(RuleDetail))
+    rule.code, rule.what, rule.n, rule.index, rule.need = RC_ERR_KV, what, kv_code, a, b
+    return rule_failure(c, RC_ERR_KV, &rule)
 
 
 cdef int batch_kv_prepare(CtxData* c, BatchData* b, const int32_t* pos) noexcept nogil:
@@ -908,123 +919,19 @@ cdef int rc_batch_kv_mask(const rc_batch* batch, int32_t kind, float* out, size_
     return RC_OK if code == KV_OK else kv_failure(c, code, 0, 0, "rc_batch_kv_mask")
 
 
-# the sequence API over both halves (called by rc_seq_* for a hybrid's context)
+# the sequence API over both halves (rc_seq_* on a hybrid's context): _hybrid_rule's
 
-cdef inline int hybrid_seq(CtxData* c, int32_t seq, const char* what) noexcept nogil:
-    """HybridCache._seq: RC_OK for a seq id in [0, n_seq_max), else RC_ERR_SEQ_RANGE recorded (-1, which
-    rc_seq_pos_min / max and rc_seq_rollback_min return as "no position", as on a RecurrentCache's)."""
-    if 0 <= seq < c.kv.n_seq_max:
-        return RC_OK
-    record(c, RC_ERR_SEQ_RANGE, what)
-    c.detail.what_kind = WHAT_SEQ
-    c.detail.seq = seq
-    c.detail.size = c.kv.n_seq_max
-    return RC_ERR_SEQ_RANGE
-
-
-cdef inline int32_t kv_low(int32_t p0) noexcept nogil:
-    return 0 if p0 < 0 else p0
-
-
-cdef inline int32_t kv_high(int32_t p1) noexcept nogil:
-    return INT32_MAX if p1 < 0 else p1
-
-
-cdef int hybrid_seq_rm(CtxData* c, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
-    """The recurrent half decides (it cannot cut a state but may roll back); the KV half never refuses."""
-    if seq >= c.kv.n_seq_max:
-        return 0
-    seq = max(seq, -1)
-    p0, p1 = max(p0, -1), max(p1, -1)
-    if not core_seq_rm(c.core, seq, p0, p1):
-        return 0
-    kv_seq_rm(c.kv, seq, kv_low(p0), kv_high(p1))
-    return 1
-
-
-cdef int hybrid_seq_cp(CtxData* c, int32_t src, int32_t dst, int32_t p0, int32_t p1) noexcept nogil:
-    """A whole fork: dst must hold nothing and [p0, p1) must cover src; the KV half may run out of memory."""
-    cdef int code = hybrid_seq(c, src, "seq_cp")
-    if code == RC_OK:
-        code = hybrid_seq(c, dst, "seq_cp")
-    if code != RC_OK or src == dst:
-        return code
-    p0, p1 = max(p0, -1), max(p1, -1)
-    if kv_seq_pos_max(c.kv, dst) >= 0 or cells_seq_pos_max(&c.core.cells, dst) >= 0:
-        record(c, RC_ERR_SEQ_HOLDS, "seq_cp")
-        c.detail.seq = dst
-        return RC_ERR_SEQ_HOLDS
-    cdef int32_t first = kv_seq_pos_min(c.kv, src)
-    cdef int32_t last = max(kv_seq_pos_max(c.kv, src), cells_seq_pos_max(&c.core.cells, src))
-    if last >= 0 and (max(p0, 0) > max(first, 0) or 0 <= p1 <= last):
-        record(c, RC_ERR_CP_RANGE, "seq_cp")
-        c.detail.seq = src
-        c.detail.pos = p0
-        c.detail.prev = p1
-        c.detail.index = first
-        c.detail.n = last
-        return RC_ERR_CP_RANGE
-    if kv_seq_cp(c.kv, src, dst, kv_low(p0), kv_high(p1)) != KV_OK:
-        return kv_failure(c, KV_NO_MEMORY, 0, 0, "seq_cp")
-    core_seq_cp(c.core, src, dst)
-    return RC_OK
-
-
-cdef int hybrid_seq_keep(CtxData* c, int32_t seq) noexcept nogil:
-    cdef int code = hybrid_seq(c, seq, "seq_keep")
-    if code != RC_OK:
-        return code
-    kv_seq_keep(c.kv, seq)
-    return seq_code(c, core_seq_keep(c.core, seq), "seq_keep", seq)
-
-
-cdef int hybrid_seq_add(CtxData* c, int32_t seq, int32_t p0, int32_t p1, int32_t shift) noexcept nogil:
-    """The recurrent state's refusal (its position leaving [0, 2**31 - 1)) is found first and reported in
-    its words; then the KV half, which refuses before changing anything; then the recurrent half."""
-    cdef int64_t a = 0, b = 0
-    cdef int code = hybrid_seq(c, seq, "seq_add")
-    if code != RC_OK:
-        return code
-    p0, p1 = max(p0, -1), max(p1, -1)
-    cdef int32_t pos = cells_seq_pos_max(&c.core.cells, seq)
-    if shift and kv_low(p0) <= pos < kv_high(p1) and not 0 <= <int64_t>pos + shift < INT32_MAX:
-        code = core_seq_add(c.core, seq, p0, p1, shift)   # refuses, changing nothing
-        if code != RC_OK:
-            record(c, code, "seq_add")
-            c.detail.what_kind = WHAT_SHIFT
-            c.detail.seq = seq
-            c.detail.pos = pos
-            c.detail.n = shift
-            return code
-    code = kv_seq_add(c.kv, seq, kv_low(p0), kv_high(p1), shift, &a, &b)
-    if code != KV_OK:
-        return kv_failure(c, code, a, b, "seq_add")
-    return seq_code(c, core_seq_add(c.core, seq, p0, p1, shift), "seq_add", seq)
-
-
-cdef int hybrid_seq_div(CtxData* c, int32_t seq, int32_t p0, int32_t p1, int32_t d) noexcept nogil:
-    """The KV half refuses d < 1 before anything changes; then the recurrent half cannot refuse."""
-    cdef int64_t a = 0, b = 0
-    cdef int code = hybrid_seq(c, seq, "seq_div")
-    if code != RC_OK:
-        return code
-    p0, p1 = max(p0, -1), max(p1, -1)
-    code = kv_seq_div(c.kv, seq, kv_low(p0), kv_high(p1), d, &a, &b)
-    if code != KV_OK:
-        return kv_failure(c, code, a, b, "seq_div")
-    return seq_code(c, core_seq_div(c.core, seq, p0, p1, d), "seq_div", seq)
+cdef inline int hybrid_code(CtxData* c, int code, const RuleDetail* rule) noexcept nogil:
+    return code if code >= RC_OK else rule_failure(c, code, rule)
 
 
 cdef int32_t hybrid_seq_pos(const CtxData* c, int32_t seq, bint last) noexcept nogil:
-    """The first (last) position seq holds in both halves: the larger of the minima (smaller of the maxima)."""
-    cdef int code = hybrid_seq(<CtxData*>c, seq, "seq_pos_max" if last else "seq_pos_min")
-    if code != RC_OK:
-        return code
-    if last:
-        code = cells_seq_pos_max(&c.core.cells, seq)
-        return code if c.n_attn == 0 else min(kv_seq_pos_max(c.kv, seq), code)
-    code = cells_seq_pos_min(&c.core.cells, seq)
-    return code if c.n_attn == 0 else max(kv_seq_pos_min(c.kv, seq), code)
+    """rule_seq_pos; a seq id out of range is -1 (no position), its refusal recorded."""
+    cdef RuleDetail rule
+    cdef int32_t pos = rule_seq_pos(c.core, c.kv, c.n_attn > 0, seq, last, &rule)
+    if not 0 <= seq < c.kv.n_seq_max:
+        rule_failure(<CtxData*>c, pos, &rule)
+    return pos
 
 
 cdef void hybrid_clear(CtxData* c) noexcept nogil:
