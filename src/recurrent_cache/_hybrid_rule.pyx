@@ -217,11 +217,3 @@ cdef class HybridRule:
         if pos < -1 or (pos == -1 and not 0 <= seq < self.kv.t.n_seq_max):
             raise rule_error(&self.detail)
         return pos
-
-    def rollback_min(self, int32_t seq) -> int:
-        self.core.usable("rollback_min")
-        cdef int32_t q = rule_rollback_min(&self.core.core, &self.kv.t, seq, &self.detail)
-        if q == -1 and not 0 <= seq < self.kv.t.n_seq_max:
-            raise rule_error(&self.detail)
-        self.core.finish()
-        return q

@@ -25,7 +25,7 @@ from .cache import RecurrentCache
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, ConfigError, CoreError, NoFreeCellError, StateError,
                      UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
-from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
+from .kv_reference import SWA_TYPES, N_KV_PAD, as_int32, check_config
 from .memory_state import MemoryStatus, ThreadGuard
 from .formats.blob import blob_view, framing_prefix, parse_blob
 from .formats.framings import in_section, unframe
@@ -138,6 +138,12 @@ class HybridCache:
         if engine_of.name == "compiled" and self._attn_layers:
             from . import _hybrid_step
             self._compiled_plan = _hybrid_step.prepare
+        # the compiled engine's sequence operations: _hybrid_rule's, the C API's too (one copy of the rule);
+        # the reference engine's are this module's own, below
+        self._rule: Any = None
+        if engine_of.name == "compiled":
+            from ._hybrid_rule import HybridRule
+            self._rule = HybridRule(self._recurrent.memory_core, self._kv, bool(self._attn_layers))
         self._generation = 0
         self._guard = ThreadGuard()
 
@@ -368,9 +374,13 @@ class HybridCache:
         seq = max(seq, -1)
         self._enter()
         try:
-            if not self._recurrent.seq_rm(seq, p0, p1):
+            if self._rule is not None:
+                if not self._rule.seq_rm(seq, p0, p1):
+                    return False
+            elif not self._recurrent.seq_rm(seq, p0, p1):
                 return False
-            self._kv.seq_rm(seq, p0, p1)
+            else:
+                self._kv.seq_rm(seq, p0, p1)
             self._generation += 1
             return True
         finally:
@@ -388,6 +398,10 @@ class HybridCache:
             return
         self._enter()
         try:
+            if self._rule is not None:
+                self._rule.seq_cp(src, dst, p0, p1)
+                self._generation += 1
+                return
             if self._kv.seq_pos_max(dst) >= 0 or self._recurrent.seq_pos_max(dst) >= 0:
                 raise ArgumentError(f"seq_cp: sequence {dst} holds positions: remove it first (seq_rm({dst}))")
             first = self._kv.seq_pos_min(src)
@@ -406,8 +420,11 @@ class HybridCache:
         seq = self._seq(seq, "seq_keep")
         self._enter()
         try:
-            self._kv.seq_keep(seq)
-            self._recurrent.seq_keep(seq)
+            if self._rule is not None:
+                self._rule.seq_keep(seq)
+            else:
+                self._kv.seq_keep(seq)
+                self._recurrent.seq_keep(seq)
             self._generation += 1
         finally:
             self._leave()
@@ -423,6 +440,10 @@ class HybridCache:
         shift = _args.in_range(shift, "shift", _args.INT32_MIN, _args.INT32_END)
         self._enter()
         try:
+            if self._rule is not None:
+                self._rule.seq_add(seq, p0, p1, shift)
+                self._generation += 1
+                return
             pos = self._recurrent.seq_pos_max(seq)
             low, high = max(p0, 0), (_POS_END if p1 < 0 else p1)
             if shift and low <= pos < high and not 0 <= pos + shift < POS_MAX:
@@ -439,8 +460,11 @@ class HybridCache:
         p0, p1, d = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1")), as_int(d, "d")
         self._enter()
         try:
-            self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
-            self._recurrent.seq_div(seq, p0, p1, d)
+            if self._rule is not None:
+                self._rule.seq_div(seq, p0, p1, as_int32(min(d, 2**31 - 1), "d"))
+            else:
+                self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
+                self._recurrent.seq_div(seq, p0, p1, d)
             self._generation += 1
         finally:
             self._leave()
@@ -448,6 +472,8 @@ class HybridCache:
     def seq_pos_min(self, seq: int) -> int:
         """The first position ``seq`` holds in both halves (the larger of the two minima; -1: none)."""
         seq = self._seq(seq, "seq_pos_min")
+        if self._rule is not None:
+            return int(self._rule.seq_pos(seq, False))
         if not self._attn_layers:
             return self._recurrent.seq_pos_min(seq)
         return max(self._kv.seq_pos_min(seq), self._recurrent.seq_pos_min(seq))
@@ -455,6 +481,8 @@ class HybridCache:
     def seq_pos_max(self, seq: int) -> int:
         """The last position ``seq`` holds in both halves (the smaller of the two maxima; -1: none)."""
         seq = self._seq(seq, "seq_pos_max")
+        if self._rule is not None:
+            return int(self._rule.seq_pos(seq, True))
         if not self._attn_layers:
             return self._recurrent.seq_pos_max(seq)
         return min(self._kv.seq_pos_max(seq), self._recurrent.seq_pos_max(seq))
