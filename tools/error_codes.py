@@ -96,7 +96,8 @@ CODES = (
     Code(-61, "CAPI_FILTERED_LAYER", None, "RC_ERR_FILTERED_LAYER",
          "tensor `index` is of layer `n`, which the cache's layer filter keeps no state for"),
     # API version 3: a HybridCache's context (the KV half, and HybridCache's refusals: _hybrid_rule's)
-    Code(-62, "CAPI_SEQ_HOLDS", "RULE_ERR_SEQ_HOLDS", "RC_ERR_SEQ_HOLDS", "seq_cp: the target `seq` holds positions (remove it first)"),
+    Code(-62, "CAPI_SEQ_HOLDS", "RULE_ERR_SEQ_HOLDS", "RC_ERR_SEQ_HOLDS",
+         "seq_cp: the target `seq` holds positions (remove it first)"),
     Code(-63, "CAPI_CP_RANGE", "RULE_ERR_CP_RANGE", "RC_ERR_CP_RANGE",
          "seq_cp: [`pos`, `prev`) does not cover `seq`'s positions `index` .. `n` (copied whole)"),
     Code(-64, "CAPI_KV", "RULE_ERR_KV", "RC_ERR_KV", "the KV cache refused: its code `n` with values `index`, `need`"),

@@ -499,10 +499,8 @@ cdef int rc_seq_cp(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst) noexcept nogil
     HybridCache: HybridCache.seq_cp over every position (rc_seq_cp_range for a range)."""
     if ctx == NULL:
         return RC_ERR_NULL
-    cdef RuleDetail rule
-    cdef CtxData* c = <CtxData*>ctx
-    if c.hybrid:
-        return hybrid_code(c, rule_seq_cp(c.core, c.kv, seq_src, seq_dst, -1, -1, &rule), &rule)
+    if (<CtxData*>ctx).hybrid:
+        return rc_seq_cp_range(ctx, seq_src, seq_dst, -1, -1)
     core_seq_cp((<CtxData*>ctx).core, seq_src, seq_dst)
     return RC_OK
 
