@@ -179,8 +179,10 @@ typedef struct rc_capi {
      * rc_size / rc_used / rc_tensor / rc_n_layer are the recurrent half's (r of layer il: il, s:
      * n_layer + il); rc_batch_init also finds every ubatch's KV cells (RC_ERR_KV_NO_SLOT: they fit
      * nowhere, nothing changed) and rc_batch_apply places both halves; rc_seq_* are HybridCache.seq_*
-     * (rc_seq_cp copies whole, ids out of range give RC_ERR_SEQ_RANGE, seq_pos_min / max included);
-     * rc_clear also zeroes K and V.  rc_state_size / write / read compose and read llama.cpp's hybrid
+     * (the compiled engine's rule, _hybrid_rule: rc_seq_cp copies whole, rc_seq_cp_range takes a range;
+     * a seq id out of range is RC_ERR_SEQ_RANGE, which rc_seq_pos_min / max and rc_seq_rollback_min
+     * return as -1, "no position", the refusal recorded for rc_error_message); rc_clear also zeroes
+     * K and V.  rc_state_size / write / read compose and read llama.cpp's hybrid
      * bytes (KV section, then the recurrent section) through the Python facade: THESE THREE TAKE THE
      * GIL (PyGILState_Ensure) on a hybrid's context; a Python exception is RC_ERR_PYTHON with its
      * message.  The entries below give RC_ERR_NOT_HYBRID on a RecurrentCache's context. */
