@@ -1,5 +1,9 @@
 # cython: language_level=3
-"""The C API: a memory context over a compiled ``RecurrentCache``, for C, C++ and Cython.
+"""The C API: a memory context over a compiled ``RecurrentCache`` or ``HybridCache``, for C, C++ and Cython.
+
+A hybrid's context adds the KV half (``_kv_cells``' table, the K / V storage): its batches are
+placed in both halves, its sequence operations are ``_hybrid_rule``'s (the compiled rule, shared
+with ``HybridCache``'s facade), its state bytes the facade's (with the GIL).
 
 A context (``rc_ctx``) points at the cache's memory core (``_core``); a batch
 (``rc_batch``) is one ``init_batch``: validated and split (``_split``), proved to fit
