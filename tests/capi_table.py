@@ -57,6 +57,17 @@ class Table(ctypes.Structure):
         ("seq_rollback_min", C(i32, P, i32)),
         ("batch_n_steps", C(i32, P)),
         ("batch_step_row", C(ctypes.c_int, P, i32, i32, i32, ctypes.POINTER(P))),
+        # API version 3: a HybridCache's context
+        ("n_attn", C(i32, P)), ("attn_layer", C(i32, P, i32)),
+        ("kv_size", C(i32, P)), ("kv_used", C(i32, P)),
+        ("kv_tensor", C(ctypes.c_int, P, i32, i32, ctypes.POINTER(P), i32p, ctypes.POINTER(size_t),
+                        ctypes.POINTER(ctypes.c_int))),
+        ("batch_kv_cells", C(ctypes.c_int, P, ctypes.POINTER(i32p), i32p)),
+        ("batch_kv_mask", C(ctypes.c_int, P, i32, ctypes.POINTER(ctypes.c_float), size_t)),
+        ("seq_cp_range", C(ctypes.c_int, P, i32, i32, i32, i32)),
+        ("kv_has_shift", C(i32, P)),
+        ("kv_shifts", C(ctypes.c_int, P, ctypes.POINTER(i32p))),
+        ("kv_reset_shift", C(ctypes.c_int, P)),
     ]
 
 

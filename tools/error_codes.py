@@ -95,6 +95,17 @@ CODES = (
     Code(-60, "CAPI_FLAGS", None, "RC_ERR_FLAGS", "batch flags `n` with unknown bits"),
     Code(-61, "CAPI_FILTERED_LAYER", None, "RC_ERR_FILTERED_LAYER",
          "tensor `index` is of layer `n`, which the cache's layer filter keeps no state for"),
+    # API version 3: a HybridCache's context (the KV half, and HybridCache's refusals: _hybrid_rule's)
+    Code(-62, "CAPI_SEQ_HOLDS", "RULE_ERR_SEQ_HOLDS", "RC_ERR_SEQ_HOLDS",
+         "seq_cp: the target `seq` holds positions (remove it first)"),
+    Code(-63, "CAPI_CP_RANGE", "RULE_ERR_CP_RANGE", "RC_ERR_CP_RANGE",
+         "seq_cp: [`pos`, `prev`) does not cover `seq`'s positions `index` .. `n` (copied whole)"),
+    Code(-64, "CAPI_KV", "RULE_ERR_KV", "RC_ERR_KV", "the KV cache refused: its code `n` with values `index`, `need`"),
+    Code(-65, "CAPI_KV_NO_SLOT", None, "RC_ERR_KV_NO_SLOT", "the batch's tokens fit nowhere in the KV cache"),
+    Code(-66, "CAPI_NOT_HYBRID", None, "RC_ERR_NOT_HYBRID", "a KV call on the context of a RecurrentCache"),
+    Code(-67, "CAPI_NOT_APPLIED", None, "RC_ERR_NOT_APPLIED", "no ubatch of the batch is applied yet"),
+    Code(-68, "CAPI_MASK_SIZE", None, "RC_ERR_MASK_SIZE", "a mask buffer of `n` floats for a mask of `need`"),
+    Code(-69, "CAPI_PYTHON", None, "RC_ERR_PYTHON", "a hybrid's state call raised in Python (its message kept)"),
 )
 SUCCESS = {"SPLIT_OK": 0, "BLOB_OK": 0}   # the Cython modules' own names for success
 BLOB_CODES = [code for code in CODES if code.python.startswith("BLOB_")]

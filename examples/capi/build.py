@@ -20,7 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
-MODULES = {"cython": "continuous_batching", "c": "continuous_batching_c", "cpp": "continuous_batching_cpp"}
+MODULES = {"cython": "continuous_batching", "c": "continuous_batching_c", "cpp": "continuous_batching_cpp",
+           "hybrid": "hybrid_decode_c"}
 
 
 def built_path(target_dir: Path, kind: str) -> Path:

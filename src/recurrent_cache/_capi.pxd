@@ -51,6 +51,16 @@ cdef extern from "recurrent_cache/capi.h":
         RC_ERR_OPEN_BATCHES
         RC_ERR_FLAGS
         RC_ERR_FILTERED_LAYER
+        RC_ERR_SEQ_HOLDS
+        RC_ERR_CP_RANGE
+        RC_ERR_KV
+        RC_ERR_KV_NO_SLOT
+        RC_ERR_NOT_HYBRID
+        RC_ERR_NOT_APPLIED
+        RC_ERR_MASK_SIZE
+        RC_ERR_PYTHON
+        RC_MASK_FULL
+        RC_MASK_SLIDING
     const char* RC_CAPI_CAPSULE_NAME
 
     ctypedef struct rc_ctx:
@@ -102,6 +112,18 @@ cdef extern from "recurrent_cache/capi.h":
         int32_t (*batch_n_steps)(const rc_batch* batch) noexcept nogil
         int (*batch_step_row)(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j,
                               void** row) noexcept nogil
+        int32_t (*n_attn)(const rc_ctx* ctx) noexcept nogil
+        int32_t (*attn_layer)(const rc_ctx* ctx, int32_t attn_index) noexcept nogil
+        int32_t (*kv_size)(const rc_ctx* ctx) noexcept nogil
+        int32_t (*kv_used)(const rc_ctx* ctx) noexcept nogil
+        int (*kv_tensor)(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                         size_t* row_bytes, int* v_trans) noexcept nogil
+        int (*batch_kv_cells)(const rc_batch* batch, const int32_t** cells, int32_t* n_kv) noexcept nogil
+        int (*batch_kv_mask)(const rc_batch* batch, int32_t kind, float* out, size_t capacity) noexcept nogil
+        int (*seq_cp_range)(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst, int32_t p0, int32_t p1) noexcept nogil
+        int32_t (*kv_has_shift)(const rc_ctx* ctx) noexcept nogil
+        int (*kv_shifts)(const rc_ctx* ctx, const int32_t** shifts) noexcept nogil
+        int (*kv_reset_shift)(rc_ctx* ctx) noexcept nogil
 
 
 # -- context (with the GIL) --
@@ -135,3 +157,16 @@ cdef int32_t rc_n_rollback(const rc_ctx* ctx) noexcept nogil
 cdef int32_t rc_seq_rollback_min(const rc_ctx* ctx, int32_t seq) noexcept nogil
 cdef int32_t rc_batch_n_steps(const rc_batch* batch) noexcept nogil
 cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j, void** row) noexcept nogil
+# -- API version 3: a HybridCache's context --
+cdef int32_t rc_n_attn(const rc_ctx* ctx) noexcept nogil
+cdef int32_t rc_attn_layer(const rc_ctx* ctx, int32_t attn_index) noexcept nogil
+cdef int32_t rc_kv_size(const rc_ctx* ctx) noexcept nogil
+cdef int32_t rc_kv_used(const rc_ctx* ctx) noexcept nogil
+cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                      size_t* row_bytes, int* v_trans) noexcept nogil
+cdef int rc_batch_kv_cells(const rc_batch* batch, const int32_t** cells, int32_t* n_kv) noexcept nogil
+cdef int rc_batch_kv_mask(const rc_batch* batch, int32_t kind, float* out, size_t capacity) noexcept nogil
+cdef int rc_seq_cp_range(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst, int32_t p0, int32_t p1) noexcept nogil
+cdef int32_t rc_kv_has_shift(const rc_ctx* ctx) noexcept nogil
+cdef int rc_kv_shifts(const rc_ctx* ctx, const int32_t** shifts) noexcept nogil
+cdef int rc_kv_reset_shift(rc_ctx* ctx) noexcept nogil

@@ -36,6 +36,9 @@ cdef enum:
     BLOB_ERR_N_LAYER = -41              # `value` layers, the cache has `n_layer`
     BLOB_ERR_TYPE = -42                 # tensor `index` has type `value`, the cache `expected`
     BLOB_ERR_ROW_BYTES = -43            # tensor `index` has rows of `value` bytes, the cache `expected`
+    RULE_ERR_SEQ_HOLDS = -62            # seq_cp: the target `seq` holds positions (remove it first)
+    RULE_ERR_CP_RANGE = -63             # seq_cp: [`pos`, `prev`) does not cover `seq`'s positions `index` .. `n` (copied whole)
+    RULE_ERR_KV = -64                   # the KV cache refused: its code `n` with values `index`, `need`
     SPLIT_OK = 0
     BLOB_OK = 0
 # END generated

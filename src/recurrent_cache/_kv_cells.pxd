@@ -42,6 +42,8 @@ cdef int32_t kv_seq_pos_min(const KvTable* t, int32_t seq) noexcept nogil
 cdef int32_t kv_seq_pos_max(const KvTable* t, int32_t seq) noexcept nogil
 cdef bint kv_seq_has(const KvTable* t, int32_t cell, int32_t seq) noexcept nogil
 cdef void kv_reset_shift(KvTable* t) noexcept nogil
+# the cells a ubatch attends to: [0, top) rounded up to a multiple of pad (>= 1), at most size
+cdef int32_t kv_padded_n_kv(const KvTable* t, int32_t pad) noexcept nogil
 
 # the slots of several ubatches, each placed tentatively for the next to see, then the table put back as it
 # was: slots[bounds[u]:bounds[u + 1]] for ubatch u (tokens [bounds[u], bounds[u + 1]) of pos / offsets)

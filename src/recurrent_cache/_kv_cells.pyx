@@ -362,6 +362,10 @@ cdef int journaled_place(KvTable* t, int32_t n, const int32_t* pos, const int32_
     return kv_apply(t, n, slot, pos, flat, offsets, a, b)
 
 
+cdef int32_t kv_padded_n_kv(const KvTable* t, int32_t pad) noexcept nogil:
+    return <int32_t>min(<int64_t>t.size, max(<int64_t>pad, (<int64_t>t.top + pad - 1) // pad * pad))
+
+
 cdef int kv_prepare(KvTable* t, int32_t n_ubatch, const int32_t* bounds, const int32_t* pos, const int32_t* flat,
                     const int32_t* offsets, int32_t* slots, int64_t* a, int64_t* b) noexcept nogil:
     cdef int32_t u
@@ -674,7 +678,7 @@ cdef class KVCells:
         return self.padded_n_kv(pad)
 
     cdef int32_t padded_n_kv(self, int32_t pad) noexcept nogil:
-        return <int32_t>min(<int64_t>self.t.size, max(<int64_t>pad, (<int64_t>self.t.top + pad - 1) // pad * pad))
+        return kv_padded_n_kv(&self.t, pad)
 
     def check(self):
         cdef int64_t where = -1

@@ -22,7 +22,8 @@ from ._cells cimport (RC_ERR_ARGUMENT, RC_ERR_BROKEN, RC_ERR_DUPLICATE_SEQ, RC_E
 from ._core cimport MemoryCore
 from ._split cimport (SPLIT_ERR_CONTINUE, SPLIT_ERR_FIND_SLOT, SPLIT_ERR_GAP, SPLIT_ERR_NEGATIVE_POS,
                       SPLIT_ERR_NO_MEMORY, SPLIT_ERR_POS_MAX, SPLIT_ERR_SEQ_RANGE, SPLIT_OK, Split,
-                      SplitDetail, split_batch as split_cells, split_prepare, split_release)
+                      SplitDetail, split_batch as split_cells, split_prepare, split_release, split_token_arrays,
+                      split_token_entries)
 
 from .errors import CoreError, engine_error
 
@@ -172,40 +173,10 @@ cdef class Placement:
     # -- the C-level accessor (_placement.pxd) ------------------------------------------
 
     cdef int64_t token_entries(self) noexcept nogil:
-        cdef int64_t entries = 0
-        cdef int32_t u, g
-        for u in range(self.split.n_ubatches):
-            for g in range(self.split.ub_group_start[u], self.split.ub_group_start[u + 1]):
-                entries += <int64_t>self.split.group_n_seq_id[g] * self.split.ub_n_seq_tokens[u]
-        return entries
+        return split_token_entries(&self.split)
 
     cdef void token_arrays(self, int32_t* bounds, int32_t* pos, int32_t* offsets, int32_t* flat) noexcept nogil:
-        # the split's arrays in locals: the stores below cannot alias them, so the loops keep them in registers
-        cdef const Split* split = &self.split
-        cdef const int32_t* order = split.order
-        cdef const int32_t* positions = &self.positions[0]
-        cdef const int32_t* seq_ids = &self.seq_id_flat[0]
-        cdef int32_t u, g, k, j, n_ids, m, token = 0
-        cdef int32_t entry = 0
-        cdef const int32_t* ids
-        offsets[0] = 0
-        for u in range(split.n_ubatches + 1):
-            bounds[u] = split.ub_token_start[u]
-        for u in range(split.n_ubatches):
-            m = split.ub_n_seq_tokens[u]
-            for g in range(split.ub_group_start[u], split.ub_group_start[u + 1]):
-                ids = seq_ids + split.group_seq_offset[g]
-                n_ids = split.group_n_seq_id[g]
-                for k in range(m):   # token k of the group: the group's ids
-                    pos[token] = positions[order[token]]
-                    if n_ids == 1:   # (most groups: one id, no copy loop to set up)
-                        flat[entry] = ids[0]
-                    else:
-                        for j in range(n_ids):
-                            flat[entry + j] = ids[j]
-                    entry += n_ids
-                    token += 1
-                    offsets[token] = entry
+        split_token_arrays(&self.split, &self.positions[0], &self.seq_id_flat[0], bounds, pos, offsets, flat)
 
 
 def split_batch(MemoryCore core, object seq_id_flat, object seq_id_offset, object pos, object logits,

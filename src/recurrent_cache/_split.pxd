@@ -41,3 +41,12 @@ cdef int split_batch(Split* split, Cells* cells, int32_t n_tokens,
 # Place every ubatch of a split on a journal of the cells, then roll it all back: RC_OK means
 # applying the ubatches in order cannot fail; otherwise the first RC_ERR_* code. Cells unchanged.
 cdef int split_prepare(const Split* split, Cells* cells, const int32_t* seq_id_flat) noexcept nogil
+
+# Every ubatch's tokens as an attention KV table takes them (each token listing its group's seq ids), from
+# the batch's positions and seq ids (batch order): split_token_entries() is the length of flat;
+# split_token_arrays fills bounds[n_ubatches + 1] (ubatch u's tokens are [bounds[u], bounds[u + 1])),
+# pos[n_tokens], offsets[n_tokens + 1] (token t's seq ids are flat[offsets[t]:offsets[t + 1]]) and flat,
+# tokens in ubatch order.
+cdef int64_t split_token_entries(const Split* split) noexcept nogil
+cdef void split_token_arrays(const Split* split, const int32_t* positions, const int32_t* seq_ids, int32_t* bounds,
+                             int32_t* pos, int32_t* offsets, int32_t* flat) noexcept nogil

@@ -121,6 +121,42 @@ cdef int stable_sort(int32_t* items, int32_t n, compare_fn compare, const SortCo
     return 0
 
 
+cdef int64_t split_token_entries(const Split* split) noexcept nogil:
+    cdef int64_t entries = 0
+    cdef int32_t u, g
+    for u in range(split.n_ubatches):
+        for g in range(split.ub_group_start[u], split.ub_group_start[u + 1]):
+            entries += <int64_t>split.group_n_seq_id[g] * split.ub_n_seq_tokens[u]
+    return entries
+
+
+cdef void split_token_arrays(const Split* split, const int32_t* positions, const int32_t* seq_ids, int32_t* bounds,
+                             int32_t* pos, int32_t* offsets, int32_t* flat) noexcept nogil:
+    # the split's arrays in locals: the stores below cannot alias them, so the loops keep them in registers
+    cdef const int32_t* order = split.order
+    cdef int32_t u, g, k, j, n_ids, m, token = 0
+    cdef int32_t entry = 0
+    cdef const int32_t* ids
+    offsets[0] = 0
+    for u in range(split.n_ubatches + 1):
+        bounds[u] = split.ub_token_start[u]
+    for u in range(split.n_ubatches):
+        m = split.ub_n_seq_tokens[u]
+        for g in range(split.ub_group_start[u], split.ub_group_start[u + 1]):
+            ids = seq_ids + split.group_seq_offset[g]
+            n_ids = split.group_n_seq_id[g]
+            for k in range(m):   # token k of the group: the group's ids
+                pos[token] = positions[order[token]]
+                if n_ids == 1:   # (most groups: one id, no copy loop to set up)
+                    flat[entry] = ids[0]
+                else:
+                    for j in range(n_ids):
+                        flat[entry + j] = ids[j]
+                entry += n_ids
+                token += 1
+                offsets[token] = entry
+
+
 cdef void split_release(Split* split) noexcept nogil:
     free(split.order)
     free(split.output)

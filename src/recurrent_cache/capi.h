@@ -1,7 +1,7 @@
 /*
  * recurrent_cache/capi.h — recurrent_cache's C API for C, C++ and Cython extensions.
  *
- * A memory context over a RecurrentCache (compiled engine) and the handful of calls a
+ * A memory context over a RecurrentCache or a HybridCache (compiled engine) and the handful of calls a
  * decode step needs, fetched at run time from a capsule the way numpy's import_array()
  * fetches its table:
  *
@@ -54,7 +54,7 @@
 #include <stdint.h>
 
 #define RC_CAPI_ABI_VERSION 1
-#define RC_CAPI_API_VERSION 2   /* 2: rollback (n_rollback, seq_rollback_min, step rows) */
+#define RC_CAPI_API_VERSION 3   /* 2: rollback (n_rollback, seq_rollback_min, step rows); 3: hybrid memories */
 #define RC_CAPI_CAPSULE_NAME "recurrent_cache._capi._C_API"
 
 /* Error codes (negative); every RC_* number below comes from the one table, tools/error_codes.py */
@@ -91,11 +91,23 @@
 #define RC_ERR_OPEN_BATCHES (-59)     /* rc_ctx_free with `n` batches not released */
 #define RC_ERR_FLAGS (-60)            /* batch flags `n` with unknown bits */
 #define RC_ERR_FILTERED_LAYER (-61)   /* tensor `index` is of layer `n`, which the cache's layer filter keeps no state for */
+#define RC_ERR_SEQ_HOLDS (-62)        /* seq_cp: the target `seq` holds positions (remove it first) */
+#define RC_ERR_CP_RANGE (-63)         /* seq_cp: [`pos`, `prev`) does not cover `seq`'s positions `index` .. `n` (copied whole) */
+#define RC_ERR_KV (-64)               /* the KV cache refused: its code `n` with values `index`, `need` */
+#define RC_ERR_KV_NO_SLOT (-65)       /* the batch's tokens fit nowhere in the KV cache */
+#define RC_ERR_NOT_HYBRID (-66)       /* a KV call on the context of a RecurrentCache */
+#define RC_ERR_NOT_APPLIED (-67)      /* no ubatch of the batch is applied yet */
+#define RC_ERR_MASK_SIZE (-68)        /* a mask buffer of `n` floats for a mask of `need` */
+#define RC_ERR_PYTHON (-69)           /* a hybrid's state call raised in Python (its message kept) */
 /* END generated */
 
 /* rc_batch_init flags */
 #define RC_BATCH_LOGITS_ALL 1u   /* every token is an output */
 #define RC_BATCH_EMBD_POOLED 2u  /* one sequence per ubatch (split_seq), for pooled embeddings */
+
+/* rc_batch_kv_mask kinds */
+#define RC_MASK_FULL 0           /* causal, per sequence */
+#define RC_MASK_SLIDING 1        /* and within the sliding window of the layers that have one */
 
 typedef struct rc_ctx rc_ctx;      /* opaque: a memory context over one cache */
 typedef struct rc_batch rc_batch;  /* opaque: one validated, split and prepared batch */
@@ -161,6 +173,41 @@ typedef struct rc_capi {
     int32_t (*seq_rollback_min)(const rc_ctx* ctx, int32_t seq);     /* smallest reachable q, or -1 */
     int32_t (*batch_n_steps)(const rc_batch* batch);                 /* m of the last applied ubatch */
     int (*batch_step_row)(const rc_batch* batch, int32_t tensor, int32_t group, int32_t j, void** row);
+    /* -- API version 3: a HybridCache's context (docs/c-api.md, "Hybrid memories") --
+     * rc_ctx_new takes a compiled-engine HybridCache too.  On its context the entries above act on
+     * both halves with HybridCache's rule and refusals (every call changes both halves or neither):
+     * rc_size / rc_used / rc_tensor / rc_n_layer are the recurrent half's (r of layer il: il, s:
+     * n_layer + il); rc_batch_init also finds every ubatch's KV cells (RC_ERR_KV_NO_SLOT: they fit
+     * nowhere, nothing changed) and rc_batch_apply places both halves; rc_seq_* are HybridCache.seq_*
+     * (the compiled engine's rule, _hybrid_rule: rc_seq_cp copies whole, rc_seq_cp_range takes a range;
+     * a seq id out of range is RC_ERR_SEQ_RANGE, which rc_seq_pos_min / max and rc_seq_rollback_min
+     * return as -1, "no position", the refusal recorded for rc_error_message); rc_clear also zeroes
+     * K and V.  rc_state_size / write / read compose and read llama.cpp's hybrid
+     * bytes (KV section, then the recurrent section) through the Python facade: THESE THREE TAKE THE
+     * GIL (PyGILState_Ensure) on a hybrid's context; a Python exception is RC_ERR_PYTHON with its
+     * message.  The entries below give RC_ERR_NOT_HYBRID on a RecurrentCache's context. */
+    int32_t (*n_attn)(const rc_ctx* ctx);                       /* attention layers (0: a RecurrentCache) */
+    int32_t (*attn_layer)(const rc_ctx* ctx, int32_t attn_index);  /* its model layer, ascending */
+    int32_t (*kv_size)(const rc_ctx* ctx);                      /* KV cells */
+    int32_t (*kv_used)(const rc_ctx* ctx);                      /* KV cells holding a token */
+    /* attention layer attn_index's K (which 0) or V (1) storage, *n_rows rows of row_bytes, of the
+     * cache's dtype_k / dtype_v: K: cell c's row (n_embd_k elements) at data + c * row_bytes, kv_size
+     * rows.  V: the same when *v_trans is 0; else transposed as llama.cpp keeps it without flash
+     * attention: n_embd_v rows of kv_size elements, cell c's element of dimension d at data + d *
+     * row_bytes + c * element size. */
+    int (*kv_tensor)(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
+                     size_t* row_bytes, int* v_trans);
+    /* after rc_batch_apply: *cells [n_tokens] each token's KV cell (ubatch order: where the model
+     * writes its K and V rows; NULL without attention layers), *n_kv: attend to cells [0, n_kv).
+     * Valid until the next call that changes the cache (then RC_ERR_STALE). */
+    int (*batch_kv_cells)(const rc_batch* batch, const int32_t** cells, int32_t* n_kv);
+    /* the applied ubatch's mask, n_tokens rows of n_kv floats into out (capacity in floats): 0 where
+     * the token may attend to the cell, -INFINITY elsewhere; kind RC_MASK_FULL or RC_MASK_SLIDING */
+    int (*batch_kv_mask)(const rc_batch* batch, int32_t kind, float* out, size_t capacity);
+    int (*seq_cp_range)(rc_ctx* ctx, int32_t seq_src, int32_t seq_dst, int32_t p0, int32_t p1);
+    int32_t (*kv_has_shift)(const rc_ctx* ctx);   /* 1: seq_add / seq_div moved a cell: rotate its key */
+    int (*kv_shifts)(const rc_ctx* ctx, const int32_t** shifts);  /* [kv_size] each cell's pending shift */
+    int (*kv_reset_shift)(rc_ctx* ctx);           /* the keys are rotated: no shift pending */
 } rc_capi;
 
 #ifndef RC_CAPI_TYPES_ONLY  /* defined by recurrent_cache itself and by Cython cimports */
@@ -231,6 +278,17 @@ static int import_recurrent_cache(void) {
 #define rc_seq_rollback_min (RC_CAPI_TABLE->seq_rollback_min)
 #define rc_batch_n_steps (RC_CAPI_TABLE->batch_n_steps)
 #define rc_batch_step_row (RC_CAPI_TABLE->batch_step_row)
+#define rc_n_attn (RC_CAPI_TABLE->n_attn)
+#define rc_attn_layer (RC_CAPI_TABLE->attn_layer)
+#define rc_kv_size (RC_CAPI_TABLE->kv_size)
+#define rc_kv_used (RC_CAPI_TABLE->kv_used)
+#define rc_kv_tensor (RC_CAPI_TABLE->kv_tensor)
+#define rc_batch_kv_cells (RC_CAPI_TABLE->batch_kv_cells)
+#define rc_batch_kv_mask (RC_CAPI_TABLE->batch_kv_mask)
+#define rc_seq_cp_range (RC_CAPI_TABLE->seq_cp_range)
+#define rc_kv_has_shift (RC_CAPI_TABLE->kv_has_shift)
+#define rc_kv_shifts (RC_CAPI_TABLE->kv_shifts)
+#define rc_kv_reset_shift (RC_CAPI_TABLE->kv_reset_shift)
 #endif /* RC_CAPI_NO_MACROS */
 #endif /* RC_CAPI_TYPES_ONLY */
 

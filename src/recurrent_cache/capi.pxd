@@ -37,4 +37,10 @@ from recurrent_cache._capi cimport (RC_BATCH_EMBD_POOLED, RC_BATCH_LOGITS_ALL, R
                                     rc_ctx_new, rc_error_message, rc_n_layer, rc_seq_add, rc_seq_cp,
                                     rc_seq_div, rc_seq_keep, rc_seq_pos_max, rc_seq_pos_min, rc_seq_rm,
                                     rc_size, rc_state_read, rc_state_size, rc_state_write, rc_tensor,
-                                    rc_ubatch, rc_used)
+                                    rc_ubatch, rc_used,
+                                    # API version 3: a HybridCache's context
+                                    RC_ERR_CP_RANGE, RC_ERR_KV, RC_ERR_KV_NO_SLOT, RC_ERR_MASK_SIZE,
+                                    RC_ERR_NOT_APPLIED, RC_ERR_NOT_HYBRID, RC_ERR_PYTHON, RC_ERR_SEQ_HOLDS,
+                                    RC_MASK_FULL, RC_MASK_SLIDING, rc_attn_layer, rc_batch_kv_cells,
+                                    rc_batch_kv_mask, rc_kv_has_shift, rc_kv_reset_shift, rc_kv_shifts,
+                                    rc_kv_size, rc_kv_tensor, rc_kv_used, rc_n_attn, rc_seq_cp_range)

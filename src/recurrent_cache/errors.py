@@ -157,6 +157,14 @@ CAPI_STATE_SEQ = -58      # a state seq_id `seq` outside [-1, `size`)
 CAPI_OPEN_BATCHES = -59   # rc_ctx_free with `n` batches not released
 CAPI_FLAGS = -60          # batch flags `n` with unknown bits
 CAPI_FILTERED_LAYER = -61  # tensor `index` is of layer `n`, which the cache's layer filter keeps no state for
+CAPI_SEQ_HOLDS = -62      # seq_cp: the target `seq` holds positions (remove it first)
+CAPI_CP_RANGE = -63       # seq_cp: [`pos`, `prev`) does not cover `seq`'s positions `index` .. `n` (copied whole)
+CAPI_KV = -64             # the KV cache refused: its code `n` with values `index`, `need`
+CAPI_KV_NO_SLOT = -65     # the batch's tokens fit nowhere in the KV cache
+CAPI_NOT_HYBRID = -66     # a KV call on the context of a RecurrentCache
+CAPI_NOT_APPLIED = -67    # no ubatch of the batch is applied yet
+CAPI_MASK_SIZE = -68      # a mask buffer of `n` floats for a mask of `need`
+CAPI_PYTHON = -69         # a hybrid's state call raised in Python (its message kept)
 # END generated
 
 POS_MAX = 2**31 - 1     # llama_pos is int32; this value stands for +infinity in ranges
@@ -197,6 +205,16 @@ _TABLE: dict[int, tuple[type[Exception], str]] = {
     CAPI_FLAGS: (ArgumentError, "{what}: unknown flags {n} (RC_BATCH_LOGITS_ALL = 1, RC_BATCH_EMBD_POOLED = 2)"),
     CAPI_FILTERED_LAYER: (OutOfRangeError, "{what}: tensor index {index} is of layer {n}, which holds no recurrent "
                                            "state (the cache's layer filter excludes it)"),
+    CAPI_SEQ_HOLDS: (ArgumentError, "{what}: sequence {seq} holds positions: remove it first (seq_rm({seq}))"),
+    CAPI_CP_RANGE: (ArgumentError, "{what}: [{pos}, {prev}) does not cover sequence {seq}'s positions {index} .. "
+                                   "{n}: a hybrid sequence is copied whole"),
+    CAPI_KV: (CoreError, "{what}: the KV cache refused (its code {n}, values {index} and {need})"),
+    CAPI_KV_NO_SLOT: (NoFreeCellError, "{what}: the batch's tokens fit nowhere in the KV cache ({n} of {size} "
+                                       "cells used)"),
+    CAPI_NOT_HYBRID: (UsageError, "{what}: this context is of a RecurrentCache, which has no KV cache"),
+    CAPI_NOT_APPLIED: (UsageError, "{what}: no ubatch of this batch is applied: call rc_batch_apply first"),
+    CAPI_MASK_SIZE: (ArgumentError, "{what}: the buffer holds {n} floats, the mask needs {need}"),
+    CAPI_PYTHON: (StateError, "{what}: the Python API raised (its message was not recorded)"),
 }
 
 

@@ -25,7 +25,7 @@ from .cache import RecurrentCache
 from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, BrokenCacheError, ConfigError, CoreError, NoFreeCellError,
                      StateError, UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
-from .kv_reference import SWA_TYPES, N_KV_PAD, check_config
+from .kv_reference import SWA_TYPES, N_KV_PAD, as_int32, check_config
 from .memory_state import MemoryStatus, ThreadGuard
 from .formats.blob import blob_view, framing_prefix, parse_blob
 from .formats.framings import in_section, unframe
@@ -152,6 +152,12 @@ class HybridCache:
         if engine_of.name == "compiled" and self._attn_layers:
             from . import _hybrid_step
             self._compiled_plan = _hybrid_step.prepare
+        # the compiled engine's sequence operations: _hybrid_rule's, the C API's too (one copy of the rule);
+        # the reference engine's are this module's own, below
+        self._rule: Any = None
+        if engine_of.name == "compiled":
+            from ._hybrid_rule import HybridRule
+            self._rule = HybridRule(self._recurrent.memory_core, self._kv, bool(self._attn_layers))
         self._generation = 0
         self._guard = ThreadGuard()
         # the storage's failure that left the halves (or one half's cells and rows) disagreeing: while
@@ -264,6 +270,17 @@ class HybridCache:
         """K ``[n_attn, kv_size, n_embd_k]`` and V (``[n_attn, n_embd_v, kv_size]`` with ``v_trans``, else
         ``[n_attn, kv_size, n_embd_v]``): ``k[il]`` is ``kv_tensors[0][j]`` for the j-th attention layer."""
         return self._kv_tensors
+
+    @property
+    def memory_core(self) -> _engines.Core:
+        """The recurrent half's memory core (``RecurrentCache.memory_core``): with ``kv_table``, what the
+        C API (``rc_ctx_new``) drives; not for Python callers, which use this facade."""
+        return self._recurrent.memory_core
+
+    @property
+    def kv_table(self) -> _engines.KVTable:
+        """The KV half's cell table, for the C API (``rc_ctx_new``) beside ``memory_core``."""
+        return self._kv
 
     @property
     def generation(self) -> int:
@@ -422,14 +439,18 @@ class HybridCache:
         self._enter("seq_rm")
         try:
             try:   # the recurrent half refuses (False) or fails (a storage's error) before changing
-                if not self._recurrent.seq_rm(seq, p0, p1):
+                if self._rule is not None:
+                    if not self._rule.seq_rm(seq, p0, p1):   # both halves, or neither
+                        return False
+                elif not self._recurrent.seq_rm(seq, p0, p1):
                     return False
             except BrokenCacheError as exc:
                 self._break("seq_rm", exc)
-            try:
-                self._kv.seq_rm(seq, p0, p1)
-            except BaseException as failure:
-                self._break("seq_rm", failure)
+            if self._rule is None:
+                try:
+                    self._kv.seq_rm(seq, p0, p1)
+                except BaseException as failure:
+                    self._break("seq_rm", failure)
             self._generation += 1
             return True
         finally:
@@ -447,6 +468,13 @@ class HybridCache:
             return
         self._enter("seq_cp")
         try:
+            if self._rule is not None:
+                try:
+                    self._rule.seq_cp(src, dst, p0, p1)
+                except BrokenCacheError as exc:
+                    self._break("seq_cp", exc)
+                self._generation += 1
+                return
             if self._kv.seq_pos_max(dst) >= 0 or self._recurrent.seq_pos_max(dst) >= 0:
                 raise ArgumentError(f"seq_cp: sequence {dst} holds positions: remove it first (seq_rm({dst}))")
             first = self._kv.seq_pos_min(src)
@@ -468,11 +496,17 @@ class HybridCache:
         seq = self._seq(seq, "seq_keep")
         self._enter("seq_keep")
         try:
-            self._kv.seq_keep(seq)
-            try:
-                self._recurrent.seq_keep(seq)
-            except BaseException as failure:
-                self._break("seq_keep", failure)
+            if self._rule is not None:
+                try:
+                    self._rule.seq_keep(seq)
+                except BrokenCacheError as exc:
+                    self._break("seq_keep", exc)
+            else:
+                self._kv.seq_keep(seq)
+                try:
+                    self._recurrent.seq_keep(seq)
+                except BaseException as failure:
+                    self._break("seq_keep", failure)
             self._generation += 1
         finally:
             self._leave()
@@ -488,6 +522,13 @@ class HybridCache:
         shift = _args.in_range(shift, "shift", _args.INT32_MIN, _args.INT32_END)
         self._enter("seq_add")
         try:
+            if self._rule is not None:
+                try:
+                    self._rule.seq_add(seq, p0, p1, shift)
+                except BrokenCacheError as exc:
+                    self._break("seq_add", exc)
+                self._generation += 1
+                return
             pos = self._recurrent.seq_pos_max(seq)
             low, high = max(p0, 0), (_POS_END if p1 < 0 else p1)
             if shift and low <= pos < high and not 0 <= pos + shift < POS_MAX:
@@ -507,11 +548,17 @@ class HybridCache:
         p0, p1, d = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1")), as_int(d, "d")
         self._enter("seq_div")
         try:
-            self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
-            try:
-                self._recurrent.seq_div(seq, p0, p1, d)
-            except BaseException as failure:
-                self._break("seq_div", failure)
+            if self._rule is not None:
+                try:
+                    self._rule.seq_div(seq, p0, p1, as_int32(min(d, 2**31 - 1), "d"))
+                except BrokenCacheError as exc:
+                    self._break("seq_div", exc)
+            else:
+                self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
+                try:
+                    self._recurrent.seq_div(seq, p0, p1, d)
+                except BaseException as failure:
+                    self._break("seq_div", failure)
             self._generation += 1
         finally:
             self._leave()
@@ -520,6 +567,8 @@ class HybridCache:
         """The first position ``seq`` holds in both halves (the larger of the two minima; -1: none)."""
         seq = self._seq(seq, "seq_pos_min")
         self._usable("seq_pos_min")
+        if self._rule is not None:
+            return int(self._rule.seq_pos(seq, False))
         if not self._attn_layers:
             return self._recurrent.seq_pos_min(seq)
         return max(self._kv.seq_pos_min(seq), self._recurrent.seq_pos_min(seq))
@@ -528,6 +577,8 @@ class HybridCache:
         """The last position ``seq`` holds in both halves (the smaller of the two maxima; -1: none)."""
         seq = self._seq(seq, "seq_pos_max")
         self._usable("seq_pos_max")
+        if self._rule is not None:
+            return int(self._rule.seq_pos(seq, True))
         if not self._attn_layers:
             return self._recurrent.seq_pos_max(seq)
         return min(self._kv.seq_pos_max(seq), self._recurrent.seq_pos_max(seq))

@@ -137,7 +137,11 @@ class HybridState:
         if self._applied:
             raise UsageError(f"ubatch {self._u} is already applied; call next() first")
         # the KV half first, on the slot init_batch found on the table as it still is (a stale state
-        # is refused there before anything changes); then the recurrent half's own prepared ubatch
+        # is refused there before anything changes); then the recurrent half's own prepared ubatch.
+        # A change made through the C API moves the recurrent core's counter only: refused here.
+        if self._recurrent.stale:
+            raise UsageError("the cache changed after this state was prepared (a sequence operation, a "
+                             "state_read or another state's apply): call init_batch again")
         self._generation, self._n_kv = self._apply_kv(self._generation, self._plan, self._u)
         self._recurrent.apply()
         self._masks = None
@@ -180,7 +184,7 @@ class HybridState:
     def _current(self) -> None:
         if not self._applied:
             raise UsageError(f"ubatch {self._u} is not applied yet: call apply() first")
-        if self._generation != self._cache.generation:
+        if self._generation != self._cache.generation or self._recurrent.stale:
             raise UsageError("the cache changed after this ubatch was applied: its cells may hold other "
                              "sequences now")
 

@@ -337,6 +337,12 @@ class MemoryState:
         self._applied = True
         return True
 
+    @property
+    def stale(self) -> bool:
+        """Whether the cache changed after this state's ``init_batch`` (or its last ``apply``) other than
+        through it, by whichever API (Python or C): its next ``apply`` would be refused."""
+        return self._placement is not None and self._core.generation != self._generation
+
     def next(self) -> bool:
         """Move to the next ubatch; False after the last one."""
         placement = self._placement
