@@ -33,7 +33,7 @@ from .formats.geometry import Geometry
 from .formats.kv import compose_kv_section, parse_kv_section
 from .formats.messages import target_aliases_cache, target_too_small
 from .formats.streams import target_view, write_all
-from .hybrid_state import HybridState, KvPlan, KvTokens, TokenPlan, seq_lists
+from .hybrid_state import Guard, HybridState, KvPlan, KvTokens, TokenPlan, seq_lists
 from .kv_state import KvLoad, KvRows, checked_load, kv_section
 from .storage import Storage, Tensor, allocating, storage_for
 
@@ -133,13 +133,16 @@ class HybridCache:
         recurrent = self._recurrent
         self._recurrent_bytes = len(recurrent.layers) * (STATE_TYPES[recurrent.dtype_r].itemsize * recurrent.n_embd_r
                                                          + STATE_TYPES[recurrent.dtype_s].itemsize * recurrent.n_embd_s)
-        # the compiled engine places a batch's KV tokens straight from its split's C arrays (_hybrid_step)
+        # the compiled engine places a batch's KV tokens straight from its split's C arrays, and takes its
+        # guard with one atomic exchange (_hybrid_step)
         self._compiled_plan: Callable[[_engines.KVTable, _engines.Placement], KvPlan | None] | None = None
-        if engine_of.name == "compiled" and self._attn_layers:
+        self._guard: Guard = ThreadGuard()
+        if engine_of.name == "compiled":
             from . import _hybrid_step
-            self._compiled_plan = _hybrid_step.prepare
+            self._guard = _hybrid_step.StepGuard()
+            if self._attn_layers:
+                self._compiled_plan = _hybrid_step.prepare
         self._generation = 0
-        self._guard = ThreadGuard()
 
     # -- what it is ------------------------------------------------------------------------
 
