@@ -5,11 +5,29 @@ Reads the table only: per sequence of the ubatch, the position each cell holds
 for it, once; then each token's row in one branch-free pass over the cells.
 """
 
-from libc.math cimport INFINITY
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from ._kv_table cimport KV_NO_MEMORY, KV_OK, SWA_CHUNKED, SWA_NONE, SWA_STANDARD, SWA_SYMMETRIC
+
+
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    /* One row of the mask: 0 where the cell's position lies in [lo, lo + width], -inf elsewhere.  On
+       x86-64 with GCC or Clang (ELF) the loop is compiled twice, for AVX2 and the baseline SSE2, and the
+       loader picks the one the CPU runs: 8 cells an instruction instead of 4, the row written at the
+       rate numpy fills one. */
+    #if defined(__GNUC__) && defined(__x86_64__) && defined(__ELF__)
+    __attribute__((target_clones("avx2", "default")))
+    #endif
+    static void rc_mask_row(float* row, const int32_t* seen_pos, int32_t n, int32_t lo, uint32_t width) {
+        for (int32_t j = 0; j < n; j++)
+            row[j] = (uint32_t)(seen_pos[j] - lo) <= width ? 0.0f : -INFINITY;
+    }
+    """
+    void rc_mask_row(float* row, const int32_t* seen_pos, int32_t n, int32_t lo, uint32_t width) noexcept nogil
 
 
 cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t* flat, const int32_t* offsets,
@@ -23,7 +41,6 @@ cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t*
     cdef uint32_t width
     cdef int32_t word_index
     cdef uint64_t bit
-    cdef float* row
     if seen_pos == NULL or next_token == NULL or first_token == NULL:
         free(seen_pos)
         free(next_token)
@@ -53,9 +70,7 @@ cdef int kv_mask(const KvTable* t, int32_t n, const int32_t* pos, const int32_t*
             elif swa_type == SWA_SYMMETRIC:
                 lo = p - t.n_swa // 2 if p >= t.n_swa // 2 else 0
             width = <uint32_t>(p - lo)
-            row = out + <int64_t>token * n_kv
-            for j in range(n_kv):
-                row[j] = 0.0 if <uint32_t>(seen_pos[j] - lo) <= width else -INFINITY
+            rc_mask_row(out + <int64_t>token * n_kv, seen_pos, n_kv, lo, width)
             token = next_token[token]
     free(seen_pos)
     free(next_token)
