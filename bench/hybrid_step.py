@@ -12,9 +12,9 @@ table has served those steps once before the timed run (then cleared and filled 
 in service has: each page of its sequences' trees is touched once in its life, which a table on
 fresh memory pays during its first steps (~0.4 page faults a step; its median is timed beside).  The
 recurrent-only step is the same through a ``RecurrentCache`` of 64 sequences; the ratio is the
-hybrid step's median over it, measured in the same run (the two interleaved in short rounds, so
-that both see the same load), and beside it the ratio of the fastest steps, which a busy machine
-disturbs least.  The load average is recorded; the full run writes bench/results/hybrid_step.md.
+hybrid step's median over it, measured in the same run (the caches interleaved in rounds of 10
+steps, so that a burst of load on a shared machine falls on each alike), and beside it the ratio of
+the fastest steps, which a busy machine disturbs least.  The load average is recorded; the full run writes bench/results/hybrid_step.md.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
         print(NOTE)
     load_before = os.getloadavg()[0]
     rows = []
-    rounds = 20 if repeats >= 100 else 5
+    rounds = max(1, repeats // 10)   # rounds of 10 steps: a burst of load falls on all three alike
     for held_cells in sizes:
         held = held_cells // N_SEQS
         cache, recurrent_cache = hybrid(held, repeats), RecurrentCache(1, 1, 1, n_seq_max=N_SEQS)
