@@ -14,7 +14,8 @@ fresh memory pays during its first steps (~0.4 page faults a step; its median is
 recurrent-only step is the same through a ``RecurrentCache`` of 64 sequences; the ratio is the
 hybrid step's median over it, measured in the same run (the caches interleaved in rounds of 10
 steps, so that a burst of load on a shared machine falls on each alike), and beside it the ratio of
-the fastest steps, which a busy machine disturbs least.  The load average is recorded; the full run writes bench/results/hybrid_step.md.
+the fastest steps, which a busy machine disturbs least.  The load average is recorded; the full
+run writes bench/results/hybrid_step.md.
 """
 
 from __future__ import annotations
