@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from recurrent_cache import Batch
-from recurrent_cache.errors import PositionError, UsageError
+from recurrent_cache.errors import UsageError
 from recurrent_cache.hybrid import HybridCache
 
 _hybrid_step = pytest.importorskip("recurrent_cache._hybrid_step", reason="the compiled engine is not built")
@@ -37,36 +37,51 @@ def test_the_guard_refuses_a_second_entry_from_any_thread_until_it_is_left():
     guard.leave()
 
 
-def test_a_hybrid_shared_by_two_threads_refuses_instead_of_corrupting():
+class CallingBack(Batch):
+    """A batch whose positions, read inside ``init_batch`` (both guards held), run ``on_read`` first."""
+
+    __slots__ = ()
+    on_read: list = []
+
+    @property   # type: ignore[override]
+    def pos(self):
+        for call in self.on_read:
+            call()
+        return Batch.pos.__get__(self)
+
+    @pos.setter
+    def pos(self, value):
+        Batch.pos.__set__(self, value)
+
+
+def test_a_second_thread_is_refused_while_a_step_is_inside_the_hybrid_and_served_after_it():
     cache = HybridCache(2, attn_layers=[0], recr_layers=[1], n_embd_k=4, n_embd_v=4, n_embd_r=4, n_embd_s=4,
-                        kv_size=64 * 310, n_seq_max=64, engine="compiled")
-    errors_seen: list[BaseException] = []
-    start = threading.Barrier(2)
+                        kv_size=64, n_seq_max=4, engine="compiled")
+    for _ in cache.init_batch(Batch(token=np.zeros(3, np.int32), seq_id=np.zeros(3, np.int32),
+                                    pos=np.arange(3, dtype=np.int32))):
+        pass
+    outcome: list[object] = []
 
-    def worker(first: int) -> None:
-        start.wait()
-        for step in range(300):
-            seqs = np.arange(first, first + 32, dtype=np.int32)
+    def other_thread_clears() -> None:
+        def clear() -> None:
             try:
-                for _ in cache.init_batch(Batch(token=np.zeros(32, np.int32), seq_id=seqs,
-                                                pos=np.full(32, step, np.int32))):
-                    pass
-                cache.seq_pos_max(first)
+                cache.clear()
+                outcome.append("cleared")
             except UsageError as exc:
-                errors_seen.append(exc)
-                return
-            except PositionError:
-                return   # the other thread's refused call left this thread's positions behind
-
-    threads = [threading.Thread(target=worker, args=(first,)) for first in (0, 32)]
-    for thread in threads:
+                outcome.append(exc)
+        thread = threading.Thread(target=clear)
         thread.start()
-    for thread in threads:
         thread.join()
-    cache.check()      # whatever interleaving happened, both halves are intact and agree
-    for exc in errors_seen:
-        assert "another thread" in str(exc) or "changed after" in str(exc)
-    # nothing is left inside: the memory takes a step again from this thread
-    state = cache.init_batch(Batch(token=np.zeros(1, np.int32), seq_id=np.zeros(1, np.int32),
-                                   pos=np.full(1, cache.seq_pos_max(0) + 1, np.int32)))
-    assert state.apply()
+
+    batch = CallingBack(token=np.zeros(1, np.int32), seq_id=np.zeros(1, np.int32), pos=np.full(1, 3, np.int32))
+    CallingBack.on_read[:] = [other_thread_clears]
+    try:
+        state = cache.init_batch(batch)
+    finally:
+        CallingBack.on_read[:] = []
+    assert outcome and all(isinstance(exc, UsageError) and "another thread" in str(exc) for exc in outcome), outcome
+    assert cache.seq_pos_max(0) == 2            # the refused clear changed nothing
+    assert state.apply() and cache.seq_pos_max(0) == 3
+    cache.check()
+    cache.clear()                               # nothing is left inside: served from any thread now
+    assert cache.seq_pos_max(0) == -1
