@@ -5,6 +5,13 @@ import numpy as np
 from ._engines import KVTable, Placement
 
 @final
+class StepGuard:
+    """One thread at a time inside a hybrid memory, as ``memory_state.ThreadGuard``."""
+
+    def enter(self) -> None: ...
+    def leave(self) -> None: ...
+
+@final
 class KvPlan:
     """Every ubatch's KV tokens and the cells ``prepare`` found for them (``HybridState``'s KV half)."""
 

@@ -34,7 +34,7 @@ from .formats.kv import compose_kv_section, parse_kv_section
 from .formats.messages import target_aliases_cache, target_too_small
 from .formats.streams import target_view, write_all
 from ._core import host_extent
-from .hybrid_state import HybridState, KvPlan, KvTokens, TokenPlan, seq_lists
+from .hybrid_state import Guard, HybridState, KvPlan, KvTokens, TokenPlan, seq_lists
 from .kv_state import KvLoad, KvRows, checked_load, kv_section
 from .storage import Storage, Tensor, allocating, storage_for
 
@@ -147,11 +147,15 @@ class HybridCache:
         recurrent = self._recurrent
         self._recurrent_bytes = len(recurrent.layers) * (STATE_TYPES[recurrent.dtype_r].itemsize * recurrent.n_embd_r
                                                          + STATE_TYPES[recurrent.dtype_s].itemsize * recurrent.n_embd_s)
-        # the compiled engine places a batch's KV tokens straight from its split's C arrays (_hybrid_step)
+        # the compiled engine places a batch's KV tokens straight from its split's C arrays, and takes its
+        # guard with one atomic exchange (_hybrid_step)
         self._compiled_plan: Callable[[_engines.KVTable, _engines.Placement], KvPlan | None] | None = None
-        if engine_of.name == "compiled" and self._attn_layers:
+        self._guard: Guard = ThreadGuard()
+        if engine_of.name == "compiled":
             from . import _hybrid_step
-            self._compiled_plan = _hybrid_step.prepare
+            self._guard = _hybrid_step.StepGuard()
+            if self._attn_layers:
+                self._compiled_plan = _hybrid_step.prepare
         # the compiled engine's sequence operations: _hybrid_rule's, the C API's too (one copy of the rule);
         # the reference engine's are this module's own, below
         self._rule: Any = None
@@ -159,7 +163,6 @@ class HybridCache:
             from ._hybrid_rule import HybridRule
             self._rule = HybridRule(self._recurrent.memory_core, self._kv, bool(self._attn_layers))
         self._generation = 0
-        self._guard = ThreadGuard()
         # the storage's failure that left the halves (or one half's cells and rows) disagreeing: while
         # set, every call raises BrokenCacheError until clear() succeeds
         self._broken: BaseException | None = None

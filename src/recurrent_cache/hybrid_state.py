@@ -15,7 +15,7 @@ from .errors import OutOfRangeError, UsageError
 from .memory_state import MemoryState, MemoryStatus, Ubatch, each_ubatch
 from .storage import Tensor
 
-__all__ = ["HybridMemory", "HybridState", "KvPlan", "KvTokens", "TokenPlan", "kv_tokens", "seq_lists"]
+__all__ = ["Guard", "HybridMemory", "HybridState", "KvPlan", "KvTokens", "TokenPlan", "kv_tokens", "seq_lists"]
 
 
 class HybridMemory(Protocol):
@@ -31,6 +31,14 @@ class HybridMemory(Protocol):
     def k(self) -> tuple[Any, ...]: ...
     @property
     def v(self) -> tuple[Any, ...]: ...
+
+
+class Guard(Protocol):
+    """One thread at a time inside a hybrid memory: ``memory_state.ThreadGuard``, or the compiled
+    engine's ``_hybrid_step.StepGuard``."""
+
+    def enter(self) -> None: ...
+    def leave(self) -> None: ...
 
 
 KvTokens = tuple[np.ndarray, np.ndarray, np.ndarray]
