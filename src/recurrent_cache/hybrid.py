@@ -703,14 +703,16 @@ class HybridCache:
                 else:
                     plan = TokenPlan.prepare(self._kv, recurrent, bool(self._attn_layers))
             status = recurrent.status if plan is not None else MemoryStatus.FAILED_PREPARE
-            return HybridState(self, recurrent, plan, status, self._generation, self._apply_kv, self._kv_mask)
+            return HybridState(self, recurrent, plan, status, self._generation, self._apply_both, self._kv_mask)
         finally:
             guard.leave()
 
-    def _apply_kv(self, state_generation: int, plan: KvPlan, u: int) -> tuple[int, int]:
-        """Ubatch ``u`` of a state into the KV half, on the cells ``init_batch`` found: the new
-        generation and the cells to attend to (``n_kv``).  Raises ``UsageError``, changing nothing,
-        for a stale state."""
+    def _apply_both(self, state_generation: int, plan: KvPlan, u: int,
+                    apply_recurrent: Callable[[], object]) -> tuple[int, int]:
+        """Ubatch ``u`` of a state into the KV half, on the cells ``init_batch`` found, then into the
+        recurrent half (``apply_recurrent``): the new generation and the cells to attend to (``n_kv``).
+        Raises ``UsageError``, changing nothing, for a stale state; a recurrent half that fails once the
+        KV half holds the ubatch (its step scratch not allocated, a storage's error) breaks the memory."""
         guard = self._guard
         guard.enter()
         try:
@@ -719,6 +721,10 @@ class HybridCache:
                                  "state_read or another state's apply): call init_batch again")
             n_kv = plan.apply(u, self._kv_pad)
             self._generation += 1
+            try:
+                apply_recurrent()
+            except BaseException as failure:
+                self._break("apply", failure)
             return self._generation, n_kv
         finally:
             guard.leave()

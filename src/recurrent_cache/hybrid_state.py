@@ -119,10 +119,10 @@ class HybridState:
     """
 
     __slots__ = ("_cache", "_recurrent", "_plan", "status", "_generation", "_u", "_applied", "_n_kv", "_masks",
-                 "_apply_kv", "_build_mask")
+                 "_apply_both", "_build_mask")
 
     def __init__(self, cache: HybridMemory, recurrent: MemoryState, plan: KvPlan | None, status: MemoryStatus,
-                 generation: int, apply_kv: Callable[[int, KvPlan, int], tuple[int, int]],
+                 generation: int, apply_both: Callable[[int, KvPlan, int, Callable[[], object]], tuple[int, int]],
                  build_mask: Callable[[KvTokens, int, bool], np.ndarray]) -> None:
         self._cache = cache
         self._recurrent = recurrent
@@ -133,7 +133,7 @@ class HybridState:
         self._applied = False
         self._n_kv = 0
         self._masks: dict[bool, np.ndarray] | None = None   # built when first read
-        self._apply_kv = apply_kv
+        self._apply_both = apply_both   # the KV half, then the recurrent half (its apply, given), or broken
         self._build_mask = build_mask
 
     # -- stepping ----------------------------------------------------------------------
@@ -150,8 +150,7 @@ class HybridState:
         if self._recurrent.stale:
             raise UsageError("the cache changed after this state was prepared (a sequence operation, a "
                              "state_read or another state's apply): call init_batch again")
-        self._generation, self._n_kv = self._apply_kv(self._generation, self._plan, self._u)
-        self._recurrent.apply()
+        self._generation, self._n_kv = self._apply_both(self._generation, self._plan, self._u, self._recurrent.apply)
         self._masks = None
         self._applied = True
         return True
