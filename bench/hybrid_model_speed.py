@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.model_speed import (Decoder, PROMPT, THREADS, llamacpp_decoder, package_decoder,  # noqa: E402
+from bench.model_speed import (Decoder, PROMPT, THREADS, best_rates, llamacpp_decoder, package_decoder,  # noqa: E402
                                set_threads, torch_available)
 from bench.quick import NOTE, add_quick_option  # noqa: E402
 
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="greedy tokens per sequence (default 32; 4 with --quick)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sequences decoding together")
     parser.add_argument("--threads", type=int, default=THREADS, help="llama.cpp's and torch's threads (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine in turn; the best counts")
     options = parser.parse_args()
     if not torch_available():
         raise SystemExit("the models are built by transformers: pip install '.[test-torch]'")
@@ -141,13 +142,9 @@ def main() -> None:
             engines["package, torch CPU, torch's ops"] = package_decoder(model, "torch",  # type: ignore[arg-type]
                                                                          native=True)
             engines["transformers"] = transformers_rate(hf)
-            rates: dict[str, list[float]] = {}
-            for engine, decoder in engines.items():
-                if isinstance(decoder, str):
-                    notes.append(f"{label}, {engine}: {decoder}")
-                    continue
-                decoder(1, 2)   # warm-up: weights on the device, first-call costs
-                rates[engine] = [decoder(b, n_tokens) for b in options.batches]
+            runnable = {engine: decoder for engine, decoder in engines.items() if not isinstance(decoder, str)}
+            notes += [f"{label}, {engine}: {decoder}" for engine, decoder in engines.items() if engine not in runnable]
+            rates = best_rates(runnable, options.batches, n_tokens, 1 if options.quick else options.rounds)
             reference = rates.get("llama.cpp")
             for engine, row in rates.items():
                 cells = [f"{r:,.1f} | " + (f"{r / reference[i]:.2f}" if reference else "—") for i, r in enumerate(row)]
@@ -155,7 +152,8 @@ def main() -> None:
             print(f"{label}: {model.hparams.describe()}", flush=True)
     load_after = os.getloadavg()
     lines += ["", f"{n_tokens} greedy tokens per sequence after a {len(PROMPT)}-token prompt, float32 everywhere, "
-              f"llama.cpp and torch with {options.threads} threads; load average (1 min) {load_before[0]:.2f} before, "
+              f"llama.cpp and torch with {options.threads} threads, best of {options.rounds} rounds; "
+              f"load average (1 min) {load_before[0]:.2f} before, "
               f"{load_after[0]:.2f} after; {os.cpu_count()} CPUs"] + notes
     report = "\n".join(lines)
     print(report)
