@@ -20,6 +20,7 @@ logit:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,19 +44,36 @@ def host(array: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float64)
 
 
+def memoised(reference: Reference) -> Reference:
+    """``reference`` computing each token sequence's logits once, as float64.  The scenarios draw the same
+    tokens (seeded) on every storage, so a module's tests of one checkpoint and dtype can share one
+    (a module-scoped fixture) and run transformers' forward once for all their storages."""
+    seen: dict[tuple[int, ...], np.ndarray] = {}
+
+    def logits(tokens: Sequence[int]) -> np.ndarray:
+        key = tuple(int(t) for t in tokens)
+        if key not in seen:
+            seen[key] = np.asarray(reference(key), dtype=np.float64)
+        return seen[key]
+    return logits
+
+
+def shared(load: Callable[[Path, Any], Reference]) -> Callable[[Path, Any], Reference]:
+    """``load(directory, dtype)`` (transformers' forward of a checkpoint in a dtype) as a decorator: called once
+    per checkpoint and dtype, its reference ``memoised``, so the tests of every storage share one (for the
+    session: the models are tiny)."""
+    return functools.cache(lambda directory, dtype: memoised(load(directory, dtype)))
+
+
 @dataclass
 class Recorder:
     """The reference's logits by token sequence (each computed once) and the worst error per scenario."""
 
     reference: Reference
     worst: dict[str, float] = field(default_factory=dict)
-    _seen: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
 
-    def logits_of(self, tokens: Sequence[int]) -> np.ndarray:
-        key = tuple(int(t) for t in tokens)
-        if key not in self._seen:
-            self._seen[key] = np.asarray(self.reference(key), dtype=np.float64)
-        return self._seen[key]
+    def __post_init__(self) -> None:
+        self.logits_of = memoised(self.reference)
 
     def check(self, scenario: str, tokens: Sequence[int], got: Any, positions: Sequence[int]) -> None:
         """``got`` [len(positions), n_vocab]: the package's logits after ``tokens[: p + 1]`` for each p."""

@@ -20,7 +20,7 @@ from recurrent_cache.models import GraniteHybridModel, load_hf
 from recurrent_cache.models import _registry as registry
 from recurrent_cache.models.bamba import BAMBA, GRANITE
 
-from hybrid_scenarios import Recorder, run_scenarios
+from hybrid_scenarios import Recorder, run_scenarios, shared
 
 torch = pytest.importorskip("torch", reason="the reference is transformers' BambaForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' BambaForCausalLM")
@@ -76,6 +76,7 @@ def granite_dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return saved(tmp_path_factory.mktemp("granite-dense"), transformers.GraniteMoeHybridForCausalLM, config)
 
 
+@shared
 def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=TORCH_DTYPES[dtype],
                                                               experts_implementation="eager").eval()

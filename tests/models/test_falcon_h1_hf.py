@@ -19,7 +19,7 @@ from recurrent_cache.errors import ModelError
 from recurrent_cache.models import FalconH1Model, load_hf, random_falcon_h1_model
 from recurrent_cache.storage import TorchStorage
 
-from hybrid_scenarios import Recorder, host, run_scenarios
+from hybrid_scenarios import Recorder, host, run_scenarios, shared
 
 torch = pytest.importorskip("torch", reason="the reference is transformers' FalconH1ForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' FalconH1ForCausalLM")
@@ -70,6 +70,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return directories
 
 
+@shared
 def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
     model = transformers.FalconH1ForCausalLM.from_pretrained(directory, dtype=TORCH_DTYPES[dtype]).eval()
 

@@ -13,7 +13,7 @@ from recurrent_cache.errors import ModelError
 from recurrent_cache.models import JambaModel, load_hf
 from recurrent_cache.storage import TorchStorage
 
-from hybrid_scenarios import Recorder, run_scenarios
+from hybrid_scenarios import Recorder, run_scenarios, shared
 
 torch = pytest.importorskip("torch", reason="the reference is transformers' JambaForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' JambaForCausalLM")
@@ -47,6 +47,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(directory)
 
 
+@shared
 def reference_of(directory: Path, dtype: Any) -> Any:
     model = transformers.JambaForCausalLM.from_pretrained(directory, dtype=TORCH_DTYPES[dtype],
                                                           experts_implementation="eager").eval()

@@ -16,7 +16,7 @@ import pytest
 
 from recurrent_cache.models import Lfm2Model, ModelError, load_hf
 
-from hybrid_scenarios import Recorder, run_scenarios
+from hybrid_scenarios import Recorder, memoised, run_scenarios
 from variants import torch_storage
 
 torch = pytest.importorskip("torch")
@@ -56,18 +56,25 @@ def reference(hf_model, tokens: list[int]) -> np.ndarray:
         return hf_model(torch.tensor([tokens])).logits[0].numpy()
 
 
+@pytest.fixture(scope="module")
+def hf_logits(checkpoint):
+    """transformers' float64 logits of each token sequence, computed once for every dtype's and storage's test."""
+    _, hf_model = checkpoint
+    return memoised(lambda tokens: reference(hf_model, list(tokens)))
+
+
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 STORAGES = pytest.mark.parametrize("storage", ["numpy", "torch"])
 
 
 @STORAGES
 @DTYPES
-def test_lfm2_equals_transformers_through_the_hybrid_memory(checkpoint, dtype, storage, tmp_path):
+def test_lfm2_equals_transformers_through_the_hybrid_memory(checkpoint, hf_logits, dtype, storage, tmp_path):
     """The scenarios of tests/hybrid_scenarios.py; torch storage is the index path (no host access)."""
-    directory, hf_model = checkpoint
+    directory, _ = checkpoint
     model = load_hf(directory, dtype=dtype)
     assert isinstance(model, Lfm2Model)
-    recorder = Recorder(lambda tokens: reference(hf_model, list(tokens)))
+    recorder = Recorder(hf_logits)
     run_scenarios(model, recorder, storage=torch_storage() if storage == "torch" else "numpy",
                   store_path=tmp_path / "store")
     assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache",

@@ -17,7 +17,7 @@ from recurrent_cache.errors import ModelError
 from recurrent_cache.models import NemotronHModel, load_hf, random_nemotron_h_model
 from recurrent_cache.storage import TorchStorage
 
-from hybrid_scenarios import Recorder, host, run_scenarios
+from hybrid_scenarios import Recorder, host, run_scenarios, shared
 
 torch = pytest.importorskip("torch", reason="the reference is transformers' NemotronHForCausalLM (needs torch)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' NemotronHForCausalLM")
@@ -59,6 +59,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(directory)
 
 
+@shared
 def reference_of(directory: Path, dtype: Any) -> Callable[[Any], np.ndarray]:
     model = transformers.NemotronHForCausalLM.from_pretrained(directory, dtype=TORCH_DTYPES[dtype],
                                                               experts_implementation="eager").eval()

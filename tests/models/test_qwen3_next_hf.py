@@ -24,7 +24,7 @@ import recurrent_cache as rc
 from recurrent_cache.errors import ModelError
 from recurrent_cache.models import Qwen3NextModel, load_hf
 
-from hybrid_scenarios import Recorder, run_scenarios
+from hybrid_scenarios import Recorder, memoised, run_scenarios
 
 torch = pytest.importorskip("torch", reason="the transformers comparison needs torch (CPU)")
 transformers = pytest.importorskip("transformers", reason="the comparison is against transformers' Qwen3-Next")
@@ -87,16 +87,24 @@ def assert_close(ours, theirs):
 DTYPES = {"f64": (np.float64, torch.float64), "f32": (np.float32, torch.float32)}
 
 
+@pytest.fixture(scope="module")
+def hf_logits(checkpoint):
+    """transformers' logits of each token sequence per dtype, computed once for both storages' tests."""
+    _, module = checkpoint
+    return {name: memoised(lambda tokens, torch_dtype=torch_dtype: reference(module, list(tokens), torch_dtype))
+            for name, (_, torch_dtype) in DTYPES.items()}
+
+
 @pytest.mark.parametrize("storage", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_qwen3_next_equals_transformers_through_the_hybrid_memory(checkpoint, storage, dtype, tmp_path):
+def test_qwen3_next_equals_transformers_through_the_hybrid_memory(checkpoint, hf_logits, storage, dtype, tmp_path):
     """The scenarios of tests/hybrid_scenarios.py, against transformers in the same dtype."""
-    directory, module = checkpoint
-    np_dtype, torch_dtype = DTYPES[dtype]
+    directory, _ = checkpoint
+    np_dtype, _ = DTYPES[dtype]
     model = load_hf(directory, dtype=np_dtype)
     assert isinstance(model, Qwen3NextModel)
     assert model.hparams.attn_layers == (1, 3) and model.hparams.moe_layers == (0, 1, 3)
-    recorder = Recorder(lambda tokens: reference(module, list(tokens), torch_dtype))
+    recorder = Recorder(hf_logits[dtype])
     run_scenarios(model, recorder, storage=storage, store_path=tmp_path / "store")
     assert set(recorder.worst) == {"prompt", "decode", "fork", "state bytes", "rollback", "prefix cache",
                                    "prefix from a store"}
