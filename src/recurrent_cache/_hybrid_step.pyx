@@ -42,6 +42,7 @@ cdef extern from *:
 
 
 @cython.final
+@cython.auto_pickle(False)   # a guard of one memory in one process: nothing to pickle
 cdef class StepGuard:
     """One thread at a time inside a hybrid memory, as ``memory_state.ThreadGuard`` (``enter()`` raises
     ``UsageError`` instead of waiting while another thread is inside), taken with one atomic exchange:

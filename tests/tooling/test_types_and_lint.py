@@ -62,7 +62,7 @@ def test_stubs_of_the_compiled_modules_match_them():
     result = run("mypy.stubtest", "--allowlist", str(ROOT / "tests" / "stubtest_allowlist.txt"),
                  "recurrent_cache._cells", "recurrent_cache._core", "recurrent_cache._placement",
                  "recurrent_cache._state_io", "recurrent_cache._capi", "recurrent_cache._kv_cells",
-                 "recurrent_cache._hybrid_step", "recurrent_cache.models._scan")
+                 "recurrent_cache._hybrid_step", "recurrent_cache._hybrid_rule", "recurrent_cache.models._scan")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
