@@ -227,9 +227,13 @@ def test_a_recurrent_context_has_no_kv_half():
         assert T.ctx_free(ctx) == 0
 
 
-def test_a_context_needs_the_compiled_engine_and_host_memory():
+def test_a_context_needs_the_compiled_engine():
     with pytest.raises(errors.ArgumentError, match="compiled engine"):
         T.ctx_new(small_hybrid(engine="reference"))
+
+
+@pytest.mark.needs_torch
+def test_a_context_needs_host_memory():
     torch = pytest.importorskip("torch", reason="the index path's storage is torch's")
     assert torch
     with pytest.raises(errors.ConfigError, match="host memory"):

@@ -279,6 +279,7 @@ def torch_cache(path: str) -> tuple[HybridCache, Histories]:
     return cache, histories
 
 
+@pytest.mark.needs_torch
 @pytest.mark.parametrize("which", ["k", "v", "r"])
 @pytest.mark.parametrize("flavour", ["sparse", "meta", "requires_grad", "inference", "non-contiguous"])
 def test_seq_restore_of_torch_kv_rows_of_every_flavour_is_checked_alike_on_both_paths(flavour, which):
@@ -369,6 +370,7 @@ def test_seq_restore_takes_repeated_positions_as_seq_div_leaves_them():
     assert np.array_equal(restored.k, state.k) and np.array_equal(restored.v, state.v)
 
 
+@pytest.mark.needs_torch
 @pytest.mark.parametrize("path", PATHS)
 def test_a_memory_made_inside_inference_mode_serves_outside_it_and_inside(path):
     torch = pytest.importorskip("torch", reason="inference mode is torch's")

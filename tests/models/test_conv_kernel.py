@@ -109,6 +109,7 @@ def test_wrong_shapes_are_refused_before_anything_is_written(bad):
         np.testing.assert_array_equal(args[name], before)
 
 
+@pytest.mark.needs_torch
 def test_torch_cpu_tensors_run_the_kernel_and_stay_tensors():
     torch = pytest.importorskip("torch")
     state, x, weight, bias = inputs(np.float32, n_tokens=2)
