@@ -96,13 +96,12 @@ def causal_conv(xp: Any, window: Array, weight: Array, bias: Array | float, n_to
                 activation: bool = True) -> Array:
     """``silu(depthwise conv + bias)`` (``activation`` false: without the silu) over ``window`` (from
     ``conv_window``): [n, T, channels]."""
-    if n_tokens == 1:   # decoding: the window is the one token's, a dot product per channel (one op, not 2*d_conv)
-        summed = xp.vecdot(window, weight)[:, None, :] + bias
-    else:
-        summed = window[:, :, 0:n_tokens] * weight[:, 0, None]
-        for k in range(1, weight.shape[1]):
-            summed = summed + window[:, :, k:k + n_tokens] * weight[:, k, None]
-        summed = xp.permute_dims(summed, (0, 2, 1)) + bias
+    # The taps summed in order for any number of tokens: a token's sum is then the same whatever its ubatch
+    # (a dot product for one token, vecdot, sums in the order of its BLAS kernel: its bits differ by CPU)
+    summed = window[:, :, 0:n_tokens] * weight[:, 0, None]
+    for k in range(1, weight.shape[1]):
+        summed = summed + window[:, :, k:k + n_tokens] * weight[:, k, None]
+    summed = xp.permute_dims(summed, (0, 2, 1)) + bias
     return silu(xp, summed) if activation else summed
 
 
