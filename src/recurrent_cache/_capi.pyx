@@ -31,7 +31,8 @@ from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
 from ._core cimport (Core, MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add,
                      core_seq_cp, core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row,
                      core_steps, shares_rows, blob_source)
-from ._kv_cells cimport KVCells, kv_apply, kv_check_tokens, kv_clear, kv_padded_n_kv, kv_prepare, kv_reset_shift
+from ._kv_cells cimport KVCells
+from ._kv_ops cimport kv_apply, kv_check_tokens, kv_clear, kv_padded_n_kv, kv_prepare, kv_reset_shift
 from ._kv_mask cimport kv_mask
 from ._hybrid_rule cimport (RuleDetail, rule_error, rule_rollback_min, rule_seq_add, rule_seq_cp,
                             rule_seq_div, rule_seq_keep, rule_seq_pos, rule_seq_rm)
