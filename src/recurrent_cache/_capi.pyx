@@ -1,9 +1,9 @@
 # cython: language_level=3
 """The C API: a memory context over a compiled ``RecurrentCache`` or ``HybridCache``, for C, C++ and Cython.
 
-A hybrid's context adds the KV half (``_kv_cells``' table, the K / V storage): its batches are
-placed in both halves, its sequence operations are ``_hybrid_rule``'s (the compiled rule, shared
-with ``HybridCache``'s facade), its state bytes the facade's (with the GIL).
+A hybrid's context adds the KV half (the KV cell table, the K / V storage; ``_capi_hybrid``): its
+batches are placed in both halves, its sequence operations are ``_hybrid_rule``'s (the compiled rule,
+shared with ``HybridCache``'s facade), its state bytes the facade's (with the GIL).
 
 A context (``rc_ctx``) points at the cache's memory core (``_core``); a batch
 (``rc_batch``) is one ``init_batch``: validated and split (``_split``), proved to fit
@@ -16,32 +16,42 @@ call but ``rc_ctx_new`` / ``rc_ctx_free`` is ``noexcept nogil`` and returns a co
 and ``rc_error_message`` formats it through that table (taking the GIL for it), so C
 users read the Python API's messages.
 
-Published twice: as cdef functions for ``cimport recurrent_cache.capi`` and as the
-``rc_capi`` table of the capsule ``_C_API`` for ``recurrent_cache/capi.h``.
+Published twice: as cdef functions for ``cimport recurrent_cache.capi`` (this module's and
+``_capi_hybrid``'s) and as the one ``rc_capi`` table of the capsule ``_C_API`` for
+``recurrent_cache/capi.h``.  The types (capi.h's, ``CtxData``, ``BatchData``, ``Context``) are
+declared once, in ``_capi_types.pxd``.
 """
 
-cimport cython
 from cpython.pycapsule cimport PyCapsule_New
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
-from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport INT32_MAX, int8_t, int32_t, int64_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
+from ._capi_types cimport (RC_BATCH_EMBD_POOLED, RC_BATCH_LOGITS_ALL, RC_CAPI_ABI_VERSION, RC_CAPI_API_VERSION,
+                           RC_CAPI_CAPSULE_NAME, RC_ERR_ARGUMENT, RC_ERR_BLOB_FIRST, RC_ERR_BLOB_LAST,
+                           RC_ERR_FILTERED_LAYER, RC_ERR_FLAGS, RC_ERR_N_TOKENS, RC_ERR_N_UBATCH, RC_ERR_NO_MEMORY,
+                           RC_ERR_NULL, RC_ERR_OFFSETS, RC_ERR_OPEN_BATCHES, RC_ERR_OVERLAP, RC_ERR_PYTHON,
+                           RC_ERR_STALE, RC_ERR_STATE_SEQ, RC_ERR_TARGET_SIZE, RC_ERR_TENSOR_INDEX, RC_OK, BatchData,
+                           Context, CtxData, Detail, rc_capi, record)
+from ._capi_hybrid cimport (attach_kv, batch_kv_prepare, hybrid_clear, hybrid_seq_pos, hybrid_state_read,
+                            hybrid_state_size, hybrid_state_write, kv_failure, rc_attn_layer, rc_batch_kv_cells,
+                            rc_batch_kv_mask, rc_kv_has_shift, rc_kv_reset_shift, rc_kv_shifts, rc_kv_size,
+                            rc_kv_tensor, rc_kv_used, rc_n_attn, rule_failure)
 from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
-from ._core cimport (Core, MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add,
-                     core_seq_cp, core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row,
-                     core_steps, shares_rows, blob_source)
-from ._kv_cells cimport KVCells, kv_apply, kv_check_tokens, kv_clear, kv_padded_n_kv, kv_prepare, kv_reset_shift
-from ._kv_mask cimport kv_mask
-from ._hybrid_rule cimport (RuleDetail, rule_error, rule_rollback_min, rule_seq_add, rule_seq_cp,
-                            rule_seq_div, rule_seq_keep, rule_seq_pos, rule_seq_rm)
-from ._kv_table cimport KV_NO_MEMORY, KV_NO_SLOT, KV_OK, KvTable
-from ._split cimport (Split, SplitDetail, split_batch, split_prepare, split_release, split_token_arrays,
-                      split_token_entries)
+from ._core cimport (MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add, core_seq_cp,
+                     core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row, core_steps,
+                     shares_rows, blob_source)
+from ._hybrid_rule cimport (RuleDetail, rule_error, rule_rollback_min, rule_seq_add, rule_seq_cp, rule_seq_div,
+                            rule_seq_keep, rule_seq_rm)
+from ._kv_ops cimport kv_apply, kv_padded_n_kv
+from ._kv_table cimport KV_OK
+from ._split cimport Split, SplitDetail, split_batch, split_prepare, split_release
 from ._state_io cimport (BLOB_ERR_TRUNCATED, BlobDefect, BlobPieces, BlobSource, blob_compose, blob_copy,
                          blob_release, blob_size)
 
 from . import errors
+
 
 cdef extern from "Python.h":
     int Py_IsInitialized() nogil
@@ -49,71 +59,6 @@ cdef extern from "Python.h":
 
 cdef extern from "<stdio.h>":
     int snprintf(char* buffer, size_t capacity, const char* fmt, ...) nogil
-
-
-cdef struct Detail:                 # what the last failure of a context was about
-    int code
-    const char* what                # the call (a static string)
-    bint by_rule                    # a hybrid's refusal: worded by _hybrid_rule.rule_error from rule
-    RuleDetail rule
-    int64_t token, seq, pos, prev, n, index, need
-    int64_t size                    # the range's bound when it is not the cell count (0: the cell count)
-    BlobDefect blob                 # for a state blob's codes
-    Py_ssize_t blob_length
-
-
-cdef struct CtxData:                # what an rc_ctx* points to (inside its Context object)
-    PyObject* owner                 # the Context; each rc_ctx_new handle holds a reference
-    Core* core                      # the cache's memory core (cells, rows, history, change counter)
-    Py_ssize_t open_batches
-    Detail detail
-    # a HybridCache's KV half (hybrid false: the context of a RecurrentCache)
-    bint hybrid
-    KvTable* kv                     # its cell table (the KVCells the Context holds)
-    int32_t n_attn
-    const int32_t* attn_layers      # [n_attn] the model layer of each attention layer
-    char* k_data                    # K [n_attn, kv_size, n_embd_k]
-    char* v_data                    # V [n_attn, n_embd_v, kv_size] with v_trans, else [n_attn, kv_size, n_embd_v]
-    Py_ssize_t k_layer_bytes        # one attention layer's K / V tensor
-    Py_ssize_t v_layer_bytes
-    Py_ssize_t k_row_bytes          # K: one cell's row; V: one cell's row, or with v_trans one dimension's run
-    Py_ssize_t v_row_bytes
-    bint v_trans
-    int32_t kv_pad
-
-
-cdef struct BatchData:              # what an rc_batch* points to
-    CtxData* ctx
-    Split split
-    int32_t* seq_ids                # [n_entries] the caller's seq ids, copied (the split refers to them)
-    int32_t* offsets                # [n_tokens + 1]
-    int32_t next_ubatch
-    int32_t outputs_before          # output rows of the ubatches applied so far
-    uint64_t generation             # the core's generation this batch is valid on
-    int32_t steps_n_seqs            # the last applied ubatch, for rc_batch_step_row: its groups
-    int32_t steps_m                 # and step states per group
-    # a hybrid's KV half: every ubatch's tokens as the KV table takes them, and the cells found for them
-    int32_t* kv_block               # one allocation (NULL: a RecurrentCache's batch)
-    int32_t* kv_bounds              # [n_ubatches + 1] ubatch u's tokens are [kv_bounds[u], kv_bounds[u + 1])
-    int32_t* kv_pos                 # [n_tokens] ubatch order
-    int32_t* kv_offsets             # [n_tokens + 1] token t's seq ids: kv_flat[kv_offsets[t]:kv_offsets[t + 1]]
-    int32_t* kv_slots               # [n_tokens] each token's cell
-    int32_t* kv_flat
-    int32_t applied                 # the last applied ubatch (-1: none yet)
-    int32_t n_kv                    # the cells it attends to: [0, n_kv)
-
-
-@cython.final
-cdef class Context:
-    """The owner of one cache's ``CtxData``: keeps the cache and its memory core alive."""
-
-    cdef CtxData data
-    cdef Py_ssize_t handles         # rc_ctx_new calls not matched by rc_ctx_free yet
-    cdef MemoryCore core
-    cdef object cache
-    cdef object kv                  # a hybrid's KVCells, its K / V host views and attention layer ids
-    cdef object kv_views
-    cdef object python_error        # the message of the last exception a hybrid's state call caught
 
 
 # id(cache) -> its Context while C handles exist: every handle of one cache shares one
@@ -148,30 +93,6 @@ cdef Context context_for(object cache):
     return context
 
 
-cdef attach_kv(Context context, object cache, object kv_table):
-    """The context's KV half: the table, and the K / V tensors' host memory (kept alive by the context)."""
-    import numpy as np
-    if not isinstance(kv_table, KVCells):   # (the reference engine is refused above, by its memory core)
-        raise errors.ArgumentError(f"the C API needs the compiled engine's KV table, got {type(kv_table).__name__}")
-    cdef CtxData* d = &context.data
-    k, v = (cache.storage.host_view(tensor) for tensor in cache.kv_tensors)
-    layers = np.ascontiguousarray(cache.attn_layers, dtype=np.int32)
-    context.kv = kv_table
-    context.kv_views = (k, v, layers)
-    d.hybrid = True
-    d.kv = &(<KVCells>kv_table).t
-    d.n_attn = <int32_t>layers.shape[0]
-    d.attn_layers = <const int32_t*><uintptr_t>layers.ctypes.data
-    d.k_data = <char*><uintptr_t>k.ctypes.data
-    d.v_data = <char*><uintptr_t>v.ctypes.data
-    d.k_layer_bytes = k.nbytes // max(1, d.n_attn)
-    d.v_layer_bytes = v.nbytes // max(1, d.n_attn)
-    d.k_row_bytes = k.strides[1]
-    d.v_row_bytes = v.strides[1]
-    d.v_trans = bool(cache.v_trans)
-    d.kv_pad = cache.kv_pad
-
-
 cdef rc_ctx* rc_ctx_new(PyObject* cache) except NULL:
     if cache == NULL:
         raise TypeError("rc_ctx_new takes a recurrent_cache.RecurrentCache, got NULL")
@@ -195,14 +116,6 @@ cdef int rc_ctx_free(rc_ctx* ctx) noexcept:
         _contexts.pop(id(context.cache), None)
     Py_DECREF(context)
     return RC_OK
-
-
-cdef inline int record(CtxData* ctx, int code, const char* what) noexcept nogil:
-    """Keep code's detail in the context for rc_error_message; returns code."""
-    memset(&ctx.detail, 0, sizeof(Detail))
-    ctx.detail.code = code
-    ctx.detail.what = what
-    return code
 
 
 # -- messages ------------------------------------------------------------------------
@@ -488,6 +401,10 @@ cdef inline int seq_code(CtxData* c, int code, const char* what, int32_t seq) no
     return code
 
 
+cdef inline int hybrid_code(CtxData* c, int code, const RuleDetail* rule) noexcept nogil:
+    return code if code >= RC_OK else rule_failure(c, code, rule)
+
+
 cdef int rc_seq_rm(rc_ctx* ctx, int32_t seq, int32_t p0, int32_t p1) noexcept nogil:
     """1 when seq's positions [p0, p1) are gone (or it had none there, or it was rolled back to
     the state after p0 - 1: docs/rollback.md), 0 when refused."""
@@ -707,300 +624,12 @@ cdef int rc_batch_step_row(const rc_batch* batch, int32_t tensor, int32_t group,
     return RC_OK
 
 
-# -- a HybridCache's context (API version 3; docs/c-api.md, "Hybrid memories") ----------------
-# The sequence operations are HybridCache's, from _hybrid_rule (the one copy of its both-halves rule
-# for the compiled engine, which HybridCache's facade calls too).
-
-cdef int rule_failure(CtxData* c, int code, const RuleDetail* rule) noexcept nogil:
-    """Record a hybrid's refusal: rc_error_message words it as the Python API's exception."""
-    record(c, code, rule.what)
-    c.detail.by_rule = True
-    c.detail.rule = rule[0]
-    return code
-
-
-cdef int kv_failure(CtxData* c, int kv_code, int64_t a, int64_t b, const char* what) noexcept nogil:
-    """Record a KV table's refusal (its message is the Python API's: ``kv_reference.kv_error``)."""
-    cdef RuleDetail rule
-    if kv_code == KV_NO_MEMORY:
-        return record(c, RC_ERR_NO_MEMORY, what)
-    memset(&rule, 0, sizeof(RuleDetail))
-    rule.code, rule.what, rule.n, rule.index, rule.need = RC_ERR_KV, what, kv_code, a, b
-    return rule_failure(c, RC_ERR_KV, &rule)
-
-
-cdef int batch_kv_prepare(CtxData* c, BatchData* b, const int32_t* pos) noexcept nogil:
-    """A hybrid batch's KV half (``HybridCache.init_batch``): every ubatch's tokens from the split, then
-    their cells, found with the ubatches before placed and the table left as it was."""
-    cdef Split* s = &b.split
-    cdef int64_t entries = split_token_entries(s), a = 0, bb = 0
-    cdef int32_t u, n_tokens = s.n_tokens
-    cdef int code
-    if entries >= INT32_MAX:
-        return record(c, RC_ERR_NO_MEMORY, "rc_batch_init")
-    b.kv_block = <int32_t*>malloc(<size_t>(s.n_ubatches + 1 + 3 * <int64_t>n_tokens + 1 + entries) * sizeof(int32_t))
-    if b.kv_block == NULL:
-        return record(c, RC_ERR_NO_MEMORY, "rc_batch_init")
-    b.kv_bounds = b.kv_block
-    b.kv_pos = b.kv_bounds + s.n_ubatches + 1
-    b.kv_offsets = b.kv_pos + n_tokens
-    b.kv_slots = b.kv_offsets + n_tokens + 1
-    b.kv_flat = b.kv_slots + n_tokens
-    split_token_arrays(s, pos, b.seq_ids, b.kv_bounds, b.kv_pos, b.kv_offsets, b.kv_flat)
-    if c.n_attn == 0:   # (a model without attention layers: its table is never touched)
-        return RC_OK
-    for u in range(s.n_ubatches):
-        code = kv_check_tokens(c.kv, b.kv_bounds[u + 1] - b.kv_bounds[u], b.kv_pos + b.kv_bounds[u], b.kv_flat,
-                               b.kv_offsets + b.kv_bounds[u], &a, &bb)
-        if code != KV_OK:
-            return kv_failure(c, code, a, bb, "rc_batch_init")
-    code = kv_prepare(c.kv, s.n_ubatches, b.kv_bounds, b.kv_pos, b.kv_flat, b.kv_offsets, b.kv_slots, &a, &bb)
-    if code == KV_NO_SLOT:
-        record(c, RC_ERR_KV_NO_SLOT, "rc_batch_init")
-        c.detail.n = c.kv.used
-        c.detail.size = c.kv.size
-        return RC_ERR_KV_NO_SLOT
-    if code != KV_OK:
-        return kv_failure(c, code, a, bb, "rc_batch_init")
-    return RC_OK
-
-
-cdef inline CtxData* hybrid_of(const rc_ctx* ctx, const char* what, int* code) noexcept nogil:
-    """ctx as a hybrid's context, or NULL with *code set (RC_ERR_NULL, RC_ERR_NOT_HYBRID recorded)."""
-    cdef CtxData* c = <CtxData*>ctx
-    if c == NULL:
-        code[0] = RC_ERR_NULL
-        return NULL
-    if not c.hybrid:
-        code[0] = record(c, RC_ERR_NOT_HYBRID, what)
-        return NULL
-    return c
-
-
-cdef int32_t rc_n_attn(const rc_ctx* ctx) noexcept nogil:
-    """The attention layers (0 for a RecurrentCache's context); RC_ERR_NULL for NULL."""
-    return RC_ERR_NULL if ctx == NULL else (<const CtxData*>ctx).n_attn
-
-
-cdef int32_t rc_attn_layer(const rc_ctx* ctx, int32_t attn_index) noexcept nogil:
-    """The model layer of attention layer ``attn_index`` (ascending), or RC_ERR_TENSOR_INDEX."""
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_attn_layer", &code)
-    if c == NULL:
-        return code
-    if not 0 <= attn_index < c.n_attn:
-        record(c, RC_ERR_TENSOR_INDEX, "rc_attn_layer")
-        c.detail.index = attn_index
-        c.detail.size = c.n_attn
-        return RC_ERR_TENSOR_INDEX
-    return c.attn_layers[attn_index]
-
-
-cdef int32_t rc_kv_size(const rc_ctx* ctx) noexcept nogil:
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_kv_size", &code)
-    return code if c == NULL else c.kv.size
-
-
-cdef int32_t rc_kv_used(const rc_ctx* ctx) noexcept nogil:
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_kv_used", &code)
-    return code if c == NULL else c.kv.used
-
-
-cdef int rc_kv_tensor(const rc_ctx* ctx, int32_t attn_index, int32_t which, void** data, int32_t* n_rows,
-                      size_t* row_bytes, int* v_trans) noexcept nogil:
-    """Attention layer ``attn_index``'s K (which 0) or V (1) storage, ``*n_rows`` rows of row_bytes: K
-    one row per cell; V too, or with ``*v_trans`` one row (kv_size elements) per dimension."""
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_kv_tensor", &code)
-    if c == NULL:
-        return code
-    if data == NULL or n_rows == NULL or row_bytes == NULL or v_trans == NULL:
-        return record(c, RC_ERR_NULL, "rc_kv_tensor")
-    if not 0 <= attn_index < c.n_attn:
-        record(c, RC_ERR_TENSOR_INDEX, "rc_kv_tensor")
-        c.detail.index = attn_index
-        c.detail.size = c.n_attn
-        return RC_ERR_TENSOR_INDEX
-    if which != 0 and which != 1:
-        return record(c, RC_ERR_ARGUMENT, "rc_kv_tensor")
-    if which == 0:
-        data[0] = c.k_data + attn_index * c.k_layer_bytes
-        row_bytes[0] = <size_t>c.k_row_bytes
-        v_trans[0] = 0
-        n_rows[0] = c.kv.size
-    else:
-        data[0] = c.v_data + attn_index * c.v_layer_bytes
-        row_bytes[0] = <size_t>c.v_row_bytes
-        v_trans[0] = c.v_trans
-        n_rows[0] = <int32_t>(c.v_layer_bytes // c.v_row_bytes)
-    return RC_OK
-
-
-cdef int32_t rc_kv_has_shift(const rc_ctx* ctx) noexcept nogil:
-    """1 when seq_add / seq_div moved a KV cell since rc_kv_reset_shift (the keys need rotating), else 0."""
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_kv_has_shift", &code)
-    return code if c == NULL else (1 if c.kv.has_shift else 0)
-
-
-cdef int rc_kv_shifts(const rc_ctx* ctx, const int32_t** shifts) noexcept nogil:
-    """``*shifts``: [kv_size] how far each cell's position moved since its key was last rotated (the
-    table's own array: valid until the next call that changes the cache)."""
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_kv_shifts", &code)
-    if c == NULL:
-        return code
-    if shifts == NULL:
-        return record(c, RC_ERR_NULL, "rc_kv_shifts")
-    shifts[0] = c.kv.shift
-    return RC_OK
-
-
-cdef int rc_kv_reset_shift(rc_ctx* ctx) noexcept nogil:
-    """The model rotated the keys by the shifts: none is pending any more."""
-    cdef int code = RC_OK
-    cdef CtxData* c = hybrid_of(ctx, "rc_kv_reset_shift", &code)
-    if c == NULL:
-        return code
-    kv_reset_shift(c.kv)
-    return RC_OK
-
-
-cdef inline const BatchData* applied_batch(const rc_batch* batch, const char* what, int* code) noexcept nogil:
-    """batch when its last ubatch is applied and nothing changed since, else NULL with *code set."""
-    cdef const BatchData* b = <const BatchData*>batch
-    if b == NULL:
-        code[0] = RC_ERR_NULL
-    elif b.kv_block == NULL:
-        code[0] = record(b.ctx, RC_ERR_NOT_HYBRID, what)
-    elif b.applied < 0:
-        code[0] = record(b.ctx, RC_ERR_NOT_APPLIED, what)
-    elif b.generation != b.ctx.core.generation:
-        code[0] = record(b.ctx, RC_ERR_STALE, what)
-    else:
-        return b
-    return NULL
-
-
-cdef int rc_batch_kv_cells(const rc_batch* batch, const int32_t** cells, int32_t* n_kv) noexcept nogil:
-    """The applied ubatch's KV cells: ``*cells`` [n_tokens] the cell of each token (ubatch order: where
-    the model writes its K and V rows; NULL without attention layers), ``*n_kv`` the cells to attend
-    to, [0, n_kv)."""
-    cdef int code = RC_OK
-    cdef const BatchData* b = applied_batch(batch, "rc_batch_kv_cells", &code)
-    if b == NULL:
-        return code
-    if cells == NULL or n_kv == NULL:
-        return record(b.ctx, RC_ERR_NULL, "rc_batch_kv_cells")
-    cells[0] = b.kv_slots + b.kv_bounds[b.applied] if b.ctx.n_attn > 0 else NULL
-    n_kv[0] = b.n_kv
-    return RC_OK
-
-
-cdef int rc_batch_kv_mask(const rc_batch* batch, int32_t kind, float* out, size_t capacity) noexcept nogil:
-    """The applied ubatch's mask into out, [n_tokens][n_kv] floats: 0 where the token may attend to the
-    cell, -INFINITY elsewhere (HybridState.kv_mask); kind RC_MASK_SLIDING applies the sliding window."""
-    cdef int code = RC_OK
-    cdef const BatchData* b = applied_batch(batch, "rc_batch_kv_mask", &code)
-    if b == NULL:
-        return code
-    cdef CtxData* c = b.ctx
-    cdef int32_t t0 = b.kv_bounds[b.applied], n = b.kv_bounds[b.applied + 1] - t0
-    if out == NULL:
-        return record(c, RC_ERR_NULL, "rc_batch_kv_mask")
-    if kind != RC_MASK_FULL and kind != RC_MASK_SLIDING:
-        return record(c, RC_ERR_ARGUMENT, "rc_batch_kv_mask")
-    if capacity < <size_t>n * <size_t>b.n_kv:
-        record(c, RC_ERR_MASK_SIZE, "rc_batch_kv_mask")
-        c.detail.n = <int64_t>capacity
-        c.detail.need = <int64_t>n * b.n_kv
-        return RC_ERR_MASK_SIZE
-    code = kv_mask(c.kv, n, b.kv_pos + t0, b.kv_flat, b.kv_offsets + t0, out, b.n_kv, kind == RC_MASK_SLIDING)
-    return RC_OK if code == KV_OK else kv_failure(c, code, 0, 0, "rc_batch_kv_mask")
-
-
-# the sequence API over both halves (rc_seq_* on a hybrid's context): _hybrid_rule's
-
-cdef inline int hybrid_code(CtxData* c, int code, const RuleDetail* rule) noexcept nogil:
-    return code if code >= RC_OK else rule_failure(c, code, rule)
-
-
-cdef int32_t hybrid_seq_pos(const CtxData* c, int32_t seq, bint last) noexcept nogil:
-    """rule_seq_pos; a seq id out of range is -1 (no position), its refusal recorded."""
-    cdef RuleDetail rule
-    cdef int32_t pos = rule_seq_pos(c.core, c.kv, c.n_attn > 0, seq, last, &rule)
-    if not 0 <= seq < c.kv.n_seq_max:
-        rule_failure(<CtxData*>c, pos, &rule)
-    return pos
-
-
-cdef void hybrid_clear(CtxData* c) noexcept nogil:
-    kv_clear(c.kv)
-    memset(c.k_data, 0, <size_t>(c.n_attn * c.k_layer_bytes))
-    memset(c.v_data, 0, <size_t>(c.n_attn * c.v_layer_bytes))
-    core_clear(c.core)
-
-
-# a hybrid's state bytes: the Python facade's own composer and reader, with the GIL
-
-cdef inline bint shares_kv(const CtxData* c, const void* p, size_t n) noexcept nogil:
-    """Whether bytes [p, p + n) overlap the K or V storage."""
-    cdef const char* q = <const char*>p
-    return ((q < c.k_data + c.n_attn * c.k_layer_bytes and c.k_data < q + n)
-            or (q < c.v_data + c.n_attn * c.v_layer_bytes and c.v_data < q + n))
-
-
-cdef int python_failure(CtxData* c, const char* what) noexcept:
-    """The exception being handled, kept as the message of RC_ERR_PYTHON (called with the GIL, in except)."""
-    import sys
-    (<Context>c.owner).python_error = str(sys.exc_info()[1])
-    return record(c, RC_ERR_PYTHON, what)
-
-
-cdef int hybrid_state_size(CtxData* c, int32_t seq_id, size_t* size) noexcept with gil:
-    try:
-        size[0] = <size_t>(<Context>c.owner).cache.state_size(seq_id)
-    except BaseException:
-        return python_failure(c, "rc_state_size")
-    return RC_OK
-
-
-cdef int hybrid_state_write(CtxData* c, int32_t seq_id, void* target, size_t capacity,
-                            size_t* written) noexcept with gil:
-    cdef bytes data
-    try:
-        data = (<Context>c.owner).cache.state_write(seq_id)
-    except BaseException:
-        return python_failure(c, "rc_state_write")
-    if <size_t>len(data) > capacity:
-        record(c, RC_ERR_TARGET_SIZE, "rc_state_write")
-        c.detail.n = <int64_t>capacity
-        c.detail.need = len(data)
-        return RC_ERR_TARGET_SIZE
-    if shares_rows(c.core, target, <size_t>len(data)) or shares_kv(c, target, <size_t>len(data)):
-        return record(c, RC_ERR_OVERLAP, "rc_state_write")
-    memcpy(target, <const char*>data, <size_t>len(data))
-    written[0] = <size_t>len(data)
-    return RC_OK
-
-
-cdef int hybrid_state_read(CtxData* c, int32_t seq_id, const void* data, size_t length) noexcept with gil:
-    if shares_rows(c.core, data, length) or shares_kv(c, data, length):
-        return record(c, RC_ERR_OVERLAP, "rc_state_read")
-    try:
-        (<Context>c.owner).cache.state_read((<const char*>data)[:length] if length else b"", seq_id)
-    except BaseException:
-        return python_failure(c, "rc_state_read")
-    return RC_OK
-
-
 # -- the table in the capsule -----------------------------------------------------------
 # Adding an entry (e.g. rollback): append its pointer at the END of rc_capi in capi.h, bump
-# RC_CAPI_API_VERSION there, mirror the field in _capi.pxd, set it below, declare the function
-# in _capi.pxd / capi.pxd, and add it to tests/capi_table.py's Table.  Never reorder or change
-# an existing entry: that would need RC_CAPI_ABI_VERSION bumped and every extension rebuilt.
+# RC_CAPI_API_VERSION there, mirror the field in _capi_types.pxd, set it below, declare the function
+# in _capi.pxd (a hybrid's: _capi_hybrid.pxd) / capi.pxd, and add it to tests/capi_table.py's Table.
+# Never reorder or change an existing entry: that would need RC_CAPI_ABI_VERSION bumped and every
+# extension rebuilt.
 
 cdef rc_capi TABLE
 TABLE.abi_version = RC_CAPI_ABI_VERSION

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """C-level API of the KV table's journal (docs/hybrid.md, "Preparing and loading").
 
-While ``t.journal.on``, the cell primitives of ``_kv_cells`` call ``kj_touch``
+While ``t.journal.on``, the cell primitives of ``_kv_ops`` call ``kj_touch``
 before they change a cell, so the journal holds each changed cell's state from
 before, once; ``kj_undo`` puts those cells back and ``kj_commit`` forgets them,
 both in O(cells saved).  ``kj_reserve`` makes room first: ``kj_save`` cannot

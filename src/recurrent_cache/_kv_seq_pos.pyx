@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The per-sequence positions of the KV cell table: a treap of (position, cell) pairs per sequence.
 
-``_kv_cells`` keeps one ``SeqPositions`` beside its cells and reaches a
+``_kv_ops`` keeps one ``SeqPositions`` beside its cells and reaches a
 sequence's cells through it in O(log n) per cell instead of scanning the table
 (the structure and its costs: ``_kv_seq_pos.pxd``).
 """

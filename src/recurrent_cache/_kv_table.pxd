@@ -1,9 +1,9 @@
 # cython: language_level=3
 """The KV cell table's C types: its failure codes, sliding-window kinds, and the table with its journal.
 
-Declarations only (no module behind them): ``_kv_cells`` works on a ``KvTable``
-and the modules under it (``_kv_journal``, ``_kv_mask``) read and restore one,
-so the types live here, below all three.
+Declarations only (no module behind them): ``_kv_ops`` works on a ``KvTable``
+(``_kv_cells.KVCells`` holds one) and the modules under it (``_kv_journal``, ``_kv_mask``) read
+and restore one, so the types live here, below them all.
 """
 
 from libc.stdint cimport int32_t, uint8_t, uint64_t
