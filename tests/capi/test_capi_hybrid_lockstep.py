@@ -66,6 +66,8 @@ def run_step(op: tuple, in_c: CHybrid, python: Any, draw: Any) -> None:
                 tokens.append(token0 + len(tokens))
                 seq_ids.append(seq)
                 pos.append(first + k)
+        if max(pos) >= 2**31:   # a C caller's int32 array cannot hold it (the Python API's refusal: tests/core)
+            return
         got = in_c.decode(tokens, seq_ids, pos, n_ubatch)
         expected = python_decode(python, tokens, seq_ids, pos, n_ubatch)
         assert same_decode(got, expected), (got, expected)
