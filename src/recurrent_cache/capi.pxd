@@ -40,6 +40,7 @@ from recurrent_cache._capi cimport (RC_BATCH_EMBD_POOLED, RC_BATCH_LOGITS_ALL, R
                                     rc_ubatch, rc_used,
                                     # API version 3: a HybridCache's context
                                     RC_ERR_CP_RANGE, RC_ERR_KV, RC_ERR_KV_NO_SLOT, RC_ERR_MASK_SIZE,
+                                    RC_ERR_MOVE_RANGE,
                                     RC_ERR_NOT_APPLIED, RC_ERR_NOT_HYBRID, RC_ERR_PYTHON, RC_ERR_SEQ_HOLDS,
                                     RC_MASK_FULL, RC_MASK_SLIDING, rc_attn_layer, rc_batch_kv_cells,
                                     rc_batch_kv_mask, rc_kv_has_shift, rc_kv_reset_shift, rc_kv_shifts,

@@ -22,8 +22,8 @@ from . import _args, _engines
 from ._args import as_flag, as_int, state_seq_id
 from .batch import Batch
 from .cache import RecurrentCache
-from .errors import (POS_MAX, SEQ_RANGE, ArgumentError, BrokenCacheError, ConfigError, CoreError, NoFreeCellError,
-                     StateError, UsageError, engine_error)
+from .errors import (CAPI_MOVE_RANGE, POS_MAX, SEQ_RANGE, ArgumentError, BrokenCacheError, ConfigError, CoreError,
+                     NoFreeCellError, StateError, UsageError, engine_error)
 from .formats.dtypes import STATE_TYPES, StateType
 from .kv_reference import SWA_TYPES, N_KV_PAD, as_int32, check_config
 from .memory_state import MemoryStatus, ThreadGuard
@@ -519,7 +519,9 @@ class HybridCache:
         are freed; their keys' rotation is then pending: ``kv_has_shift``).
 
         Refused, changing neither half, when the recurrent state's position would leave
-        ``[0, 2**31 - 1)`` or a KV position would reach ``2**31 - 1``."""
+        ``[0, 2**31 - 1)``, when a sequence's last KV position would no longer be its recurrent state's
+        (``ArgumentError``: the KV cells move, the state only when it lies in the range), or when a KV
+        position would reach ``2**31 - 1``."""
         seq = self._seq(seq, "seq_add")
         p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
         shift = _args.in_range(shift, "shift", _args.INT32_MIN, _args.INT32_END)
@@ -536,6 +538,8 @@ class HybridCache:
             low, high = max(p0, 0), (_POS_END if p1 < 0 else p1)
             if shift and low <= pos < high and not 0 <= pos + shift < POS_MAX:
                 self._recurrent.seq_add(seq, p0, p1, shift)   # the recurrent half refuses, in its words
+            if shift:
+                self._moves_alike("seq_add", seq, p0, p1, lambda pos: pos + shift)
             self._kv.seq_add(seq, p0, p1, shift)         # refuses before changing anything
             try:
                 self._recurrent.seq_add(seq, p0, p1, shift)  # cannot refuse: ruled out above
@@ -546,7 +550,8 @@ class HybridCache:
             self._leave()
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
-        """Divide ``seq``'s positions in ``[p0, p1)`` by ``d >= 1`` (truncating) in both halves."""
+        """Divide ``seq``'s positions in ``[p0, p1)`` by ``d >= 1`` (truncating) in both halves; refused,
+        changing neither, as ``seq_add`` when a sequence's halves would no longer end at one position."""
         seq = self._seq(seq, "seq_div")
         p0, p1, d = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1")), as_int(d, "d")
         self._enter("seq_div")
@@ -557,6 +562,8 @@ class HybridCache:
                 except BrokenCacheError as exc:
                     self._break("seq_div", exc)
             else:
+                if d > 1:
+                    self._moves_alike("seq_div", seq, p0, p1, lambda pos: pos // d)
                 self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
                 try:
                     self._recurrent.seq_div(seq, p0, p1, d)
@@ -565,6 +572,30 @@ class HybridCache:
             self._generation += 1
         finally:
             self._leave()
+
+    def _moves_alike(self, op: str, seq: int, p0: int, p1: int, move: Callable[[int], int]) -> None:
+        """``ArgumentError`` unless moving ``seq``'s positions in ``[p0, p1)`` to ``move(pos)`` leaves every
+        sequence whose halves agree (its last KV position its recurrent state's) agreeing.  The KV half
+        moves the range's cells, the recurrent half the state only when it lies in the range; a fork
+        shares both the cells and the state, and moves with them (``_hybrid_rule``'s rule, by brute force)."""
+        low, high = max(p0, 0), (_POS_END if p1 < 0 else p1)
+        recurrent = self._recurrent
+        moved_cell = recurrent.seq_cell(seq) if low <= recurrent.seq_pos_max(seq) < high else -1
+        last = [-1] * self._n_seq_max   # each sequence's last KV position once moved (below 0: freed)
+        for cell in self._kv.cells():
+            if cell is not None:
+                pos, seqs = cell
+                pos = move(pos) if seq in seqs and low <= pos < high else pos
+                for s in seqs:
+                    last[s] = max(last[s], pos)
+        for s in range(self._n_seq_max):
+            state = recurrent.seq_pos_max(s)
+            if state < 0 or self._kv.seq_pos_max(s) != state:   # (a model without attention layers)
+                continue
+            if moved_cell >= 0 and recurrent.seq_cell(s) == moved_cell:
+                state = move(state)
+            if last[s] != state:
+                raise engine_error(CAPI_MOVE_RANGE, what=op, seq=seq, pos=p0, prev=p1, need=s, index=last[s], n=state)
 
     def seq_pos_min(self, seq: int) -> int:
         """The first position ``seq`` holds in both halves (the larger of the two minima; -1: none)."""
