@@ -84,6 +84,44 @@ def _kv_type(value: Any, name: str) -> StateType:
     return STATE_TYPES[value]
 
 
+class _Call:
+    """``with``: one call holding the thread guard; a broken memory is refused (``BrokenCacheError``,
+    the guard left) before the call starts."""
+
+    __slots__ = ("_guard", "_usable", "_op")
+
+    def __init__(self, guard: Guard, usable: Callable[[str], None], op: str) -> None:
+        self._guard, self._usable, self._op = guard, usable, op
+
+    def __enter__(self) -> None:
+        self._guard.enter()
+        try:
+            self._usable(self._op)
+        except BaseException:
+            self._guard.leave()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._guard.leave()
+
+
+class _Breaks:
+    """``with``: a failure of kind ``kind`` raised inside breaks the memory (``HybridCache._break``
+    raises it again as ``BrokenCacheError``, the storage's exception its cause); others go on as raised."""
+
+    __slots__ = ("_break", "_op", "_kind")
+
+    def __init__(self, break_: Callable[[str, BaseException], NoReturn], op: str, kind: type[BaseException]) -> None:
+        self._break, self._op, self._kind = break_, op, kind
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, failure: BaseException | None, traceback: object) -> None:
+        if isinstance(failure, self._kind):
+            self._break(self._op, failure)
+
+
 class HybridCache:
     """Memory for a hybrid model (Jamba, Granite-4.0-H, Nemotron-H, Falcon-H1, Qwen3-Next, LFM2, ...).
 
@@ -166,6 +204,7 @@ class HybridCache:
         # the storage's failure that left the halves (or one half's cells and rows) disagreeing: while
         # set, every call raises BrokenCacheError until clear() succeeds
         self._broken: BaseException | None = None
+        self._apply_breaks = self._breaks_on("apply", BaseException)   # (made once: the decode step's)
 
     # -- what it is ------------------------------------------------------------------------
 
@@ -338,12 +377,9 @@ class HybridCache:
 
     def kv_reset_shift(self) -> None:
         """The model rotated the keys by ``kv_shifts()``: none is pending any more."""
-        self._enter("kv_reset_shift")
-        try:
+        with self._call("kv_reset_shift"):
             self._kv.reset_shift()
             self._generation += 1
-        finally:
-            self._leave()
 
     def check(self) -> None:
         """Raise ``CoreError`` if an invariant of either half is broken, or if they disagree on which
@@ -363,26 +399,22 @@ class HybridCache:
 
     # -- one thread at a time ------------------------------------------------------------------
 
-    def _enter(self, op: str) -> None:
-        """Take the thread guard; raise ``BrokenCacheError`` (leaving it) if the memory is broken."""
-        self._guard.enter()
-        try:
-            self._usable(op)
-        except BaseException:
-            self._guard.leave()
-            raise
+    def _call(self, op: str) -> _Call:
+        """``with``: the thread guard held for ``op``, a broken memory refused first."""
+        return _Call(self._guard, self._usable, op)
 
-    def _leave(self) -> None:
-        self._guard.leave()
+    def _breaks_on(self, op: str, kind: type[BaseException]) -> _Breaks:
+        """``with``: a failure of ``kind`` inside breaks the memory — ``BrokenCacheError``, raised by a
+        half that failed having changed nothing of the other (a storage's failure in its own moves),
+        or any failure once a half changed."""
+        return _Breaks(self._break, op, kind)
 
     def _usable(self, op: str) -> None:
         """Raise ``BrokenCacheError`` if a storage failure broke the memory.  The recurrent half broken
         by one (in a decode's moves) is found by asking it, and breaks the whole memory."""
         if self._broken is None:
-            try:
+            with self._breaks_on(op, BrokenCacheError):
                 self._recurrent.seq_pos_max(0)
-            except BrokenCacheError as exc:
-                self._break(op, exc)
             return
         raise self._broken_error(op)
 
@@ -414,19 +446,17 @@ class HybridCache:
     def clear(self) -> None:
         """Empty every cell of both halves and zero every row; a broken memory (``BrokenCacheError``)
         is usable again once this succeeds."""
-        self._guard.enter()
+        self._guard.enter()   # (a broken memory too)
         try:
-            try:
+            with self._breaks_on("clear", BaseException):
                 self._kv.clear()
                 for tensor in self._kv_tensors:
                     self._storage.zero(tensor, np.arange(tensor.shape[1], dtype=np.int64))
                 self._recurrent.clear()
-            except BaseException as failure:
-                self._break("clear", failure)
             self._broken = None
             self._generation += 1
         finally:
-            self._leave()
+            self._guard.leave()
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         """Drop ``seq`` (every sequence when ``seq < 0``) from positions ``[p0, p1)`` in both halves.
@@ -439,25 +469,19 @@ class HybridCache:
         if seq >= self._n_seq_max:
             return False   # as llama.cpp: no such sequence in the recurrent half, nothing removed
         seq = max(seq, -1)
-        self._enter("seq_rm")
-        try:
-            try:   # the recurrent half refuses (False) or fails (a storage's error) before changing
+        with self._call("seq_rm"):
+            # the recurrent half refuses (False) or fails (a storage's error) before changing
+            with self._breaks_on("seq_rm", BrokenCacheError):
                 if self._rule is not None:
                     if not self._rule.seq_rm(seq, p0, p1):   # both halves, or neither
                         return False
                 elif not self._recurrent.seq_rm(seq, p0, p1):
                     return False
-            except BrokenCacheError as exc:
-                self._break("seq_rm", exc)
             if self._rule is None:
-                try:
+                with self._breaks_on("seq_rm", BaseException):
                     self._kv.seq_rm(seq, p0, p1)
-                except BaseException as failure:
-                    self._break("seq_rm", failure)
             self._generation += 1
             return True
-        finally:
-            self._leave()
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Fork: ``dst``, which must hold nothing, joins ``src``'s KV cells (shared, not copied) and
@@ -469,13 +493,10 @@ class HybridCache:
         p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
         if src == dst:
             return
-        self._enter("seq_cp")
-        try:
+        with self._call("seq_cp"):
             if self._rule is not None:
-                try:
+                with self._breaks_on("seq_cp", BrokenCacheError):
                     self._rule.seq_cp(src, dst, p0, p1)
-                except BrokenCacheError as exc:
-                    self._break("seq_cp", exc)
                 self._generation += 1
                 return
             if self._kv.seq_pos_max(dst) >= 0 or self._recurrent.seq_pos_max(dst) >= 0:
@@ -486,33 +507,22 @@ class HybridCache:
                 raise ArgumentError(f"seq_cp: [{p0}, {p1}) does not cover sequence {src}'s positions {first} .. "
                                     f"{last}: a hybrid sequence is copied whole")
             self._kv.seq_cp(src, dst, p0, p1)      # refuses (out of memory) before changing anything
-            try:
+            with self._breaks_on("seq_cp", BaseException):
                 self._recurrent.seq_cp(src, dst, p0, p1)
-            except BaseException as failure:
-                self._break("seq_cp", failure)
             self._generation += 1
-        finally:
-            self._leave()
 
     def seq_keep(self, seq: int) -> None:
         """Every other sequence leaves both halves."""
         seq = self._seq(seq, "seq_keep")
-        self._enter("seq_keep")
-        try:
+        with self._call("seq_keep"):
             if self._rule is not None:
-                try:
+                with self._breaks_on("seq_keep", BrokenCacheError):
                     self._rule.seq_keep(seq)
-                except BrokenCacheError as exc:
-                    self._break("seq_keep", exc)
             else:
                 self._kv.seq_keep(seq)
-                try:
+                with self._breaks_on("seq_keep", BaseException):
                     self._recurrent.seq_keep(seq)
-                except BaseException as failure:
-                    self._break("seq_keep", failure)
             self._generation += 1
-        finally:
-            self._leave()
 
     def seq_add(self, seq: int, p0: int, p1: int, shift: int) -> None:
         """Move ``seq``'s positions in ``[p0, p1)`` by ``shift`` in both halves (KV cells pushed below 0
@@ -525,13 +535,10 @@ class HybridCache:
         seq = self._seq(seq, "seq_add")
         p0, p1 = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1"))
         shift = _args.in_range(shift, "shift", _args.INT32_MIN, _args.INT32_END)
-        self._enter("seq_add")
-        try:
+        with self._call("seq_add"):
             if self._rule is not None:
-                try:
+                with self._breaks_on("seq_add", BrokenCacheError):
                     self._rule.seq_add(seq, p0, p1, shift)
-                except BrokenCacheError as exc:
-                    self._break("seq_add", exc)
                 self._generation += 1
                 return
             pos = self._recurrent.seq_pos_max(seq)
@@ -541,37 +548,26 @@ class HybridCache:
             if shift:
                 self._moves_alike("seq_add", seq, p0, p1, lambda pos: pos + shift)
             self._kv.seq_add(seq, p0, p1, shift)         # refuses before changing anything
-            try:
+            with self._breaks_on("seq_add", BaseException):
                 self._recurrent.seq_add(seq, p0, p1, shift)  # cannot refuse: ruled out above
-            except BaseException as failure:
-                self._break("seq_add", failure)
             self._generation += 1
-        finally:
-            self._leave()
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         """Divide ``seq``'s positions in ``[p0, p1)`` by ``d >= 1`` (truncating) in both halves; refused,
         changing neither, as ``seq_add`` when a sequence's halves would no longer end at one position."""
         seq = self._seq(seq, "seq_div")
         p0, p1, d = _bound(as_int(p0, "p0")), _bound(as_int(p1, "p1")), as_int(d, "d")
-        self._enter("seq_div")
-        try:
+        with self._call("seq_div"):
             if self._rule is not None:
-                try:
+                with self._breaks_on("seq_div", BrokenCacheError):
                     self._rule.seq_div(seq, p0, p1, as_int32(min(d, 2**31 - 1), "d"))
-                except BrokenCacheError as exc:
-                    self._break("seq_div", exc)
             else:
                 if d > 1:
                     self._moves_alike("seq_div", seq, p0, p1, lambda pos: pos // d)
                 self._kv.seq_div(seq, p0, p1, min(d, 2**31 - 1))   # refuses d < 1 before changing anything
-                try:
+                with self._breaks_on("seq_div", BaseException):
                     self._recurrent.seq_div(seq, p0, p1, d)
-                except BaseException as failure:
-                    self._break("seq_div", failure)
             self._generation += 1
-        finally:
-            self._leave()
 
     def _moves_alike(self, op: str, seq: int, p0: int, p1: int, move: Callable[[int], int]) -> None:
         """``ArgumentError`` unless moving ``seq``'s positions in ``[p0, p1)`` to ``move(pos)`` leaves every
@@ -629,16 +625,13 @@ class HybridCache:
         cells (``[n_attn, n, n_embd_k]`` / ``[n_attn, n, n_embd_v]``, tensors of the cache's storage), and
         its recurrent r and s rows (``RecurrentCache.seq_state``)."""
         seq = self._seq(seq, "seq_state")
-        self._enter("seq_state")
-        try:
+        with self._call("seq_state"):
             index = self._kv.seq_cells(seq).astype(np.int64)
             pos = np.array([cell[0] for cell in map(self._kv.cell, index.tolist()) if cell is not None],
                            dtype=np.int32)
             storage, rows = self._storage, self._kv_rows
             k, v = storage.take(rows.k_by_cell, index), storage.take(rows.v_by_cell, index)
             r_rows, s_rows = self._recurrent.seq_state(seq) if self._recurrent.seq_row(seq) >= 0 else ([], [])
-        finally:
-            self._leave()
         return HybridSeqState(pos, k, v, r_rows, s_rows)
 
     def seq_restore(self, seq: int, pos: Any, k: Tensor, v: Tensor, r_rows: Sequence[Tensor],
@@ -662,8 +655,7 @@ class HybridCache:
         k = self._kv_rows_of("k", k, 0, n)
         v = self._kv_rows_of("v", v, 1, n)
         seqs = np.full(n, seq, dtype=np.int32)
-        self._enter("seq_restore")
-        try:
+        with self._call("seq_restore"):
             if self.seq_pos_max(seq) >= 0 or self._kv.seq_pos_max(seq) >= 0:
                 raise ArgumentError(f"seq_restore: sequence {seq} holds positions: remove it first (seq_rm)")
             tokens = (positions, seqs, np.arange(n + 1, dtype=np.int32))
@@ -671,21 +663,16 @@ class HybridCache:
             if slots is None:
                 raise NoFreeCellError(f"seq_restore: {n} KV cells for sequence {seq} fit nowhere "
                                       f"({self._kv.used} of {self._kv.size} cells used)")
-            try:   # checks its rows first: refuses before changing, or breaks (a storage failure)
+            # checks its rows first: refuses before changing, or breaks (a storage failure)
+            with self._breaks_on("seq_restore", BrokenCacheError):
                 self._recurrent.seq_restore(seq, int(positions[-1]), r_rows, s_rows)
-            except BrokenCacheError as exc:
-                self._break("seq_restore", exc)
             if self._attn_layers:
                 cells = slots[0].astype(np.int64)
-                try:
+                with self._breaks_on("seq_restore", BaseException):
                     self._kv.apply(slots[0], positions, seqs)
                     self._storage.put(self._kv_rows.k_by_cell, cells, k)
                     self._storage.put(self._kv_rows.v_by_cell, cells, v)
-                except BaseException as failure:
-                    self._break("seq_restore", failure)
             self._generation += 1
-        finally:
-            self._leave()
 
     def _kv_rows_of(self, which: str, rows: Any, kind: int, n: int) -> Tensor:
         """``rows`` checked as ``[n_attn, n, n_embd]`` of the K (kind 0) or V (1) dtype — a numpy array,
@@ -718,7 +705,7 @@ class HybridCache:
         and find every ubatch's cells in both halves.  Raises, changing nothing, for a batch either
         half cannot take; a batch that does not fit gives a state whose status is
         ``FAILED_PREPARE``."""
-        guard = self._guard   # (the decode step's hot path: the guard without _enter's frame)
+        guard = self._guard   # (the decode step's hot path: the guard without _call's object)
         guard.enter()
         try:
             if self._broken is not None:   # (a broken recurrent half refuses in its own init_batch)
@@ -752,10 +739,8 @@ class HybridCache:
                                  "state_read or another state's apply): call init_batch again")
             n_kv = plan.apply(u, self._kv_pad)
             self._generation += 1
-            try:
+            with self._apply_breaks:
                 apply_recurrent()
-            except BaseException as failure:
-                self._break("apply", failure)
             return self._generation, n_kv
         finally:
             guard.leave()
@@ -777,12 +762,9 @@ class HybridCache:
         seq_id = state_seq_id(seq_id, self._n_seq_max, "state_write")
         partial = as_flag(partial_only, "state_write: partial_only")
         prefix = framing_prefix(framing, seq_id, arch)
-        self._enter("state_write")
-        try:
+        with self._call("state_write"):
             kv = b"" if partial else compose_kv_section(kv_section(self._kv, self._kv_rows, seq_id))
             recurrent = self._recurrent.state_write(seq_id)
-        finally:
-            self._leave()
         return prefix + kv + recurrent
 
     def state_size(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
@@ -875,21 +857,16 @@ class HybridCache:
                 _prefix_of(n_tokens, None if load is None else load.pos, [cell.pos for cell in blob.cells])
         except StateError as exc:
             raise in_section(exc, found) from None
-        self._enter("state_read")
-        try:
+        with self._call("state_read"):
             cells = self._place_kv(load, seq_id) if load is not None else None   # NoFreeCellError: nothing changed
-            try:
+            with self._breaks_on("state_read", BaseException):   # a half changed
                 if cells is not None and cells.size:
                     assert load is not None
                     rows, storage = self._kv_rows, self._storage
                     storage.put(rows.k_by_cell, cells, storage.from_host(load.k, self._type_k))
                     storage.put(rows.v_by_cell, cells, storage.from_host(load.v, self._type_v))
                 self._recurrent.state_read(unframed.section, seq_id, framing="bare")
-            except BaseException as failure:   # a half changed: a storage's failure breaks the memory
-                self._break("state_read", failure)
             self._generation += 1
-        finally:
-            self._leave()
         return found.section_offset + len(unframed.section)
 
     def _place_kv(self, load: KvLoad, seq_id: int) -> np.ndarray:
