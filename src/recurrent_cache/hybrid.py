@@ -23,19 +23,14 @@ from ._args import as_flag, as_int, state_seq_id
 from .batch import Batch
 from .cache import RecurrentCache
 from .errors import (CAPI_MOVE_RANGE, POS_MAX, SEQ_RANGE, ArgumentError, BrokenCacheError, ConfigError, CoreError,
-                     NoFreeCellError, StateError, UsageError, engine_error)
+                     NoFreeCellError, UsageError, engine_error)
+from .formats.blob import framing_prefix
 from .formats.dtypes import STATE_TYPES, StateType
-from .kv_reference import SWA_TYPES, N_KV_PAD, as_int32, check_config
-from .memory_state import MemoryStatus, ThreadGuard
-from .formats.blob import blob_view, framing_prefix, parse_blob
-from .formats.framings import in_section, unframe
-from .formats.geometry import Geometry
-from .formats.kv import compose_kv_section, parse_kv_section
-from .formats.messages import target_aliases_cache, target_too_small
-from .formats.streams import target_view, write_all
-from ._core import host_extent
+from .hybrid_bytes import HybridBytes
 from .hybrid_state import Guard, HybridState, KvPlan, KvTokens, TokenPlan, seq_lists
-from .kv_state import KvLoad, KvRows, checked_load, kv_section
+from .kv_reference import SWA_TYPES, N_KV_PAD, as_int32, check_config
+from .kv_state import KvRows
+from .memory_state import MemoryStatus, ThreadGuard
 from .storage import Storage, Tensor, allocating, storage_for
 
 __all__ = ["HybridCache", "HybridSeqState", "HybridState"]
@@ -63,19 +58,6 @@ def _bound(value: int) -> int:
 def _layers(value: Any, name: str, n_layer: int) -> tuple[int, ...]:
     layers = _args.layer_filter(value, n_layer, ConfigError)
     return tuple(range(n_layer)) if layers is None else layers
-
-
-def _prefix_of(n_tokens: int, kv_pos: np.ndarray | None, recurrent_pos: list[int]) -> None:
-    """``StateError`` unless a sequence's state (its KV cells' positions, None when not read, and its
-    recurrent cells' positions) is that of exactly ``n_tokens`` tokens at positions ``0 .. n_tokens - 1``."""
-    if recurrent_pos != [n_tokens - 1]:
-        held = recurrent_pos or "none"
-        raise StateError(f"the state is not that of a prefix of {n_tokens} tokens: its recurrent state is at "
-                         f"position{'s' if len(recurrent_pos) != 1 else ''} {held}, not {n_tokens - 1}")
-    if kv_pos is not None and not np.array_equal(np.sort(kv_pos), np.arange(n_tokens)):
-        shown = kv_pos.tolist()[:8] + (["..."] if kv_pos.size > 8 else [])
-        raise StateError(f"the state is not that of a prefix of {n_tokens} tokens: its KV cells hold positions "
-                         f"{shown}, not 0 .. {n_tokens - 1}")
 
 
 def _kv_type(value: Any, name: str) -> StateType:
@@ -182,9 +164,7 @@ class HybridCache:
         self._kv_rows = KvRows(self._storage, k_tensor, v_tensor.swapaxes(1, 2) if self._v_trans else v_tensor,
                                self._type_k, self._type_v, self._n_embd_k, self._n_embd_v, self._v_trans, n_swa,
                                swa_type)
-        recurrent = self._recurrent
-        self._recurrent_bytes = len(recurrent.layers) * (STATE_TYPES[recurrent.dtype_r].itemsize * recurrent.n_embd_r
-                                                         + STATE_TYPES[recurrent.dtype_s].itemsize * recurrent.n_embd_s)
+        self._bytes = HybridBytes(self._kv, self._kv_rows, self._kv_tensors, self._recurrent, n_attn)
         # the compiled engine places a batch's KV tokens straight from its split's C arrays, and takes its
         # guard with one atomic exchange (_hybrid_step)
         self._compiled_plan: Callable[[_engines.KVTable, _engines.Placement], KvPlan | None] | None = None
@@ -274,13 +254,12 @@ class HybridCache:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of one token's K and V rows, every attention layer."""
-        per_layer = self._n_embd_k * self._type_k.itemsize + self._n_embd_v * self._type_v.itemsize
-        return len(self._attn_layers) * per_layer
+        return self._bytes.kv_bytes_per_token
 
     @property
     def recurrent_bytes_per_seq(self) -> int:
         """Bytes of one sequence's recurrent state (r and s rows, every recurrent layer)."""
-        return self._recurrent_bytes
+        return self._bytes.recurrent_bytes_per_seq
 
     @property
     def kv_pad(self) -> int:
@@ -763,9 +742,7 @@ class HybridCache:
         partial = as_flag(partial_only, "state_write: partial_only")
         prefix = framing_prefix(framing, seq_id, arch)
         with self._call("state_write"):
-            kv = b"" if partial else compose_kv_section(kv_section(self._kv, self._kv_rows, seq_id))
-            recurrent = self._recurrent.state_write(seq_id)
-        return prefix + kv + recurrent
+            return prefix + self._bytes.write(seq_id, partial)
 
     def state_size(self, seq_id: int = -1, framing: str = "bare", arch: str | None = None, *,
                    partial_only: bool = False) -> int:
@@ -779,45 +756,17 @@ class HybridCache:
         shares a byte with any tensor of this cache — K, V, the recurrent rows, their history and
         scratch — on either path), or a binary file object (written at its position).  Returns the
         bytes written."""
-        data = self.state_write(seq_id, framing, arch, partial_only=partial_only)
-        view = target_view(target)
-        if view is None:
-            write_all(target, data)
-            return len(data)
-        if len(view) < len(data):
-            raise target_too_small(len(view), len(data))
-        if self._aliases(view):
-            raise target_aliases_cache()
-        view[:len(data)] = data
-        return len(data)
-
-    def _aliases(self, view: memoryview) -> bool:
-        """Whether ``view`` shares a byte with the K or V tensor (where they lie in host memory) or with
-        any tensor of the recurrent half (its core's own test)."""
-        if not len(view):
-            return False
-        begin = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
-        end = begin + len(view)
-        for tensor in self._kv_tensors:
-            extent = host_extent(tensor)
-            if extent is not None and begin < extent[1] and extent[0] < end:
-                return True
-        return bool(self._recurrent.memory_core.aliases(view))
+        return self._bytes.write_into(target, self.state_write(seq_id, framing, arch, partial_only=partial_only))
 
     def seq_state_bound(self) -> int:
         """The most bytes one sequence's state (``state_write(seq)``) can take: every KV cell held, with
         its cell header, and the recurrent section; what ``load_seq_file`` reads no further than."""
-        n_attn = len(self._attn_layers)
-        recurrent = self._recurrent.n_layer * 2 * 12 + 64 + self._recurrent_bytes
-        return 64 + n_attn * 2 * 16 + self.kv_size * (12 + self.kv_bytes_per_token) + recurrent
+        return self._bytes.seq_bound()
 
     def state_bound(self) -> int:
         """The most bytes the whole memory's state (``state_write()``) can take: every KV cell held by
         every sequence, every recurrent cell; what ``load_session_file`` reads no further than."""
-        n_attn, n_seq = len(self._attn_layers), self._n_seq_max
-        cell_header = 8 + 4 * n_seq   # position, sequence count, sequence ids
-        recurrent = self._recurrent.n_layer * 2 * 12 + 64 + n_seq * (cell_header + self._recurrent_bytes)
-        return 64 + n_attn * 2 * 16 + self.kv_size * (cell_header + self.kv_bytes_per_token) + recurrent
+        return self._bytes.bound()
 
     def state_read(self, data: object, seq_id: int = -1, arch: str | None = None, *, framing: str | None = None,
                    partial_only: bool = False, kv_cell_ext: bool | None = None, n_tokens: int | None = None) -> int:
@@ -839,50 +788,14 @@ class HybridCache:
             if seq_id < 0:
                 raise ArgumentError("state_read: n_tokens is for the state of one sequence (seq_id >= 0)")
             n_tokens = _args.in_range(n_tokens, "state_read: n_tokens", 1, POS_MAX + 1)
-        geometry = Geometry.of(self._recurrent)
-        unframed = unframe(data, seq_id, arch, not partial, framing=framing, cache=geometry, kv_cell_ext=kv_cell_ext)
-        found = unframed.framing
-        load = None
-        try:
-            if not partial:
-                assert found.kv_offset is not None
-                if found.kv_cell_ext:
-                    raise StateError("the KV section's cells carry extended positions (M-RoPE or n-gram models): "
-                                     "a HybridCache does not keep them")
-                section = parse_kv_section(blob_view(data)[found.kv_offset:found.section_offset], seq_id, False,
-                                           geometry)
-                load = checked_load(section, self._kv_rows, self._kv.size, self._n_seq_max, seq_id)
-            blob = parse_blob(unframed.section, geometry, seq_id)   # the recurrent section, checked before any change
-            if n_tokens is not None:
-                _prefix_of(n_tokens, None if load is None else load.pos, [cell.pos for cell in blob.cells])
-        except StateError as exc:
-            raise in_section(exc, found) from None
+        state = self._bytes.checked(data, seq_id, arch, framing, partial, kv_cell_ext, n_tokens)
         with self._call("state_read"):
-            cells = self._place_kv(load, seq_id) if load is not None else None   # NoFreeCellError: nothing changed
-            with self._breaks_on("state_read", BaseException):   # a half changed
-                if cells is not None and cells.size:
-                    assert load is not None
-                    rows, storage = self._kv_rows, self._storage
-                    storage.put(rows.k_by_cell, cells, storage.from_host(load.k, self._type_k))
-                    storage.put(rows.v_by_cell, cells, storage.from_host(load.v, self._type_v))
-                self._recurrent.state_read(unframed.section, seq_id, framing="bare")
+            # NoFreeCellError: nothing changed; then a half changes
+            cells = self._bytes.place_kv(state.load, seq_id) if state.load is not None else None
+            with self._breaks_on("state_read", BaseException):
+                self._bytes.fill(state, cells, seq_id)
             self._generation += 1
-        return found.section_offset + len(unframed.section)
-
-    def _place_kv(self, load: KvLoad, seq_id: int) -> np.ndarray:
-        """A checked section's cells into the KV half (where llama.cpp puts them): the cells whose rows
-        it then fills.  ``NoFreeCellError`` before anything changed when a sequence's fit nowhere."""
-        if seq_id < 0:
-            self._kv.load(load.pos, load.flat, load.offsets)
-            return np.arange(load.n_cells, dtype=np.int64)
-        if load.n_cells == 0:
-            self._kv.seq_rm(seq_id, -1, -1)
-            return np.empty(0, dtype=np.int64)
-        slot = self._kv.load_seq(seq_id, load.pos)
-        if slot is None:
-            raise NoFreeCellError(f"state_read: the {load.n_cells} KV cells of sequence {seq_id} fit nowhere "
-                                  f"in the KV cache ({self._kv.used} of {self._kv.size} cells used)")
-        return slot.astype(np.int64)
+        return state.length
 
     def __repr__(self) -> str:
         return (f"HybridCache(n_layer={self.n_layer}, attn_layers={self._attn_layers}, "
