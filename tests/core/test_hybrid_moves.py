@@ -63,8 +63,9 @@ def last_positions(kv: Cells, recurrent: Cells) -> list[tuple[int, int]]:
              next((pos for pos, seqs in recurrent if s in seqs), -1)) for s in range(N_SEQ)]
 
 
-def reach(cache: HybridCache) -> list[int]:
-    return [cache.seq_rollback_min(s) for s in range(N_SEQ)]
+def reach(cache: HybridCache) -> tuple[list[int], bool]:
+    """What ``snapshot`` leaves out: the rollback reach of each sequence, and whether a shift is pending."""
+    return [cache.seq_rollback_min(s) for s in range(N_SEQ)], cache.kv_has_shift
 
 
 def outcome(call: Any) -> tuple[str, Any]:
