@@ -106,6 +106,8 @@ CODES = (
     Code(-67, "CAPI_NOT_APPLIED", None, "RC_ERR_NOT_APPLIED", "no ubatch of the batch is applied yet"),
     Code(-68, "CAPI_MASK_SIZE", None, "RC_ERR_MASK_SIZE", "a mask buffer of `n` floats for a mask of `need`"),
     Code(-69, "CAPI_PYTHON", None, "RC_ERR_PYTHON", "a hybrid's state call raised in Python (its message kept)"),
+    Code(-70, "CAPI_MOVE_RANGE", "RULE_ERR_MOVE_RANGE", "RC_ERR_MOVE_RANGE",
+         "moving `seq`'s [`pos`, `prev`) parts `need`'s halves: KV at `index`, state at `n`"),
 )
 SUCCESS = {"SPLIT_OK": 0, "BLOB_OK": 0}   # the Cython modules' own names for success
 BLOB_CODES = [code for code in CODES if code.python.startswith("BLOB_")]

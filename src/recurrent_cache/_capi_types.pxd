@@ -69,6 +69,7 @@ cdef extern from "recurrent_cache/capi.h":
         RC_ERR_NOT_APPLIED
         RC_ERR_MASK_SIZE
         RC_ERR_PYTHON
+        RC_ERR_MOVE_RANGE
         RC_MASK_FULL
         RC_MASK_SLIDING
     const char* RC_CAPI_CAPSULE_NAME

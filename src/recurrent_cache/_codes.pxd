@@ -39,6 +39,7 @@ cdef enum:
     RULE_ERR_SEQ_HOLDS = -62            # seq_cp: the target `seq` holds positions (remove it first)
     RULE_ERR_CP_RANGE = -63             # seq_cp: [`pos`, `prev`) does not cover `seq`'s positions `index` .. `n` (copied whole)
     RULE_ERR_KV = -64                   # the KV cache refused: its code `n` with values `index`, `need`
+    RULE_ERR_MOVE_RANGE = -70           # moving `seq`'s [`pos`, `prev`) parts `need`'s halves: KV at `index`, state at `n`
     SPLIT_OK = 0
     BLOB_OK = 0
 # END generated

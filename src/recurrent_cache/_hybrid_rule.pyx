@@ -9,13 +9,16 @@ may still refuse goes first, and the other is asked only when what it would refu
 
 cimport cython
 from libc.stdint cimport INT32_MAX, int32_t, int64_t
+from libc.stdlib cimport free, malloc
 
-from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
+from ._cells cimport cells_seq_pos_max, cells_seq_pos_min, cells_tail_in_range
 from ._core cimport (Core, MemoryCore, core_rollback_min, core_seq_add, core_seq_cp, core_seq_div, core_seq_keep,
                      core_seq_rm)
 from ._kv_cells cimport KVCells
-from ._kv_ops cimport kv_seq_add, kv_seq_cp, kv_seq_div, kv_seq_keep, kv_seq_pos_max, kv_seq_pos_min, kv_seq_rm
-from ._codes cimport RC_ERR_SEQ_RANGE, RULE_ERR_CP_RANGE, RULE_ERR_KV, RULE_ERR_SEQ_HOLDS
+from ._kv_ops cimport (kv_seq_add, kv_seq_cp, kv_seq_div, kv_seq_has, kv_seq_keep, kv_seq_pos_max, kv_seq_pos_min,
+                       kv_seq_rm)
+from ._codes cimport RC_ERR_SEQ_RANGE, RULE_ERR_CP_RANGE, RULE_ERR_KV, RULE_ERR_MOVE_RANGE, RULE_ERR_SEQ_HOLDS
+from ._kv_seq_pos cimport sp_collect
 from ._kv_table cimport KV_NO_MEMORY, KV_OK, KvTable
 
 from . import errors
@@ -50,6 +53,62 @@ cdef inline int32_t kv_low(int32_t p0) noexcept nogil:
 
 cdef inline int32_t kv_high(int32_t p1) noexcept nogil:
     return INT32_MAX if p1 < 0 else p1
+
+
+cdef struct Move:                 # seq_add / seq_div: seq's KV positions in [low, high) go to pos // d + shift
+    int32_t seq, low, high, shift, d
+
+
+@cython.cdivision(True)           # positions are >= 0 and d >= 1: C's division is the floor
+cdef inline int64_t moved_pos(const Move* m, int32_t pos) noexcept nogil:
+    return pos // m.d + <int64_t>m.shift
+
+
+cdef int64_t kv_last_after(const KvTable* kv, int32_t seq, const Move* m, int64_t floor, int32_t* cells) noexcept nogil:
+    """The last position seq's KV cells hold once ``m`` moved them, when it is at least ``floor`` (>= 0),
+    else -1 (a cell moved below 0 leaves).  The moved cells of seq are m.seq's in the range (a fork
+    shares them); of the others only those from ``floor`` up are read.  ``cells``: room for kv.size."""
+    cdef int64_t last = -1
+    cdef int32_t n, k, cell
+    n = sp_collect(&kv.seqs, seq, m.low, m.high, cells)
+    for k in range(n):
+        if kv_seq_has(kv, cells[k], m.seq):
+            last = max(last, moved_pos(m, kv.pos[cells[k]]))
+    n = sp_collect(&kv.seqs, seq, <int32_t>floor, INT32_MAX, cells)
+    for k in range(n):
+        cell = cells[k]
+        if not (m.low <= kv.pos[cell] < m.high and kv_seq_has(kv, cell, m.seq)):
+            last = max(last, kv.pos[cell])
+    return last if last >= floor else -1
+
+
+cdef int rule_halves_move_alike(Core* core, KvTable* kv, Move m, int32_t p0, int32_t p1, const char* what,
+                                RuleDetail* d) noexcept nogil:
+    """0 when moving m.seq's positions in [p0, p1) leaves every sequence whose halves agree (its last
+    KV position its recurrent state's) agreeing, else RULE_ERR_MOVE_RANGE for the first that would
+    not.  The KV half moves the range's cells, the recurrent half the state only when it lies in the
+    range, so a range that ends below the last position, or moves it below a position left behind,
+    would part them; a fork shares both the cells and the state, and moves with them."""
+    cdef int32_t s
+    cdef int64_t state
+    cdef int32_t moved_cell = cells_tail_in_range(&core.cells, m.seq, p0, p1)
+    cdef int32_t* cells = <int32_t*>malloc(<size_t>kv.size * sizeof(int32_t))
+    if cells == NULL:
+        return kv_refusal(d, KV_NO_MEMORY, 0, 0, what)
+    for s in range(kv.n_seq_max):
+        state = cells_seq_pos_max(&core.cells, s)
+        if state < 0 or kv_seq_pos_max(kv, s) != state:   # (a model without attention layers: no KV cells)
+            continue
+        if moved_cell >= 0 and cells_tail_in_range(&core.cells, s, p0, p1) == moved_cell:
+            state = moved_pos(&m, <int32_t>state)
+        if kv_last_after(kv, s, &m, state, cells) != state:
+            refuse(d, RULE_ERR_MOVE_RANGE, what, WHAT_CALL, m.seq)
+            d.pos, d.prev, d.need, d.n = p0, p1, s, state
+            d.index = kv_last_after(kv, s, &m, 0, cells)
+            free(cells)
+            return RULE_ERR_MOVE_RANGE
+    free(cells)
+    return 0
 
 
 cdef int rule_seq(const KvTable* kv, int32_t seq, const char* what, RuleDetail* d) noexcept nogil:
@@ -106,7 +165,8 @@ cdef int rule_seq_keep(Core* core, KvTable* kv, int32_t seq, RuleDetail* d) noex
 cdef int rule_seq_add(Core* core, KvTable* kv, int32_t seq, int32_t p0, int32_t p1, int32_t shift,
                       RuleDetail* d) noexcept nogil:
     """The recurrent state's refusal (its position leaving [0, 2**31 - 1)) is found first and given in
-    its words; then the KV half, which refuses before changing anything; then the recurrent half."""
+    its words; then a move that would part the halves is refused; then the KV half, which refuses
+    before changing anything; then the recurrent half."""
     cdef int64_t a = 0, b = 0
     cdef int code = rule_seq(kv, seq, "seq_add", d)
     if code != 0:
@@ -119,6 +179,10 @@ cdef int rule_seq_add(Core* core, KvTable* kv, int32_t seq, int32_t p0, int32_t 
             refuse(d, code, "seq_add", WHAT_SHIFT, seq)
             d.pos, d.n, d.size = pos, shift, kv.n_seq_max
             return code
+    if shift:
+        code = rule_halves_move_alike(core, kv, Move(seq, kv_low(p0), kv_high(p1), shift, 1), p0, p1, "seq_add", d)
+        if code != 0:
+            return code
     code = kv_seq_add(kv, seq, kv_low(p0), kv_high(p1), shift, &a, &b)
     if code != KV_OK:
         return kv_refusal(d, code, a, b, "seq_add")
@@ -127,12 +191,17 @@ cdef int rule_seq_add(Core* core, KvTable* kv, int32_t seq, int32_t p0, int32_t 
 
 cdef int rule_seq_div(Core* core, KvTable* kv, int32_t seq, int32_t p0, int32_t p1, int32_t d_,
                       RuleDetail* d) noexcept nogil:
-    """The KV half refuses d < 1 before anything changes; then the recurrent half cannot refuse."""
+    """The KV half refuses d < 1 before anything changes, and a move that would part the halves is
+    refused; then the recurrent half cannot refuse."""
     cdef int64_t a = 0, b = 0
     cdef int code = rule_seq(kv, seq, "seq_div", d)
     if code != 0:
         return code
     p0, p1 = max(p0, -1), max(p1, -1)
+    if d_ > 1:
+        code = rule_halves_move_alike(core, kv, Move(seq, kv_low(p0), kv_high(p1), 0, d_), p0, p1, "seq_div", d)
+        if code != 0:
+            return code
     code = kv_seq_div(kv, seq, kv_low(p0), kv_high(p1), d_, &a, &b)
     if code != KV_OK:
         return kv_refusal(d, code, a, b, "seq_div")

@@ -99,6 +99,7 @@
 #define RC_ERR_NOT_APPLIED (-67)      /* no ubatch of the batch is applied yet */
 #define RC_ERR_MASK_SIZE (-68)        /* a mask buffer of `n` floats for a mask of `need` */
 #define RC_ERR_PYTHON (-69)           /* a hybrid's state call raised in Python (its message kept) */
+#define RC_ERR_MOVE_RANGE (-70)       /* moving `seq`'s [`pos`, `prev`) parts `need`'s halves: KV at `index`, state at `n` */
 /* END generated */
 
 /* rc_batch_init flags */
@@ -180,6 +181,7 @@ typedef struct rc_capi {
      * n_layer + il); rc_batch_init also finds every ubatch's KV cells (RC_ERR_KV_NO_SLOT: they fit
      * nowhere, nothing changed) and rc_batch_apply places both halves; rc_seq_* are HybridCache.seq_*
      * (the compiled engine's rule, _hybrid_rule: rc_seq_cp copies whole, rc_seq_cp_range takes a range;
+     * rc_seq_add / rc_seq_div refuse a move that would part the halves, RC_ERR_MOVE_RANGE;
      * a seq id out of range is RC_ERR_SEQ_RANGE, which rc_seq_pos_min / max and rc_seq_rollback_min
      * return as -1, "no position", the refusal recorded for rc_error_message); rc_clear also zeroes
      * K and V.  rc_state_size / write / read compose and read llama.cpp's hybrid

@@ -33,7 +33,8 @@ from recurrent_cache._capi_types cimport (RC_BATCH_EMBD_POOLED, RC_BATCH_LOGITS_
                                           RC_ERR_TARGET_SIZE, RC_ERR_TENSOR_INDEX, RC_OK, rc_batch, rc_ctx, rc_ubatch,
                                           # API version 3: a HybridCache's context
                                           RC_ERR_CP_RANGE, RC_ERR_KV, RC_ERR_KV_NO_SLOT,
-                                          RC_ERR_MASK_SIZE, RC_ERR_NOT_APPLIED, RC_ERR_NOT_HYBRID, RC_ERR_PYTHON,
+                                          RC_ERR_MASK_SIZE, RC_ERR_MOVE_RANGE, RC_ERR_NOT_APPLIED, RC_ERR_NOT_HYBRID,
+                                          RC_ERR_PYTHON,
                                           RC_ERR_SEQ_HOLDS, RC_MASK_FULL, RC_MASK_SLIDING)
 from recurrent_cache._capi cimport (rc_batch_apply, rc_batch_init, rc_batch_n_steps, rc_batch_n_ubatches,
                                     rc_batch_out_ids, rc_batch_release, rc_batch_step_row, rc_clear, rc_ctx_free,

@@ -165,6 +165,7 @@ CAPI_NOT_HYBRID = -66     # a KV call on the context of a RecurrentCache
 CAPI_NOT_APPLIED = -67    # no ubatch of the batch is applied yet
 CAPI_MASK_SIZE = -68      # a mask buffer of `n` floats for a mask of `need`
 CAPI_PYTHON = -69         # a hybrid's state call raised in Python (its message kept)
+CAPI_MOVE_RANGE = -70     # moving `seq`'s [`pos`, `prev`) parts `need`'s halves: KV at `index`, state at `n`
 # END generated
 
 POS_MAX = 2**31 - 1     # llama_pos is int32; this value stands for +infinity in ranges
@@ -215,6 +216,9 @@ _TABLE: dict[int, tuple[type[Exception], str]] = {
     CAPI_NOT_APPLIED: (UsageError, "{what}: no ubatch of this batch is applied: call rc_batch_apply first"),
     CAPI_MASK_SIZE: (ArgumentError, "{what}: the buffer holds {n} floats, the mask needs {need}"),
     CAPI_PYTHON: (StateError, "{what}: the Python API raised (its message was not recorded)"),
+    CAPI_MOVE_RANGE: (ArgumentError, "{what}: [{pos}, {prev}) of sequence {seq} would leave sequence {need}'s KV "
+                                     "cells ending at position {index} but its recurrent state at {n}: a hybrid "
+                                     "sequence's KV cells and recurrent state end at one position"),
 }
 
 

@@ -160,13 +160,17 @@ def test_null_and_bad_arguments_give_codes_and_change_nothing(twins):
         (lambda: T.seq_cp_range(ctx, 0, 2, 1, -1), errors.CAPI_CP_RANGE,
          "seq_cp: [1, -1) does not cover sequence 0's positions 0 .. 1: a hybrid sequence is copied whole"),
         (lambda: T.seq_div(ctx, 0, 0, -1, 0), errors.CAPI_KV, "seq_div: d must be >= 1, got 0"),
+        (lambda: T.seq_add(ctx, 0, 0, 1, 5), errors.CAPI_MOVE_RANGE,
+         "seq_add: [0, 1) of sequence 0 would leave sequence 0's KV cells ending at position 5 but its recurrent "
+         "state at 1: a hybrid sequence's KV cells and recurrent state end at one position"),
     ]
     for call, code, text in cases:
         assert call() == code
         assert in_c.message(code) == text
         assert same(snapshot(in_c.cache), before)
     for python_call in (lambda: in_c.cache.seq_keep(4), lambda: in_c.cache.seq_cp(0, 1),
-                        lambda: in_c.cache.seq_cp(0, 2, 1, -1), lambda: in_c.cache.seq_div(0, 0, -1, 0)):
+                        lambda: in_c.cache.seq_cp(0, 2, 1, -1), lambda: in_c.cache.seq_div(0, 0, -1, 0),
+                        lambda: in_c.cache.seq_add(0, 0, 1, 5)):
         with pytest.raises(errors.RecurrentCacheError) as raised:
             python_call()
         assert str(raised.value) in [text for _, _, text in cases]

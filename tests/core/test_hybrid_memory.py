@@ -152,6 +152,26 @@ def test_seq_div_and_keep_act_on_both(engine):
     assert cache.seq_pos_min(1) == 1   # as llama.cpp: the larger minimum, the recurrent state's position
 
 
+def test_a_move_that_would_part_the_halves_is_refused_and_changes_nothing(engine):
+    """The KV half moves the range's cells, the recurrent half the state only when it lies in the range:
+    a range ending below the last position, or one moving the last below a position left behind, would
+    leave the sequence's KV cells ending elsewhere than its state (test_hybrid_moves.py: every case)."""
+    cache = make(engine, n_rollback=2)
+    decode(cache, Histories(4), {0: [1, 2, 3, 4, 5, 6], 1: [1, 2]})
+    before, reach = snapshot(cache), [cache.seq_rollback_min(s) for s in range(4)]
+    for call, kv_last, state in ((lambda: cache.seq_div(0, 3, -1, 3), 2, 1),     # 3, 4, 5 -> 1, 1, 1; 2 stays
+                                 (lambda: cache.seq_add(0, 0, 3, 10), 12, 5),    # 0, 1, 2 -> 10, 11, 12; 5 stays
+                                 (lambda: cache.seq_add(0, 4, -1, -3), 3, 2)):   # 4, 5 -> 1, 2; 3 stays
+        with pytest.raises(ArgumentError, match=f"sequence 0's KV cells ending at position {kv_last} but its "
+                                                f"recurrent state at {state}: a hybrid sequence's KV cells"):
+            call()
+        assert same(before, snapshot(cache)) and [cache.seq_rollback_min(s) for s in range(4)] == reach
+    cache.seq_div(0, 3, -1, 2)       # 3, 4, 5 -> 1, 2, 2: the last KV position is the state's, 2
+    cache.seq_add(0, 0, 2, 1)        # the positions 0 and 1 -> 1 and 2: none past the last
+    assert cache.seq_pos_max(0) == 2
+    cache.check()
+
+
 def test_a_fork_shares_kv_cells_and_the_recurrent_state(engine):
     cache = make(engine)
     histories = Histories(4)
