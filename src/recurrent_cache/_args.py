@@ -106,22 +106,24 @@ def state_seq_id(seq_id: Any, size: int, op: str) -> int:
     return index(seq_id, f"{op}: seq_id", size, SeqIdError, low=-1)
 
 
-def layer_filter(value: Any, n_layer: int, error: type[Exception] = ArgumentError) -> tuple[int, ...] | None:
+def layer_filter(value: Any, n_layer: int, error: type[Exception] = ArgumentError,
+                 name: str = "layers") -> tuple[int, ...] | None:
     """A layer filter: None (every layer) or an iterable of distinct layer indices in
     ``[0, n_layer)`` in any order, returned sorted; one naming every layer is None (the same
-    cache).  Not a str / bytes / mapping / set of bools: each entry is checked as an integer."""
+    cache).  Not a str / bytes / mapping / set of bools: each entry is checked as an integer.
+    Messages call the argument ``name``."""
     if value is None:
         return None
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise error(f"layers must be None or an iterable of layer indices, got {type(value).__name__}")
+        raise error(f"{name} must be None or an iterable of layer indices, got {type(value).__name__}")
     try:
         entries = list(value)
     except TypeError as exc:   # iterable by its type, not by its value: a 0-d numpy array or tensor
-        raise error(f"layers must be None or an iterable of layer indices, got {value!r} ({exc})") from None
-    layers = sorted(in_range(il, "layers entry", 0, n_layer, error) for il in entries)
+        raise error(f"{name} must be None or an iterable of layer indices, got {value!r} ({exc})") from None
+    layers = sorted(in_range(il, f"{name} entry", 0, n_layer, error) for il in entries)
     for before, il in zip(layers, layers[1:]):
         if before == il:
-            raise error(f"layers must not repeat a layer, got {il} twice")
+            raise error(f"{name} must not repeat a layer, got {il} twice")
     return None if len(layers) == n_layer else tuple(layers)
 
 

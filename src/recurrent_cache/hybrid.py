@@ -56,7 +56,7 @@ def _bound(value: int) -> int:
 
 
 def _layers(value: Any, name: str, n_layer: int) -> tuple[int, ...]:
-    layers = _args.layer_filter(value, n_layer, ConfigError)
+    layers = _args.layer_filter(value, n_layer, ConfigError, name)
     return tuple(range(n_layer)) if layers is None else layers
 
 

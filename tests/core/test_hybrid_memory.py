@@ -44,7 +44,8 @@ def test_layout_of_each_layer(engine):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(attn_layers=[5]), "layers entry"), (dict(recr_layers=[1, 1]), "twice"), (dict(kv_size=0), "kv_size"),
+    (dict(attn_layers=[5]), "attn_layers entry"), (dict(recr_layers=[1, 1]), "recr_layers must not repeat"),
+    (dict(recr_layers="01"), "recr_layers must be None"), (dict(kv_size=0), "kv_size"),
     (dict(n_embd_k=0), "n_embd_k"), (dict(dtype_k="q8_0"), "dtype_k"), (dict(swa_type="wide"), "swa_type"),
     (dict(n_seq_max=0), "n_seq_max"), (dict(v_trans=2), "v_trans")])
 def test_bad_configuration_names_the_value(engine, bad, message):
