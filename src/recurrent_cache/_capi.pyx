@@ -5,7 +5,7 @@ A hybrid's context adds the KV half (the KV cell table, the K / V storage; ``_ca
 batches are placed in both halves, its sequence operations are ``_hybrid_rule``'s (the compiled rule,
 shared with ``HybridCache``'s facade), its state bytes the facade's (with the GIL).
 
-A context (``rc_ctx``) points at the cache's memory core (``_core``); a batch
+A context (``rc_ctx``) points at the cache's memory core (``_core_ops``' ``Core``); a batch
 (``rc_batch``) is one ``init_batch``: validated and split (``_split``), proved to fit
 (``split_prepare``), then applied ubatch by ubatch by the core, through the same
 ``core_apply_ubatch`` as the Python facade's ``MemoryState``.  Every change goes
@@ -39,9 +39,10 @@ from ._capi_hybrid cimport (attach_kv, batch_kv_prepare, hybrid_clear, hybrid_se
                             rc_batch_kv_mask, rc_kv_has_shift, rc_kv_reset_shift, rc_kv_shifts, rc_kv_size,
                             rc_kv_tensor, rc_kv_used, rc_n_attn, rule_failure)
 from ._cells cimport cells_seq_pos_max, cells_seq_pos_min
-from ._core cimport (MemoryCore, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add, core_seq_cp,
-                     core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row, core_steps,
-                     shares_rows, blob_source)
+from ._core cimport MemoryCore
+from ._core_ops cimport (blob_source, core_apply_ubatch, core_clear, core_rollback_min, core_seq_add, core_seq_cp,
+                         core_seq_div, core_seq_keep, core_seq_rm, core_state_read, core_step_row, core_steps,
+                         shares_rows)
 from ._hybrid_rule cimport (RuleDetail, rule_error, rule_rollback_min, rule_seq_add, rule_seq_cp, rule_seq_div,
                             rule_seq_keep, rule_seq_rm)
 from ._kv_ops cimport kv_apply, kv_padded_n_kv

@@ -20,7 +20,7 @@ from ._capi_types cimport (RC_ERR_ARGUMENT, RC_ERR_KV, RC_ERR_KV_NO_SLOT, RC_ERR
                            RC_ERR_NOT_APPLIED, RC_ERR_NOT_HYBRID, RC_ERR_NULL, RC_ERR_OVERLAP, RC_ERR_PYTHON,
                            RC_ERR_STALE, RC_ERR_TARGET_SIZE, RC_ERR_TENSOR_INDEX, RC_MASK_FULL, RC_MASK_SLIDING, RC_OK,
                            BatchData, Context, CtxData, rc_batch, rc_ctx, record)
-from ._core cimport core_clear, shares_rows
+from ._core_ops cimport core_clear, shares_rows
 from ._hybrid_rule cimport RuleDetail, rule_seq_pos
 from ._kv_cells cimport KVCells
 from ._kv_mask cimport kv_mask

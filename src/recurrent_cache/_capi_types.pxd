@@ -12,7 +12,8 @@ from cpython.ref cimport PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memset
 
-from ._core cimport Core, MemoryCore
+from ._core cimport MemoryCore
+from ._core_ops cimport Core
 from ._hybrid_rule cimport RuleDetail
 from ._kv_table cimport KvTable
 from ._split cimport Split

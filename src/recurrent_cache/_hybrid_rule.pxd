@@ -10,7 +10,7 @@ to word it in ``*d``.
 
 from libc.stdint cimport int32_t, int64_t
 
-from ._core cimport Core
+from ._core_ops cimport Core
 from ._kv_table cimport KvTable
 
 cdef enum:                       # how a refusal's message names its call (RuleDetail.what_kind)

@@ -12,8 +12,9 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t
 from libc.stdlib cimport free, malloc
 
 from ._cells cimport cells_seq_pos_max, cells_seq_pos_min, cells_tail_in_range
-from ._core cimport (Core, MemoryCore, core_rollback_min, core_seq_add, core_seq_cp, core_seq_div, core_seq_keep,
-                     core_seq_rm)
+from ._core cimport MemoryCore
+from ._core_ops cimport (Core, core_rollback_min, core_seq_add, core_seq_cp, core_seq_div, core_seq_keep,
+                         core_seq_rm)
 from ._kv_cells cimport KVCells
 from ._kv_ops cimport (kv_seq_add, kv_seq_cp, kv_seq_div, kv_seq_has, kv_seq_keep, kv_seq_pos_max, kv_seq_pos_min,
                        kv_seq_rm)

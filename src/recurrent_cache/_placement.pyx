@@ -4,7 +4,7 @@
 ``split_batch`` validates the batch against the cells and splits it (``_split``);
 ``Placement.prepare`` places every ubatch on a journal of the cell table and rolls
 it back, so a prepared placement can always be applied; ``Placement.apply(u)`` hands
-ubatch ``u`` to the memory core (``_core.core_apply_ubatch``: find_slot, the copy
+ubatch ``u`` to the memory core (``_core_ops.core_apply_ubatch``: find_slot, the copy
 plan computed once — docs/concepts.md §2 FIX —, rows and history moved) and keeps its plan.  The facade (``memory_state.MemoryState``) owns the protocol,
 the checks and the messages; this module owns the loops and the C arrays.
 """

@@ -24,7 +24,7 @@ failure as a negative ``RC_ERR_*`` / ``SPLIT_ERR_*`` code; nothing raises.
 
 Contract:
 - ``CellTable.core.cells`` is the table (see ``_cells.pxd`` for every field, and
-  ``_core.pxd`` for the core around it); read it freely, change it only through
+  ``_core_ops.pxd`` for the core around it); read it freely, change it only through
   these functions (a change made here bypasses the core's change counter and
   rollback history: the reason this API is deprecated).
 - The state tensors never move: ``cache.r[il]`` / ``cache.s[il]`` are

@@ -8,7 +8,8 @@ Validation lets no unplaceable ubatch through, so the only way to see what
 from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport free, malloc
 
-from recurrent_cache._core cimport MemoryCore, core_apply_ubatch
+from recurrent_cache._core cimport MemoryCore
+from recurrent_cache._core_ops cimport core_apply_ubatch
 from recurrent_cache._split cimport SPLIT_OK, Split, split_alloc, split_prepare, split_release
 
 
