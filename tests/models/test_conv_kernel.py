@@ -65,14 +65,18 @@ def test_f32_storage_rounds_f64_inputs_as_the_array_api_does():
     close(got[0], want[0], np.float64)
 
 
+@pytest.mark.parametrize("activation", [True, False], ids=["silu", "plain"])
+@pytest.mark.parametrize("taps", [2, 4, 5])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_a_sequence_split_anyhow_gives_the_same_bits(dtype):
-    state, x, weight, bias = inputs(dtype, n_tokens=7)
+def test_a_sequence_split_anyhow_gives_the_same_bits(dtype, taps, activation):
+    """Single tokens (decoding: the kernel's one-token path) and runs of several give the same bits."""
+    state, x, weight, bias = inputs(dtype, n_tokens=7, taps=taps, wide=True)
+    bias = 0.0 if taps == 5 else bias   # a family without a conv bias (Qwen3-Next, LFM2) passes 0.0
     storage = StateStorage(np.dtype(np.float32))   # an f64 model rounds the kept inputs through it
-    whole, after, _ = conv_tokens(np, state, x, weight, bias, storage, 0)
+    whole, after, _ = conv_tokens(np, state, x, weight, bias, storage, 0, activation)
     parts, conv = [], state
-    for a, b in ((0, 1), (1, 4), (4, 5), (5, 7)):
-        out, conv, _ = conv_tokens(np, conv, x[:, a:b], weight, bias, storage, 0)
+    for a, b in ((0, 1), (1, 4), (4, 5), (5, 6), (6, 7)):
+        out, conv, _ = conv_tokens(np, conv, x[:, a:b], weight, bias, storage, 0, activation)
         parts.append(out)
     np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
     np.testing.assert_array_equal(conv, after)

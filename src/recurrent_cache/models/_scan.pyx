@@ -171,6 +171,9 @@ def conv_tokens(const real[:, :, ::1] state, const real[:, :, :] x, const real[:
     cdef Py_ssize_t s, ch, t, k, first_step = n_tokens - 1 - m
     cdef real acc, value
     cdef real window[64]     # the K - 1 kept inputs and the new one
+    if n_tokens == 1:
+        _conv_one_token(state, x, weight, bias, out, new_state, round_f32, use_silu)
+        return
     with nogil:
         for s in range(n):
             for ch in range(channels):
@@ -198,6 +201,42 @@ def conv_tokens(const real[:, :, ::1] state, const real[:, :, :] x, const real[:
                             steps[s, t - first_step, ch, k] = window[k]
                 for k in range(kept):
                     new_state[s, ch, k] = window[k]
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _conv_one_token(const real[:, :, ::1] state, const real[:, :, :] x, const real[:, ::1] weight,
+                          const real[::1] bias, real[:, :, ::1] out, real[:, :, ::1] new_state, bint round_f32,
+                          bint use_silu) noexcept nogil:
+    """``conv_tokens`` of one token (decoding), shapes already checked: the same sums in the same order, read
+    straight from the state rather than through a window copied per channel, and the silu in a second pass
+    (at 130m shapes 1,536-1,792 channels a layer: the windowed loop took ~25 ns a channel)."""
+    cdef Py_ssize_t n = x.shape[0], channels = x.shape[2], kept = weight.shape[1] - 1, s, ch, k
+    cdef const real* kept_inputs
+    cdef const real* taps
+    cdef real* after
+    cdef real acc, value
+    for s in range(n):
+        for ch in range(channels):
+            kept_inputs, taps, after = &state[s, ch, 0], &weight[ch, 0], &new_state[s, ch, 0]
+            value = x[s, 0, ch]
+            if round_f32:
+                value = <real><float>value
+            acc = kept_inputs[0] * taps[0]
+            for k in range(1, kept):
+                acc = acc + kept_inputs[k] * taps[k]
+            acc = acc + value * taps[kept]
+            out[s, 0, ch] = acc + bias[ch]
+            for k in range(kept - 1):
+                after[k] = kept_inputs[k + 1]
+            after[kept - 1] = value
+        if use_silu:
+            for ch in range(channels):
+                acc = out[s, 0, ch]
+                if real is float:
+                    out[s, 0, ch] = acc / (1 + expf(-acc))
+                else:
+                    out[s, 0, ch] = acc / (1 + exp(-acc))
 
 
 cdef extern from "math.h" nogil:
