@@ -90,7 +90,9 @@ def test_allkeys_lru_server_evicts_and_the_store_goes_on(tmp_path):
         entries = [numbered_entry(i, 1 << 13) for i in range(60)]   # 64 KiB each, 3.8 MiB in all
         assert all(store.put(key, entry) for key, entry, _ in entries)
         present = [v is not None for v in store.get_many([key for key, _, _ in entries])]
-        assert not present[0] and present[-1] and 10 < sum(present) < 40
+        # Redis's LRU is approximate (it evicts the oldest of a few sampled keys): the oldest entries go
+        # rather than the newest, not necessarily the very first one
+        assert present[-1] and 10 < sum(present) < 40 and sum(present[:20]) < sum(present[-20:])
         stats = store.stats()
         assert stats["maxmemory_policy"] == "allkeys-lru" and stats["evicted_keys"] > 0
         assert stats["errors"] == 0 and stats["damaged"] == 0
