@@ -9,7 +9,8 @@ directory (``load_hf``, float32, f32 states and K/V), llama.cpp runs the GGUF th
 the package writes that family's GGUF and llama-cpp-python imports), transformers runs the checkpoint itself.
 Each decodes ``--tokens`` greedy tokens after a short prompt, for one sequence and for 8 together; the table gives
 generated tokens per second (summed over the sequences) and the ratio to llama.cpp.  Threads as
-``bench/model_speed.py`` (``--threads``, default 2; numpy's BLAS from ``OPENBLAS_NUM_THREADS``).
+``bench/model_speed.py`` (``--threads``, default 2, for llama.cpp, torch and the compiled products; numpy's BLAS from
+``OPENBLAS_NUM_THREADS``).
 
 * **Jamba-like**: Mamba-1 layers (d_inner 1,536, d_state 16), attention every 8th layer (offset 4; 12 heads,
   4 KV heads), a mixture of 4 experts (2 per token, n_ff 768) on every other layer and a dense SwiGLU MLP
@@ -109,7 +110,8 @@ def main() -> None:
     add_quick_option(parser, "4-layer models of n_embd 128, 4 tokens")
     parser.add_argument("--tokens", type=int, help="greedy tokens per sequence (default 32; 4 with --quick)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sequences decoding together")
-    parser.add_argument("--threads", type=int, default=THREADS, help="llama.cpp's and torch's threads (default 2)")
+    parser.add_argument("--threads", type=int, default=THREADS,
+                        help="llama.cpp's, torch's and the compiled products' threads (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine in turn; the best counts")
     options = parser.parse_args()
     if not torch_available():

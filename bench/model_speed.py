@@ -16,11 +16,13 @@ built from the same weights (when installed).  Each decodes ``--tokens`` greedy
 tokens after a short prompt, for one sequence and for 8 together; the table gives
 generated tokens per second (summed over the sequences) and the ratio to llama.cpp.
 
-``--threads`` (default 2) is llama.cpp's ``n_threads`` and torch's thread count;
-numpy's BLAS takes ``OPENBLAS_NUM_THREADS`` (or ``OMP_NUM_THREADS``) from the
-environment.  On a loaded machine a thread count equal to the cores makes
-every engine wait for its slowest thread: llama.cpp's 2-thread figures then
-swing tenfold from run to run; the load average is printed with the table.
+``--threads`` (default 2) is llama.cpp's ``n_threads``, torch's thread count and
+that of the package's compiled products (``models.set_num_threads``: one to eight
+rows, a decode step); numpy's BLAS, which takes more rows, takes
+``OPENBLAS_NUM_THREADS`` (or ``OMP_NUM_THREADS``) from the environment.  On a
+loaded machine a thread count equal to the cores makes every engine wait for
+its slowest thread: llama.cpp's 2-thread figures then swing tenfold from run
+to run; the load average is printed with the table.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quick import NOTE, add_quick_option  # noqa: E402
 
 import recurrent_cache as rc  # noqa: E402
-from recurrent_cache.models import RecurrentModel, random_mamba2_model, random_model, write_gguf  # noqa: E402
+from recurrent_cache.models import (RecurrentModel, random_mamba2_model, random_model, set_num_threads,  # noqa: E402
+                                    write_gguf)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "model_speed.md"
 PROMPT = [17, 424, 93, 100, 7]   # a few token ids, the same for every engine
@@ -240,9 +243,10 @@ def best_rates(decoders: dict[str, Decoder], batches: list[int], n_tokens: int, 
 
 
 def set_threads(n_threads: int) -> None:
-    """llama.cpp's and torch's thread count."""
+    """llama.cpp's, torch's and the package's compiled products' thread count."""
     global THREADS
     THREADS = n_threads
+    set_num_threads(n_threads)
     if torch_available():
         import torch
 
@@ -262,7 +266,8 @@ def main() -> None:
     add_quick_option(parser, "2-layer models of n_embd 128, 4 tokens")
     parser.add_argument("--tokens", type=int, help="greedy tokens per sequence (default 64; 4 with --quick)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="sequences decoding together")
-    parser.add_argument("--threads", type=int, default=THREADS, help="llama.cpp's and torch's threads (default 2)")
+    parser.add_argument("--threads", type=int, default=THREADS,
+                        help="llama.cpp's, torch's and the compiled products' threads (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine in turn; the best counts")
     parser.add_argument("--before", type=Path, metavar="DIR",
                         help="a former src/recurrent_cache/models (e.g. git archive REV src/recurrent_cache/models "

@@ -26,6 +26,7 @@ from .qwen3_next import Qwen3NextHParams, Qwen3NextModel, random_qwen3_next_mode
 from .nemotron_h import NemotronHHParams, NemotronHModel, random_nemotron_h_model
 from ..errors import ModelError
 from .recurrent import RecurrentModel, ReferenceRun
+from ._ssm import get_num_threads, set_num_threads
 from .sampling import Sampler
 from .trained import TRAINED_GGUF, held_out_prompts, trained_model, training_facts
 from .vocab import Vocabulary, escape
@@ -34,7 +35,7 @@ __all__ = ["FalconH1HParams", "FalconH1Model", "GraniteHybridHParams", "GraniteH
            "JambaHParams", "JambaModel", "LanguageModel", "Lfm2HParams", "Lfm2Model", "Mamba2HParams", "Mamba2Layer",
            "Mamba2Model", "MambaHParams", "MambaLayer", "MambaModel", "ModelError", "NemotronHHParams",
            "NemotronHModel", "Qwen3NextHParams", "Qwen3NextModel", "RecurrentModel", "ReferenceRun", "Sampler",
-           "TRAINED_GGUF", "Vocabulary", "convert_hf_to_gguf", "escape", "held_out_prompts", "load_gguf", "load_hf",
-           "load_model", "random_falcon_h1_model", "random_jamba_model", "random_lfm2_model", "random_mamba2_model",
-           "random_model", "random_nemotron_h_model", "random_qwen3_next_model", "recurrent_layers", "trained_model",
-           "training_facts", "write_gguf"]
+           "TRAINED_GGUF", "Vocabulary", "convert_hf_to_gguf", "escape", "get_num_threads", "held_out_prompts",
+           "load_gguf", "load_hf", "load_model", "random_falcon_h1_model", "random_jamba_model", "random_lfm2_model",
+           "random_mamba2_model", "random_model", "random_nemotron_h_model", "random_qwen3_next_model",
+           "recurrent_layers", "set_num_threads", "trained_model", "training_facts", "write_gguf"]

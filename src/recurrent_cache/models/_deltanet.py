@@ -37,8 +37,8 @@ One layer on ``u`` [n_seqs, n_tokens, n_embd] (already normed), per token, with
 
 The state is rounded to its storage after every token (the package's policy,
 docs/models.md), and each token's projections are computed as a product of
-its own row (``_per_token``): on numpy a sequence's outputs and states are
-the same bits whatever its ubatch split and whichever sequences share it.
+its own row (``_ssm.linear_rows``): on numpy a sequence's outputs and states
+are the same bits whatever its ubatch split and whichever sequences share it.
 
 **Where llama.cpp and transformers differ.**  llama.cpp's l2 norm of q and k
 uses the model's ``rms_norm_eps`` (``build_gdn_l2_norm``), transformers a
@@ -60,7 +60,8 @@ from ..errors import ModelError
 from ._arrays import Array
 from ._ffn import sigmoid
 from ._scan import delta_step
-from ._ssm import conv_tokens, host_step_rounding, random_conv, random_dt_bias, rms_norm, silu, softplus
+from ._ssm import (conv_tokens, host_step_rounding, linear_rows, random_conv, random_dt_bias, rms_norm, silu,
+                   softplus)
 from ._storage import StateStorage
 from .hf import MAX_CONFIG_INT, as_float
 from .recurrent import check_sizes
@@ -283,13 +284,6 @@ def random_deltanet_weights(rng: np.random.Generator, p: DeltaNetParams) -> dict
 # -- the layer ---------------------------------------------------------------------------------------
 
 
-def _per_token(x: Array, weight: Array) -> Array:
-    """``x @ weight.T`` over the last axis of ``x`` [..., k], one product per row: numpy computes a row the
-    same way whatever the rows beside it (one BLAS product over many rows does not: its blocking changes
-    the order of the sums), so a token's projections do not depend on its ubatch."""
-    return (x[..., None, :] @ weight.T)[..., 0, :]
-
-
 def _l2_normed(xp: Any, x: Array, eps: float) -> Array:
     """``x / sqrt(sum(x*x) + eps)`` over the last axis."""
     return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + eps)
@@ -375,9 +369,9 @@ def gated_deltanet(xp: Any, p: DeltaNetParams, w: dict[str, Array], u: Array, co
     """
     n_seqs, n_tokens = u.shape[:2]
     n_v, d_k, d_v = p.n_v_heads, p.head_k_dim, p.head_v_dim
-    qkv = _per_token(u, w["wqkv"])
-    z = _per_token(u, w["wqkv_gate"]).reshape((n_seqs, n_tokens, n_v, d_v))
-    ba = _per_token(u, w["ssm_beta_alpha"]).reshape((n_seqs, n_tokens, p.n_k_heads, 2 * p.heads_per_key))
+    qkv = linear_rows(u, w["wqkv"])
+    z = linear_rows(u, w["wqkv_gate"]).reshape((n_seqs, n_tokens, n_v, d_v))
+    ba = linear_rows(u, w["ssm_beta_alpha"]).reshape((n_seqs, n_tokens, p.n_k_heads, 2 * p.heads_per_key))
     b = ba[..., :p.heads_per_key].reshape((n_seqs, n_tokens, n_v))
     a = ba[..., p.heads_per_key:].reshape((n_seqs, n_tokens, n_v))
 
@@ -395,7 +389,7 @@ def gated_deltanet(xp: Any, p: DeltaNetParams, w: dict[str, Array], u: Array, co
     state = ssm.reshape((n_seqs, n_v, d_v, d_k))
     y, state, ssm_steps = delta_rule(xp, state, q * (1.0 / math.sqrt(d_k)), k, v, g, beta, storage_s, m)
     gated = rms_norm(xp, y, p.rms_eps) * w["ssm_norm"] * silu(xp, z)
-    out = _per_token(gated.reshape((n_seqs, n_tokens, p.value_dim)), w["ssm_out"])
+    out = linear_rows(gated.reshape((n_seqs, n_tokens, p.value_dim)), w["ssm_out"])
     steps = (None if conv_steps is None or ssm_steps is None
              else (conv_steps.reshape((n_seqs, m, p.n_embd_r)), ssm_steps.reshape((n_seqs, m, p.n_embd_s))))
     return out, conv_after.reshape((n_seqs, p.n_embd_r)), state.reshape((n_seqs, p.n_embd_s)), steps

@@ -17,6 +17,8 @@ of every recurrent family (``_ssm.conv_tokens``): window, taps, bias, silu and t
 where the array-API math makes a dozen small ones.
 """
 
+import os
+
 cimport cython
 
 ctypedef fused real:
@@ -237,6 +239,73 @@ cdef void _conv_one_token(const real[:, :, ::1] state, const real[:, :, :] x, co
                     out[s, 0, ch] = acc / (1 + expf(-acc))
                 else:
                     out[s, 0, ch] = acc / (1 + exp(-acc))
+
+
+cdef extern from "_rows_product.h" nogil:
+    void rc_rows_product_f32(const float* wt, const float* x, float* y, Py_ssize_t m, Py_ssize_t out, Py_ssize_t n_in,
+                             int threads)
+    void rc_rows_product_f64(const double* wt, const double* x, double* y, Py_ssize_t m, Py_ssize_t out,
+                             Py_ssize_t n_in, int threads)
+    int rc_product_threads_default()
+
+
+# The threads rows_product takes by default: OpenMP's count (OMP_NUM_THREADS, else the CPUs); 1 without OpenMP.
+cdef int _product_threads = rc_product_threads_default()
+# Whether this process has run a product in several threads, and whether it is a child forked after its parent
+# had: GNU OpenMP's threads do not survive a fork, and the child's first parallel region would wait for them
+# for ever, so such a child computes every product in one thread.
+cdef bint _threads_started = False
+cdef bint _forked_after_threads = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_threads
+    if _threads_started:
+        _forked_after_threads = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def product_threads() -> int:
+    """The threads ``rows_product`` uses (``set_product_threads``; at first OpenMP's default; 1 in a child
+    forked after its parent's products ran in threads)."""
+    return 1 if _forked_after_threads else _product_threads
+
+
+def set_product_threads(int threads) -> None:
+    """Have ``rows_product`` use ``threads`` threads (at least 1; a child forked after its parent's products
+    ran in threads keeps to one)."""
+    global _product_threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    _product_threads = threads
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def rows_product(const real[:, ::1] x, const real[:, ::1] weight_t, real[:, ::1] y):
+    """``y = x @ weight_t`` for a few rows ``x`` [m, in] and a weight kept as ``weight_t`` [in, out] (``_ssm.linear``'s
+    kernel, ``_rows_product.h``): each output summed over the inputs in order, in ``product_threads()`` threads.
+    ``y`` [m, out], else a ``ValueError`` before anything is written."""
+    cdef Py_ssize_t m = x.shape[0], n_in = x.shape[1], out = weight_t.shape[1]
+    if weight_t.shape[0] != n_in or y.shape[0] != m or y.shape[1] != out:
+        raise ValueError(f"rows of shape {(m, n_in)} times a weight of {(weight_t.shape[0], out)} "
+                         f"into {(y.shape[0], y.shape[1])}")
+    if m == 0 or out == 0:
+        return
+    if n_in == 0:
+        y[:, :] = 0
+        return
+    global _threads_started
+    cdef int threads = product_threads()
+    if threads > 1:
+        _threads_started = True
+    with nogil:
+        if real is float:
+            rc_rows_product_f32(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
+        else:
+            rc_rows_product_f64(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
 
 
 cdef extern from "math.h" nogil:

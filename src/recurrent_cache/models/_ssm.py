@@ -14,17 +14,22 @@ from typing import Any
 
 import numpy as np
 
+from .. import _args
 from ._arrays import Array
 from ._scan import conv_tokens as conv_tokens_kernel
-from ._scan import rms_rows, scan_step
+from ._scan import product_threads, rms_rows, rows_product, scan_step, set_product_threads
 from ._storage import StateStorage
 
 _DLPACK_CPU = 1   # DLPack's device type of host memory (kDLCPU)
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# Rows ``linear`` computes with the compiled kernel, more with BLAS: at 130m shapes (one core, and two) the kernel
+# streams a weight faster for 1-8 rows and BLAS's GEMM is the faster from 16 (docs/models.md)
+FEW_ROWS = 8
 
-__all__ = ["causal_conv", "conv_state_after", "conv_tokens", "conv_window", "gated_rms_norm", "host_step_rounding",
-           "linear", "product_weight", "random_conv", "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host",
-           "scan_tokens", "selective_scan", "silu", "softplus"]
+__all__ = ["FEW_ROWS", "causal_conv", "conv_state_after", "conv_tokens", "conv_window", "gated_rms_norm",
+           "get_num_threads", "host_step_rounding", "linear", "linear_rows", "product_weight", "random_conv",
+           "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host", "scan_tokens", "selective_scan",
+           "set_num_threads", "silu", "softplus"]
 
 
 def product_weight(weight: np.ndarray) -> np.ndarray:
@@ -40,11 +45,59 @@ def product_weight(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(weight, -1, -2)).swapaxes(-1, -2)
 
 
+def get_num_threads() -> int:
+    """The threads the compiled products use (``linear`` on a few numpy rows, or torch CPU rows computed on by
+    numpy): at first OpenMP's default — ``OMP_NUM_THREADS``, else the CPUs — as numpy's BLAS takes; 1 in a
+    build without OpenMP, and in a child forked after its parent's products ran in threads (GNU OpenMP's
+    threads do not survive a fork)."""
+    return product_threads()
+
+
+def set_num_threads(threads: int) -> None:
+    """Have the compiled products use ``threads`` (at least 1); ``ArgumentError`` otherwise, nothing changed."""
+    set_product_threads(_args.count(threads, "threads", 1))
+
+
 def linear(x: Array, weight: Array) -> Array:
-    """``x @ weight.T`` over the last axis of ``x`` [..., k], as one 2-D product (BLAS's GEMV/GEMM:
-    numpy's stacked matmul of a 3-D ``x`` does not reach BLAS); fastest with ``weight`` from ``product_weight``."""
-    rows = x.reshape((-1, x.shape[-1])) @ weight.T
-    return rows.reshape((*x.shape[:-1], weight.shape[0]))
+    """``x @ weight.T`` over the last axis of ``x`` [..., k], as one 2-D product; fastest with ``weight`` from
+    ``product_weight``.
+
+    Up to ``FEW_ROWS`` numpy rows (decoding: a token per sequence) times a float32 / float64 weight in that
+    layout go to the compiled kernel (``_scan.rows_product``: each output summed over ``k`` in order, so its
+    bits are the same for any number of rows up to ``FEW_ROWS``, any thread count and any CPU); more rows, and
+    torch's tensors, to the library's matmul (BLAS's GEMM: numpy's stacked matmul of a 3-D ``x`` does not reach
+    BLAS, hence one 2-D product).
+    """
+    rows = x.reshape((-1, x.shape[-1]))
+    if 0 < rows.shape[0] <= FEW_ROWS and _kernel_multiplies(rows, weight):
+        product = np.empty((rows.shape[0], weight.shape[0]), rows.dtype)
+        rows_product(np.ascontiguousarray(rows), weight.T, product)
+    else:
+        product = rows @ weight.T
+    return product.reshape((*x.shape[:-1], weight.shape[0]))
+
+
+def _kernel_multiplies(rows: Array, weight: Array) -> bool:
+    """Whether ``_scan.rows_product`` takes ``rows`` times ``weight``: numpy arrays of one float32 / float64 dtype,
+    the weight in ``product_weight``'s layout."""
+    return (isinstance(rows, np.ndarray) and rows.dtype == weight.dtype and rows.dtype in _KERNEL_DTYPES
+            and weight.T.flags.c_contiguous)
+
+
+def linear_rows(x: Array, weight: Array) -> Array:
+    """``linear``, with every row's outputs the same bits whatever the rows beside it, for any number of rows, on
+    numpy (float32 / float64, ``weight`` in ``product_weight``'s layout): the compiled kernel over ``FEW_ROWS`` rows
+    at a time, streaming the weight once a group (one BLAS product over many rows sums in another order than over
+    one: its blocking changes with the rows).  Torch's tensors take a product per row, as close as torch comes
+    (its batched product's kernel, hence its bits, also depends on how many rows there are)."""
+    rows = x.reshape((-1, x.shape[-1]))
+    if not _kernel_multiplies(rows, weight):
+        return (x[..., None, :] @ weight.T)[..., 0, :]
+    rows = np.ascontiguousarray(rows)
+    product = np.empty((rows.shape[0], weight.shape[0]), rows.dtype)
+    for start in range(0, rows.shape[0], FEW_ROWS):
+        rows_product(rows[start:start + FEW_ROWS], weight.T, product[start:start + FEW_ROWS])
+    return product.reshape((*x.shape[:-1], weight.shape[0]))
 
 
 def rms_norm(xp: Any, v: Array, eps: float) -> Array:

@@ -1,0 +1,101 @@
+/* A few rows times a weight kept as [in, out] rows (models/_scan.pyx's rows_product, through _ssm.linear):
+ *
+ *     y[i, o] = sum over k = 0 .. in-1, in order, of x[i, k] * wt[k, o]      for each of the m rows of x
+ *
+ * The weight is streamed once for all m rows: the outputs in chunks, each chunk taking 8 inputs a pass,
+ * and with several threads each thread takes one contiguous share of the outputs.  Every output is one
+ * sum over k in k's order, so its bits do not depend on m, the chunking, the thread count or the CPU's
+ * vector width (products are not fused into FMAs: the build passes -ffp-contract=off).  Decoding one token
+ * is such a product per projection; BLAS's GEMV / GEMM for these shapes stream the weight more slowly
+ * (measured in docs/models.md). */
+#ifndef RC_ROWS_PRODUCT_H
+#define RC_ROWS_PRODUCT_H
+
+#include <stddef.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The vector widths GCC compiles the streaming loop for, chosen when the module loads (x86-64). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define RC_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define RC_VECTOR_CLONES
+#endif
+
+/* Outputs a chunk: one row's chunk of 16384 stays in L2 while 8 weight rows stream past it; with several rows
+ * of x, 2048 keeps their chunks and the 8 weight segments each of them reads in L2. */
+#define RC_PRODUCT_CHUNK(m) ((m) == 1 ? 16384 : 2048)
+
+#define RC_DEFINE_ROWS_PRODUCT(NAME, real)                                                               \
+    RC_VECTOR_CLONES                                                                                     \
+    static void NAME##_span(const real *restrict wt, const real *restrict x, real *restrict y,          \
+                            ptrdiff_t m, ptrdiff_t out, ptrdiff_t in, ptrdiff_t o0, ptrdiff_t o1) {     \
+        const ptrdiff_t chunk = RC_PRODUCT_CHUNK(m);                                                     \
+        for (ptrdiff_t c0 = o0; c0 < o1; c0 += chunk) {                                                  \
+            const ptrdiff_t n = o1 - c0 < chunk ? o1 - c0 : chunk;                                       \
+            for (ptrdiff_t i = 0; i < m; i++)                                                            \
+                for (ptrdiff_t j = 0; j < n; j++) y[i * out + c0 + j] = 0;                               \
+            ptrdiff_t k = 0;                                                                             \
+            for (; k + 8 <= in; k += 8) {                                                                \
+                const real *a = wt + k * out + c0;                                                       \
+                for (ptrdiff_t i = 0; i < m; i++) {                                                      \
+                    const real *xi = x + i * in + k;                                                     \
+                    const real x0 = xi[0], x1 = xi[1], x2 = xi[2], x3 = xi[3];                           \
+                    const real x4 = xi[4], x5 = xi[5], x6 = xi[6], x7 = xi[7];                           \
+                    real *yi = y + i * out + c0;                                                         \
+                    _Pragma("omp simd")                                                                  \
+                    for (ptrdiff_t j = 0; j < n; j++) {                                                  \
+                        real s = yi[j];                                                                  \
+                        s += x0 * a[j];           s += x1 * a[j + out];                                  \
+                        s += x2 * a[j + 2 * out]; s += x3 * a[j + 3 * out];                              \
+                        s += x4 * a[j + 4 * out]; s += x5 * a[j + 5 * out];                              \
+                        s += x6 * a[j + 6 * out]; s += x7 * a[j + 7 * out];                              \
+                        yi[j] = s;                                                                       \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+            for (; k < in; k++) {                                                                        \
+                const real *a = wt + k * out + c0;                                                       \
+                for (ptrdiff_t i = 0; i < m; i++) {                                                      \
+                    const real xk = x[i * in + k];                                                       \
+                    real *yi = y + i * out + c0;                                                         \
+                    _Pragma("omp simd")                                                                  \
+                    for (ptrdiff_t j = 0; j < n; j++) yi[j] += xk * a[j];                                \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    static void NAME(const real *wt, const real *x, real *y, ptrdiff_t m, ptrdiff_t out, ptrdiff_t in,   \
+                     int threads) {                                                                      \
+        if (threads <= 1 || out < 256) {                                                                 \
+            NAME##_span(wt, x, y, m, out, in, 0, out);                                                   \
+            return;                                                                                      \
+        }                                                                                                \
+        RC_PARALLEL_SHARES(threads, out, NAME##_span(wt, x, y, m, out, in, o0_, o1_))                    \
+    }
+
+#ifdef _OPENMP
+#define RC_PARALLEL_SHARES(threads, out, CALL)                                                           \
+    _Pragma("omp parallel num_threads(threads)")                                                         \
+    {                                                                                                    \
+        const ptrdiff_t nt_ = omp_get_num_threads(), t_ = omp_get_thread_num();                          \
+        const ptrdiff_t per_ = ((out + nt_ - 1) / nt_ + 15) / 16 * 16;                                   \
+        const ptrdiff_t o0_ = t_ * per_, o1_ = o0_ + per_ < out ? o0_ + per_ : out;                      \
+        if (o0_ < o1_) CALL;                                                                             \
+    }
+static int rc_product_threads_default(void) { return omp_get_max_threads(); }
+#else
+#define RC_PARALLEL_SHARES(threads, out, CALL)                                                           \
+    {                                                                                                    \
+        const ptrdiff_t o0_ = 0, o1_ = out;                                                              \
+        CALL;                                                                                            \
+    }
+static int rc_product_threads_default(void) { return 1; }
+#endif
+
+RC_DEFINE_ROWS_PRODUCT(rc_rows_product_f32, float)
+RC_DEFINE_ROWS_PRODUCT(rc_rows_product_f64, double)
+
+#endif
