@@ -2,7 +2,7 @@
  *
  *     y[i, o] = sum over k = 0 .. in-1, in order, of x[i, k] * wt[k, o]      for each of the m rows of x
  *
- * The weight is streamed once for all m rows: the outputs in chunks, each chunk taking 8 inputs a pass,
+ * The weight is streamed once for all m rows: the outputs in chunks, each chunk taking 12 inputs a pass,
  * and with several threads each thread takes one contiguous share of the outputs.  Every output is one
  * sum over k in k's order, so its bits do not depend on m, the chunking, the thread count or the CPU's
  * vector width (products are not fused into FMAs: the build passes -ffp-contract=off).  Decoding one token
@@ -23,8 +23,12 @@
 #define RC_VECTOR_CLONES
 #endif
 
-/* Outputs a chunk: one row's chunk of 16384 stays in L2 while 8 weight rows stream past it; with several rows
- * of x, 2048 keeps their chunks and the 8 weight segments each of them reads in L2. */
+/* Weight rows a pass over a chunk of outputs: 12 streams at once read faster here than 8, whose rows' equal
+ * offsets meet in the same cache sets (the 49 products of a Mamba-2 token, one thread: 19.4 against 20.9 ms) */
+#define RC_PRODUCT_STEP 12
+
+/* Outputs a chunk: one row's chunk of 16384 stays in L2 while the weight rows stream past it; with several rows
+ * of x, 2048 keeps their chunks and the weight segments each of them reads in L2. */
 #define RC_PRODUCT_CHUNK(m) ((m) == 1 ? 16384 : 2048)
 
 #define RC_DEFINE_ROWS_PRODUCT(NAME, real)                                                               \
@@ -37,20 +41,16 @@
             for (ptrdiff_t i = 0; i < m; i++)                                                            \
                 for (ptrdiff_t j = 0; j < n; j++) y[i * out + c0 + j] = 0;                               \
             ptrdiff_t k = 0;                                                                             \
-            for (; k + 8 <= in; k += 8) {                                                                \
+            for (; k + RC_PRODUCT_STEP <= in; k += RC_PRODUCT_STEP) {                                    \
                 const real *a = wt + k * out + c0;                                                       \
                 for (ptrdiff_t i = 0; i < m; i++) {                                                      \
-                    const real *xi = x + i * in + k;                                                     \
-                    const real x0 = xi[0], x1 = xi[1], x2 = xi[2], x3 = xi[3];                           \
-                    const real x4 = xi[4], x5 = xi[5], x6 = xi[6], x7 = xi[7];                           \
+                    real xs[RC_PRODUCT_STEP];                                                            \
+                    for (int q = 0; q < RC_PRODUCT_STEP; q++) xs[q] = x[i * in + k + q];                 \
                     real *yi = y + i * out + c0;                                                         \
                     _Pragma("omp simd")                                                                  \
                     for (ptrdiff_t j = 0; j < n; j++) {                                                  \
                         real s = yi[j];                                                                  \
-                        s += x0 * a[j];           s += x1 * a[j + out];                                  \
-                        s += x2 * a[j + 2 * out]; s += x3 * a[j + 3 * out];                              \
-                        s += x4 * a[j + 4 * out]; s += x5 * a[j + 5 * out];                              \
-                        s += x6 * a[j + 6 * out]; s += x7 * a[j + 7 * out];                              \
+                        for (int q = 0; q < RC_PRODUCT_STEP; q++) s += xs[q] * a[j + q * out];           \
                         yi[j] = s;                                                                       \
                     }                                                                                    \
                 }                                                                                        \
