@@ -2,7 +2,7 @@
  *
  *     y[i, o] = sum over k = 0 .. in-1, in order, of x[i, k] * wt[k, o]      for each of the m rows of x
  *
- * The weight is streamed once for all m rows: the outputs in chunks, each chunk taking 12 inputs a pass,
+ * The weight is streamed once for every 8 rows: the outputs in chunks, each chunk taking 12 inputs a pass,
  * and with several threads each thread takes one contiguous share of the outputs.  Every output is one
  * sum over k in k's order, so its bits do not depend on m, the chunking, the thread count or the CPU's
  * vector width (products are not fused into FMAs: the build passes -ffp-contract=off).  Decoding one token
@@ -30,6 +30,10 @@
 /* Outputs a chunk: one row's chunk of 16384 stays in L2 while the weight rows stream past it; with several rows
  * of x, 2048 keeps their chunks and the weight segments each of them reads in L2. */
 #define RC_PRODUCT_CHUNK(m) ((m) == 1 ? 16384 : 2048)
+
+/* Rows one pass over the weight serves: any more are taken in groups of 8 (their chunks and the weight
+ * segments they read stay in L2), each output summed alike whatever the group */
+#define RC_PRODUCT_GROUP 8
 
 #define RC_DEFINE_ROWS_PRODUCT(NAME, real)                                                               \
     RC_VECTOR_CLONES                                                                                     \
@@ -67,13 +71,21 @@
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
+    /* the rows RC_PRODUCT_GROUP at a time, over outputs o0 .. o1-1 */                                 \
+    static void NAME##_groups(const real *wt, const real *x, real *y, ptrdiff_t m, ptrdiff_t out,        \
+                              ptrdiff_t in, ptrdiff_t o0, ptrdiff_t o1) {                                \
+        for (ptrdiff_t i0 = 0; i0 < m; i0 += RC_PRODUCT_GROUP)                                           \
+            NAME##_span(wt, x + i0 * in, y + i0 * out, m - i0 < RC_PRODUCT_GROUP ? m - i0 : RC_PRODUCT_GROUP, \
+                        out, in, o0, o1);                                                                \
+    }                                                                                                    \
+                                                                                                         \
     static void NAME(const real *wt, const real *x, real *y, ptrdiff_t m, ptrdiff_t out, ptrdiff_t in,   \
                      int threads) {                                                                      \
         if (threads <= 1 || out < 256) {                                                                 \
-            NAME##_span(wt, x, y, m, out, in, 0, out);                                                   \
+            NAME##_groups(wt, x, y, m, out, in, 0, out);                                                 \
             return;                                                                                      \
         }                                                                                                \
-        RC_PARALLEL_SHARES(threads, out, NAME##_span(wt, x, y, m, out, in, o0_, o1_))                    \
+        RC_PARALLEL_SHARES(threads, out, NAME##_groups(wt, x, y, m, out, in, o0_, o1_))                  \
     }
 
 #ifdef _OPENMP

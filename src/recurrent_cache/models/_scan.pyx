@@ -285,8 +285,9 @@ def set_product_threads(int threads) -> None:
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def rows_product(const real[:, ::1] x, const real[:, ::1] weight_t, real[:, ::1] y):
-    """``y = x @ weight_t`` for a few rows ``x`` [m, in] and a weight kept as ``weight_t`` [in, out] (``_ssm.linear``'s
-    kernel, ``_rows_product.h``): each output summed over the inputs in order, in ``product_threads()`` threads.
+    """``y = x @ weight_t`` for rows ``x`` [m, in] and a weight kept as ``weight_t`` [in, out] (``_ssm.linear``'s
+    kernel, ``_rows_product.h``; 8 rows a pass over the weight): each output summed over the inputs in order, in
+    ``product_threads()`` threads.
     ``y`` [m, out], else a ``ValueError`` before anything is written."""
     cdef Py_ssize_t m = x.shape[0], n_in = x.shape[1], out = weight_t.shape[1]
     if weight_t.shape[0] != n_in or y.shape[0] != m or y.shape[1] != out:

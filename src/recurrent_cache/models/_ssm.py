@@ -86,17 +86,15 @@ def _kernel_multiplies(rows: Array, weight: Array) -> bool:
 
 def linear_rows(x: Array, weight: Array) -> Array:
     """``linear``, with every row's outputs the same bits whatever the rows beside it, for any number of rows, on
-    numpy (float32 / float64, ``weight`` in ``product_weight``'s layout): the compiled kernel over ``FEW_ROWS`` rows
-    at a time, streaming the weight once a group (one BLAS product over many rows sums in another order than over
-    one: its blocking changes with the rows).  Torch's tensors take a product per row, as close as torch comes
-    (its batched product's kernel, hence its bits, also depends on how many rows there are)."""
+    numpy (float32 / float64, ``weight`` in ``product_weight``'s layout): the compiled kernel, which streams the
+    weight once for every ``FEW_ROWS`` rows (one BLAS product over many rows sums in another order than over one:
+    its blocking changes with the rows).  Torch's tensors take a product per row, as close as torch comes (its
+    batched product's kernel, hence its bits, also depends on how many rows there are)."""
     rows = x.reshape((-1, x.shape[-1]))
     if not _kernel_multiplies(rows, weight):
         return (x[..., None, :] @ weight.T)[..., 0, :]
-    rows = np.ascontiguousarray(rows)
     product = np.empty((rows.shape[0], weight.shape[0]), rows.dtype)
-    for start in range(0, rows.shape[0], FEW_ROWS):
-        rows_product(rows[start:start + FEW_ROWS], weight.T, product[start:start + FEW_ROWS])
+    rows_product(np.ascontiguousarray(rows), weight.T, product)
     return product.reshape((*x.shape[:-1], weight.shape[0]))
 
 
