@@ -20,24 +20,83 @@ where the array-API math makes a dozen small ones.
 import os
 
 cimport cython
+from cython.parallel cimport prange
+from libc.string cimport memcpy
 
 ctypedef fused real:
     float
     double
 
 
+cdef extern from "_rows_product.h" nogil:
+    int rc_product_threads_default()
+
+
+# The threads the kernels' parallel passes take by default: OpenMP's count (OMP_NUM_THREADS, else the CPUs); 1
+# without OpenMP.
+cdef int _product_threads = rc_product_threads_default()
+# Whether this process has run a pass in several threads, and whether it is a child forked after its parent
+# had: GNU OpenMP's threads do not survive a fork, and the child's first parallel region would wait for them
+# for ever, so such a child runs every pass in one thread.
+cdef bint _threads_started = False
+cdef bint _forked_after_threads = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_threads
+    if _threads_started:
+        _forked_after_threads = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# A pass over fewer bytes than this runs in one thread: waking a second one costs about what it would save
+cdef Py_ssize_t _PARALLEL_MIN_BYTES = 256 * 1024
+
+
+cdef int _threads_for(Py_ssize_t size) noexcept:
+    """The threads a parallel pass over ``size`` bytes takes: ``product_threads()``, or 1 for a small pass
+    (every pass here gives each thread whole outputs, rows or bytes of its own: its result is the same bits
+    whatever the count)."""
+    cdef int threads = 1 if _forked_after_threads or size < _PARALLEL_MIN_BYTES else _product_threads
+    if threads > 1:
+        _mark_threads_started()
+    return threads
+
+
+cdef void _mark_threads_started() noexcept:
+    global _threads_started
+    _threads_started = True
+
+
+def product_threads() -> int:
+    """The threads ``rows_product`` and the other parallel passes (a large enough scan step, delta step or copy) use (``set_product_threads``; at first OpenMP's default; 1 in a child
+    forked after its parent's products ran in threads)."""
+    return 1 if _forked_after_threads else _product_threads
+
+
+def set_product_threads(int threads) -> None:
+    """Have ``rows_product`` and the other parallel passes use ``threads`` threads (at least 1; a child forked after its parent's products
+    ran in threads keeps to one)."""
+    global _product_threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    _product_threads = threads
+
+
 cdef extern from "_scan_row.h" nogil:
     float rc_scan_row_f32(const float* state, const float* decay, int per_state, float x, const float* b,
-                          const float* c, float* out, Py_ssize_t d_state, int round_f32)
+                          const float* c, float* out, float* saved, Py_ssize_t d_state, int round_f32)
     double rc_scan_row_f64(const double* state, const double* decay, int per_state, double x, const double* b,
-                           const double* c, double* out, Py_ssize_t d_state, int round_f32)
+                           const double* c, double* out, double* saved, Py_ssize_t d_state, int round_f32)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real[:, ::1] x,
               const real[:, :, :] b, const real[:, :, :] c, real[:, :, ::1] out, real[:, ::1] y,
-              bint round_f32):
+              bint round_f32, real[:, :, ::1] saved=None, unsigned char[::1] done=None):
     """One token: ``h = state * decay + x ⊗ b``, ``y = h @ c``, ``out = h`` (rounded through float32 when
     ``round_f32``: the state as its storage keeps it; ``y`` is of ``h`` unrounded, as in ``_ssm.scan_tokens``).
 
@@ -48,6 +107,11 @@ def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real
     1: every head reads the same); ``y`` [n, H*P]; ``state``,
     ``x``, ``out`` and ``y`` C-contiguous.  Any other
     shape is a ``ValueError`` before anything is written.
+
+    ``out`` may be ``state`` itself (the step in place), and ``saved`` [n, H*P, N]
+    then gets the state as it was (what undoes the step) and ``done[0]`` is set to
+    1 once the step is made (so that an undo knows, whenever it runs, whether
+    ``saved`` holds anything); ``y`` is the same bits either way.
     """
     cdef Py_ssize_t n = state.shape[0], channels = state.shape[1], d_state = state.shape[2]
     cdef Py_ssize_t n_head = decay.shape[1], per_state = decay.shape[2]
@@ -60,7 +124,9 @@ def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real
                                      ("b", (b.shape[0], b.shape[1], b.shape[2]), (n, shared_bc, d_state)),
                                      ("c", (c.shape[0], c.shape[1], c.shape[2]), (n, shared_bc, d_state)),
                                      ("out", (out.shape[0], out.shape[1], out.shape[2]), (n, channels, d_state)),
-                                     ("y", (y.shape[0], y.shape[1]), (n, channels))):
+                                     ("y", (y.shape[0], y.shape[1]), (n, channels)),
+                                     ("saved", (n, channels, d_state) if saved is None else
+                                      (saved.shape[0], saved.shape[1], saved.shape[2]), (n, channels, d_state))):
         if view_shape != wanted:
             raise ValueError(f"{name} of shape {view_shape}, expected {wanted}")
     # b, c and a decay per state are read as rows over d_state: their last axis must be contiguous
@@ -71,19 +137,26 @@ def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real
     if n == 0 or channels == 0 or d_state == 0:
         return
     cdef Py_ssize_t per_head = channels // n_head
-    cdef Py_ssize_t s, h, hb, ch
+    cdef Py_ssize_t i, s, h, hb, ch
     cdef int per_state_decay = per_state > 1
+    cdef int threads = _threads_for(n * channels * d_state * sizeof(real))
     with nogil:
-        for s in range(n):
-            for ch in range(channels):
-                h = ch // per_head
-                hb = h if shared_bc > 1 else 0
-                if real is float:
-                    y[s, ch] = rc_scan_row_f32(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
-                                               &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0], d_state, round_f32)
-                else:
-                    y[s, ch] = rc_scan_row_f64(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
-                                               &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0], d_state, round_f32)
+        # each channel's row is its own: the threads' shares of them do not change a bit
+        for i in prange(n * channels, num_threads=threads, schedule="static"):
+            s = i // channels
+            ch = i % channels
+            h = ch // per_head
+            hb = h if shared_bc > 1 else 0
+            if real is float:
+                y[s, ch] = rc_scan_row_f32(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
+                                           &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0],
+                                           NULL if saved is None else &saved[s, ch, 0], d_state, round_f32)
+            else:
+                y[s, ch] = rc_scan_row_f64(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
+                                           &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0],
+                                           NULL if saved is None else &saved[s, ch, 0], d_state, round_f32)
+    if done is not None and done.shape[0]:
+        done[0] = 1
 
 
 cdef extern from "_delta_row.h" nogil:
@@ -124,18 +197,21 @@ def delta_step(const real[:, :, :, ::1] state, const real[:, ::1] decay, const r
     if n == 0 or n_v == 0 or d_v == 0 or d_k == 0:
         return
     cdef Py_ssize_t per_key = n_v // n_k
-    cdef Py_ssize_t s, h, hk, j
+    cdef Py_ssize_t i, s, h, hk, j
+    cdef int threads = _threads_for(n * n_v * d_v * d_k * sizeof(real))
     with nogil:
-        for s in range(n):
-            for h in range(n_v):
-                hk = h // per_key
-                for j in range(d_v):
-                    if real is float:
-                        y[s, h, j] = rc_delta_row_f32(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
-                                                      v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)
-                    else:
-                        y[s, h, j] = rc_delta_row_f64(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
-                                                      v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)
+        # each value head's matrix is its own: the threads' shares of them do not change a bit
+        for i in prange(n * n_v, num_threads=threads, schedule="static"):
+            s = i // n_v
+            h = i % n_v
+            hk = h // per_key
+            for j in range(d_v):
+                if real is float:
+                    y[s, h, j] = rc_delta_row_f32(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
+                                                  v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)
+                else:
+                    y[s, h, j] = rc_delta_row_f64(&state[s, h, j, 0], decay[s, h], &q[s, hk, 0], &k[s, hk, 0],
+                                                  v[s, h, j], beta[s, h], &out[s, h, j, 0], d_k, round_f32)
 
 
 cdef extern from "math.h" nogil:
@@ -246,40 +322,6 @@ cdef extern from "_rows_product.h" nogil:
                              int threads)
     void rc_rows_product_f64(const double* wt, const double* x, double* y, Py_ssize_t m, Py_ssize_t out,
                              Py_ssize_t n_in, int threads)
-    int rc_product_threads_default()
-
-
-# The threads rows_product takes by default: OpenMP's count (OMP_NUM_THREADS, else the CPUs); 1 without OpenMP.
-cdef int _product_threads = rc_product_threads_default()
-# Whether this process has run a product in several threads, and whether it is a child forked after its parent
-# had: GNU OpenMP's threads do not survive a fork, and the child's first parallel region would wait for them
-# for ever, so such a child computes every product in one thread.
-cdef bint _threads_started = False
-cdef bint _forked_after_threads = False
-
-
-def _after_fork_in_child() -> None:
-    global _forked_after_threads
-    if _threads_started:
-        _forked_after_threads = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def product_threads() -> int:
-    """The threads ``rows_product`` uses (``set_product_threads``; at first OpenMP's default; 1 in a child
-    forked after its parent's products ran in threads)."""
-    return 1 if _forked_after_threads else _product_threads
-
-
-def set_product_threads(int threads) -> None:
-    """Have ``rows_product`` use ``threads`` threads (at least 1; a child forked after its parent's products
-    ran in threads keeps to one)."""
-    global _product_threads
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    _product_threads = threads
 
 
 @cython.boundscheck(False)
@@ -298,10 +340,9 @@ def rows_product(const real[:, ::1] x, const real[:, ::1] weight_t, real[:, ::1]
     if n_in == 0:
         y[:, :] = 0
         return
-    global _threads_started
     cdef int threads = product_threads()
     if threads > 1:
-        _threads_started = True
+        _mark_threads_started()
     with nogil:
         if real is float:
             rc_rows_product_f32(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
@@ -331,3 +372,25 @@ def rms_rows(const real[:, ::1] v, double eps, real[:, ::1] out):
             scale = <real>sqrt(total / width + eps)
             for j in range(width):
                 out[i, j] = v[i, j] / scale
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def copy_bytes(const unsigned char[::1] source, unsigned char[::1] target):
+    """``target[:] = source`` (``_storage.StateStorage.write``'s kernel: a layer's new states into its rows),
+    split between ``product_threads()`` threads when it is large (one core does not reach the memory's
+    bandwidth).  ``target`` as long as ``source``, else a ``ValueError`` before anything is written."""
+    cdef Py_ssize_t size = source.shape[0]
+    if target.shape[0] != size:
+        raise ValueError(f"{size} bytes into {target.shape[0]}")
+    if size == 0:
+        return
+    cdef int threads = _threads_for(size)
+    # each thread one contiguous share, whole cache lines but the last
+    cdef Py_ssize_t share = ((size + threads - 1) // threads + 63) // 64 * 64
+    cdef Py_ssize_t part, start
+    with nogil:
+        for part in prange(threads, num_threads=threads, schedule="static"):
+            start = part * share
+            if start < size:
+                memcpy(&target[start], &source[start], <size_t>min(share, size - start))

@@ -267,12 +267,19 @@ def scan_step_on_host(xp: Any, state: Array, dt: Array, a: Array, x: Array, b: A
     decay = np.asarray(xp.exp(dt[:, 0] * a))
     decay = decay.reshape((n, -1, decay.shape[-1]))   # [n, heads, d_state or 1]
     host_state = np.ascontiguousarray(np.asarray(state))
-    new_state, y = np.empty_like(host_state), np.empty(host_state.shape[:-1], host_state.dtype)
+    y = np.empty(host_state.shape[:-1], host_state.dtype)
     channels = y.reshape((n, -1)).shape[1]
-    scan_step(host_state.reshape((n, channels, n_state)), decay,
-              np.ascontiguousarray(np.asarray(x[:, 0])).reshape((n, channels)),
-              np.asarray(b[:, 0]).reshape((n, -1, n_state)), np.asarray(c[:, 0]).reshape((n, -1, n_state)),
-              new_state.reshape((n, channels, n_state)), y.reshape((n, channels)), round_f32)
+    inputs = (decay, np.ascontiguousarray(np.asarray(x[:, 0])).reshape((n, channels)),
+              np.asarray(b[:, 0]).reshape((n, -1, n_state)), np.asarray(c[:, 0]).reshape((n, -1, n_state)))
+    rows = host_state.reshape((n, channels, n_state))
+    if storage_s.undo is not None and not round_f32 and host_state.flags.writeable:
+        # the state is its rows as stored: stepped in place, the old values kept to undo it
+        saved, done = storage_s.undo.saving(rows)
+        scan_step(rows, *inputs, rows, y.reshape((n, channels)), False, saved, done)
+        new_state = host_state
+    else:
+        new_state = np.empty_like(host_state)
+        scan_step(rows, *inputs, new_state.reshape((n, channels, n_state)), y.reshape((n, channels)), round_f32)
     return xp.asarray(y)[:, None], xp.asarray(new_state), None
 
 

@@ -43,7 +43,7 @@ from ..memory_state import MemoryStatus
 from ..storage import Storage
 from ._arrays import Array, Backend, ModelWeights
 from ._attention import AttentionParams, attention, shift_keys
-from ._storage import StateStorage
+from ._storage import StateStorage, StateUndo
 from .language_model import LanguageModel, LanguageShape, backend_of, checked_tensor
 from .vocab import Vocabulary
 
@@ -104,6 +104,8 @@ class LayerRun:
         self._m = 0
         self._v_trans = bool(st.v_trans) if model.hparams.attn_layers else False
         self._states: dict[int, tuple[Array, Array, tuple[Array, Array] | None]] = {}
+        # the states a one-token step updated in their rows: put back if any layer fails (``forward_ubatch``)
+        self.undo = StateUndo()
         recr = model.hparams.recr_layers
         if recr:
             self._m = int(st.r_steps(recr[0]).shape[1])
@@ -126,7 +128,7 @@ class LayerRun:
         if il in self._states:
             raise ModelError(f"layer {il}'s recurrent state is updated twice in one ubatch")
         r_rows, s_rows = self._st.r(il), self._st.s(il)
-        storage_r, storage_s = self._backend.storage(r_rows), self._backend.storage(s_rows)
+        storage_r, storage_s = self._backend.storage(r_rows), self._backend.storage(s_rows).with_undo(self.undo)
         out, conv, ssm, steps = mixer(self.xp, w, u, storage_r.decode(r_rows, self.dtype),
                                       storage_s.decode(s_rows, self.dtype), storage_r, storage_s, self._m)
         self._states[il] = (conv, ssm, steps)
@@ -139,11 +141,11 @@ class LayerRun:
         for il, (conv, ssm, steps) in self._states.items():
             r_rows, s_rows = st.r(il), st.s(il)
             storage_r, storage_s = self._backend.storage(r_rows), self._backend.storage(s_rows)
-            r_rows[...] = storage_r.encode(conv)
-            s_rows[...] = storage_s.encode(ssm)
+            storage_r.write(r_rows, conv)
+            storage_s.write(s_rows, ssm)
             if self._m and steps is not None:
-                st.r_steps(il)[...] = storage_r.encode(steps[0])
-                st.s_steps(il)[...] = storage_s.encode(steps[1])
+                storage_r.write(st.r_steps(il), steps[0])
+                storage_s.write(st.s_steps(il), steps[1])
 
 
 class HybridModel(LanguageModel):
@@ -246,8 +248,14 @@ class HybridModel(LanguageModel):
             x = self.embedded(backend, weights, device, ub.token, ub.embd)
             x = backend.xp.reshape(x, (ub.n_seqs, ub.n_seq_tokens, p.n_embd))
             run = LayerRun(self, st, backend, device)
-            for il, w in enumerate(weights.layers):
-                x = self.block(run, il, w, x)
+            try:
+                for il, w in enumerate(weights.layers):
+                    x = self.block(run, il, w, x)
+            except BaseException:
+                run.undo.restore()
+                raise
+            finally:
+                run.undo.release()
             run.write_states()
             outputs = backend.from_host(np.flatnonzero(ub.output), device)
             return self.head(backend.xp, weights, backend.xp.take(backend.xp.reshape(x, (ub.n_tokens, p.n_embd)),

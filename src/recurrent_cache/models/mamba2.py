@@ -200,11 +200,12 @@ def mamba2_mixer(xp: Any, p: Mamba2HParams, w: dict[str, Array], u: Array, conv:
     xbc, conv, conv_steps = conv_tokens(xp, conv, zxbcdt[..., p.d_inner:p.d_inner + p.conv_channels],
                                         w["ssm_conv1d"], w["ssm_conv1d_b"], storage_r, m)
     x = xbc[..., :p.d_inner].reshape((n_seqs, n_tokens, n_head, head_dim))
-    # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave
+    # B and C per head: head h reads group h // (n_head / n_group), transformers' repeat_interleave; one group
+    # broadcasts over the heads as it is
     per_group = n_head // n_group
     b = xbc[..., p.d_inner:p.d_inner + n_group * d_state].reshape((n_seqs, n_tokens, n_group, d_state))
     c = xbc[..., p.d_inner + n_group * d_state:].reshape((n_seqs, n_tokens, n_group, d_state))
-    if per_group > 1:
+    if n_group > 1 and per_group > 1:
         # [n_seqs, n_tokens, n_head, d_state]
         b, c = xp.repeat(b, per_group, axis=2), xp.repeat(c, per_group, axis=2)
     dt = softplus(xp, zxbcdt[..., p.d_inner + p.conv_channels:] + w["ssm_dt_b"])   # [n_seqs, n_tokens, n_head]

@@ -33,7 +33,7 @@ from ..errors import ModelError, RecurrentCacheError
 from ..storage import Storage
 from ._arrays import NUMPY, Array, ModelWeights
 from ._ssm import rms_norm
-from ._storage import StateStorage
+from ._storage import StateStorage, StateUndo
 from .language_model import LanguageModel, backend_of, checked_tensor
 
 if TYPE_CHECKING:
@@ -175,7 +175,8 @@ class RecurrentModel(LanguageModel):
         """
         r_rows, s_rows = self.state_rows(st)
         backend, device = backend_of(r_rows[0])
-        storage_r, storage_s = backend.storage(r_rows[0]), backend.storage(s_rows[0])
+        undo = StateUndo()   # a one-token step updates its rows in place: undone if anything fails
+        storage_r, storage_s = backend.storage(r_rows[0]), backend.storage(s_rows[0]).with_undo(undo)
         xp = backend.xp
         p = self.hparams
         ub = st.ubatch
@@ -189,15 +190,22 @@ class RecurrentModel(LanguageModel):
             conv = [storage_r.decode(rows, dtype).reshape((n_seqs, p.conv_channels, p.d_conv - 1)) for rows in r_rows]
             ssm = [storage_s.decode(rows, dtype).reshape((n_seqs, p.d_inner, p.d_state)) for rows in s_rows]
             steps: StepStates = []
-            x = self.run_layers(xp, weights, x, conv, ssm, storage_r, storage_s, m, steps)
+            try:
+                x = self.run_layers(xp, weights, x, conv, ssm, storage_r, storage_s, m, steps)
+            except BaseException:
+                undo.restore()
+                raise
+            finally:
+                undo.release()
 
-            # written once every layer has run, so that an error in any layer leaves every row as it was
+            # written once every layer has run (or stepped in place, undone on failure), so that an error in any
+            # layer leaves every row as it was
             for il in range(p.n_layer):
-                r_rows[il][...] = storage_r.encode(conv[il].reshape((n_seqs, p.n_embd_r)))
-                s_rows[il][...] = storage_s.encode(ssm[il].reshape((n_seqs, p.n_embd_s)))
+                storage_r.write(r_rows[il], conv[il].reshape((n_seqs, p.n_embd_r)))
+                storage_s.write(s_rows[il], ssm[il].reshape((n_seqs, p.n_embd_s)))
                 if m:
-                    st.r_steps(il)[...] = storage_r.encode(steps[il][0].reshape((n_seqs, m, p.n_embd_r)))
-                    st.s_steps(il)[...] = storage_s.encode(steps[il][1].reshape((n_seqs, m, p.n_embd_s)))
+                    storage_r.write(st.r_steps(il), steps[il][0].reshape((n_seqs, m, p.n_embd_r)))
+                    storage_s.write(st.s_steps(il), steps[il][1].reshape((n_seqs, m, p.n_embd_s)))
             outputs = backend.from_host(np.flatnonzero(ub.output), device)
             logits: np.ndarray | torch.Tensor = self.head(xp, weights, xp.take(x.reshape((ub.n_tokens, p.n_embd)),
                                                                                 outputs, axis=0))

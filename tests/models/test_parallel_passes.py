@@ -1,0 +1,124 @@
+"""The compiled kernels' threads and the scan's step in place (models/_scan.pyx): a scan step, a delta step or a
+copy split between threads gives the bits of one thread; a scan step made in place gives the bits of the step
+into a new array, keeps the old state for its undo and says when it is done; refusals write nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recurrent_cache.models import get_num_threads, set_num_threads
+from recurrent_cache.models._scan import copy_bytes, delta_step, scan_step
+
+# a pass takes threads from 256 KiB on (smaller ones run in one): these are above it
+LARGE_SCAN = (2, 24 * 64, 128)          # n, channels, d_state: two Mamba-2 rows at 130m, 1.5 MB
+LARGE_DELTA = (1, 16, 128, 128)         # n, value heads, Dv, Dk: 1 MB
+
+
+@pytest.fixture
+def threads():
+    """Set the kernels' threads for one test, restored after."""
+    before = get_num_threads()
+    yield set_num_threads
+    set_num_threads(before)
+
+
+def scan_arrays(rng, dtype, n, channels, d_state, n_head, per_state, n_group):
+    state = rng.standard_normal((n, channels, d_state)).astype(dtype)
+    decay = rng.uniform(0.5, 1.0, (n, n_head, d_state if per_state else 1)).astype(dtype)
+    x = rng.standard_normal((n, channels)).astype(dtype)
+    b, c = (rng.standard_normal((n, n_group, d_state)).astype(dtype) for _ in range(2))
+    return state, decay, x, b, c
+
+
+def stepped(state, decay, x, b, c, round_f32):
+    """The step into a new array: (new state, y)."""
+    out, y = np.empty_like(state), np.empty(state.shape[:2], state.dtype)
+    scan_step(state, decay, x, b, c, out, y, round_f32)
+    return out, y
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3), n_head=st.integers(1, 5), per_head=st.integers(1, 9), d_state=st.integers(1, 40),
+       mamba1=st.booleans(), shared_bc=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
+       round_f32=st.booleans(), n_threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_a_step_in_place_is_the_step_into_a_new_array(n, n_head, per_head, d_state, mamba1, shared_bc, dtype,
+                                                      round_f32, n_threads, seed):
+    """Same new state and y bit for bit; ``saved`` holds the state as it was and ``done`` is 1."""
+    set_num_threads(n_threads)
+    try:
+        rng = np.random.default_rng(seed)
+        state, decay, x, b, c = scan_arrays(rng, dtype, n, n_head * per_head, d_state, n_head, mamba1,
+                                            1 if shared_bc else n_head)
+        expected_state, expected_y = stepped(state, decay, x, b, c, round_f32)
+        rows, saved, done = state.copy(), np.empty_like(state), np.zeros(1, np.uint8)
+        y = np.empty_like(expected_y)
+        scan_step(rows, decay, x, b, c, rows, y, round_f32, saved, done)
+        assert np.array_equal(rows, expected_state) and np.array_equal(y, expected_y)
+        assert np.array_equal(saved, state) and done[0] == 1
+    finally:
+        set_num_threads(1)
+
+
+def test_a_refused_step_in_place_writes_nothing():
+    """A ``saved`` of the wrong shape is a ValueError before the state, ``saved`` or ``done`` change."""
+    rng = np.random.default_rng(0)
+    state, decay, x, b, c = scan_arrays(rng, np.float32, 2, 4, 8, 4, False, 1)
+    rows, before = state.copy(), state.copy()
+    saved, done, y = np.full((2, 4, 7), 3.0, np.float32), np.zeros(1, np.uint8), np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match="saved of shape"):
+        scan_step(rows, decay, x, b, c, rows, y, False, saved, done)
+    assert np.array_equal(rows, before) and (saved == 3.0).all() and done[0] == 0 and not y.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shared_bc", [True, False])
+def test_a_scan_step_in_threads_gives_the_bits_of_one(threads, dtype, shared_bc):
+    n, channels, d_state = LARGE_SCAN
+    rng = np.random.default_rng(1)
+    arrays = scan_arrays(rng, dtype, n, channels, d_state, 24, False, 1 if shared_bc else 24)
+    results = []
+    for n_threads in (1, 2, 3):
+        threads(n_threads)
+        results.append(stepped(*arrays, dtype == np.float64))
+    for state, y in results[1:]:
+        assert np.array_equal(state, results[0][0]) and np.array_equal(y, results[0][1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_delta_step_in_threads_gives_the_bits_of_one(threads, dtype):
+    n, n_v, d_v, d_k = LARGE_DELTA
+    n_k = n_v // 2
+    rng = np.random.default_rng(2)
+    state = rng.uniform(-1, 1, (n, n_v, d_v, d_k)).astype(dtype)
+    decay, beta = rng.uniform(0.1, 1, (n, n_v)).astype(dtype), rng.uniform(0.05, 0.95, (n, n_v)).astype(dtype)
+    q, k = ((rng.standard_normal((n, n_k, d_k)) / np.sqrt(d_k)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((n, n_v, d_v)).astype(dtype)
+    results = []
+    for n_threads in (1, 2, 3):
+        threads(n_threads)
+        out, y = np.empty_like(state), np.empty((n, n_v, d_v), dtype)
+        delta_step(state, decay, q, k, v, beta, out, y, dtype == np.float64)
+        results.append((out, y))
+    for out, y in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(y, results[0][1])
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 65, 256 * 1024 - 1, 256 * 1024 + 3, 3 * 1024 * 1024 + 5])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_copy_bytes_copies_every_byte(threads, size, n_threads):
+    """Every byte, in shares split at cache lines whatever the size (and none beyond the end)."""
+    threads(n_threads)
+    source = np.random.default_rng(size).integers(0, 256, size + 8, dtype=np.uint8)
+    target = np.zeros(size + 8, np.uint8)
+    copy_bytes(source[:size], target[:size])
+    assert np.array_equal(target[:size], source[:size]) and not target[size:].any()
+
+
+def test_copy_bytes_refuses_another_length():
+    target = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="11 bytes into 10"):
+        copy_bytes(np.ones(11, np.uint8), target)
+    assert not target.any()
