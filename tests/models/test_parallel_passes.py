@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from recurrent_cache.models import get_num_threads, set_num_threads
 from recurrent_cache.models._scan import copy_bytes, delta_step, scan_step
 
-# a pass takes threads from 256 KiB on (smaller ones run in one): these are above it
-LARGE_SCAN = (2, 24 * 64, 128)          # n, channels, d_state: two Mamba-2 rows at 130m, 1.5 MB
+# a pass takes threads from 256 KiB on (smaller ones run in one): this is above it
 LARGE_DELTA = (1, 16, 128, 128)         # n, value heads, Dv, Dk: 1 MB
 
 
@@ -74,17 +73,29 @@ def test_a_refused_step_in_place_writes_nothing():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shared_bc", [True, False])
-def test_a_scan_step_in_threads_gives_the_bits_of_one(threads, dtype, shared_bc):
-    n, channels, d_state = LARGE_SCAN
+@pytest.mark.parametrize("shape", ["mamba2-shared-bc", "mamba2-bc-per-head", "mamba1"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_scan_step_in_threads_gives_the_bits_of_one(threads, dtype, shape, in_place):
+    """Shares of 2 and 3 threads start mid-head and mid-sequence (the kernel counts sequence, head and channel
+    along a share): every row the bits of one thread."""
+    n, n_head, per_head, d_state, per_state, n_group = {
+        "mamba2-shared-bc": (2, 25, 49, 128, False, 1), "mamba2-bc-per-head": (2, 25, 49, 128, False, 25),
+        "mamba1": (8, 2001, 1, 16, True, 1)}[shape]
     rng = np.random.default_rng(1)
-    arrays = scan_arrays(rng, dtype, n, channels, d_state, 24, False, 1 if shared_bc else 24)
+    state, decay, x, b, c = scan_arrays(rng, dtype, n, n_head * per_head, d_state, n_head, per_state, n_group)
+    assert state.nbytes >= 256 * 1024   # large enough for threads
     results = []
     for n_threads in (1, 2, 3):
         threads(n_threads)
-        results.append(stepped(*arrays, dtype == np.float64))
-    for state, y in results[1:]:
-        assert np.array_equal(state, results[0][0]) and np.array_equal(y, results[0][1])
+        if in_place:
+            rows, saved, y = state.copy(), np.empty_like(state), np.empty(state.shape[:2], dtype)
+            scan_step(rows, decay, x, b, c, rows, y, dtype == np.float64, saved, np.zeros(1, np.uint8))
+            results.append((rows, y))
+        else:
+            results.append(stepped(state, decay, x, b, c, dtype == np.float64))
+    for new_state, y in results[1:]:
+        assert np.array_equal(new_state, results[0][0]) and np.array_equal(y, results[0][1])
+    assert np.array_equal(results[0][0], stepped(state, decay, x, b, c, dtype == np.float64)[0])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -12,9 +12,8 @@
 #define RC_ROWS_PRODUCT_H
 
 #include <stddef.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "_parallel.h"
 
 /* The vector widths GCC compiles the streaming loop for, chosen when the module loads (x86-64). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
@@ -85,27 +84,8 @@
             NAME##_groups(wt, x, y, m, out, in, 0, out);                                                 \
             return;                                                                                      \
         }                                                                                                \
-        RC_PARALLEL_SHARES(threads, out, NAME##_groups(wt, x, y, m, out, in, o0_, o1_))                  \
+        RC_PARALLEL_SHARES(threads, out, 16, NAME##_groups(wt, x, y, m, out, in, o0_, o1_))                \
     }
-
-#ifdef _OPENMP
-#define RC_PARALLEL_SHARES(threads, out, CALL)                                                           \
-    _Pragma("omp parallel num_threads(threads)")                                                         \
-    {                                                                                                    \
-        const ptrdiff_t nt_ = omp_get_num_threads(), t_ = omp_get_thread_num();                          \
-        const ptrdiff_t per_ = ((out + nt_ - 1) / nt_ + 15) / 16 * 16;                                   \
-        const ptrdiff_t o0_ = t_ * per_, o1_ = o0_ + per_ < out ? o0_ + per_ : out;                      \
-        if (o0_ < o1_) CALL;                                                                             \
-    }
-static int rc_product_threads_default(void) { return omp_get_max_threads(); }
-#else
-#define RC_PARALLEL_SHARES(threads, out, CALL)                                                           \
-    {                                                                                                    \
-        const ptrdiff_t o0_ = 0, o1_ = out;                                                              \
-        CALL;                                                                                            \
-    }
-static int rc_product_threads_default(void) { return 1; }
-#endif
 
 RC_DEFINE_ROWS_PRODUCT(rc_rows_product_f32, float)
 RC_DEFINE_ROWS_PRODUCT(rc_rows_product_f64, double)

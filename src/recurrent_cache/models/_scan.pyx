@@ -28,7 +28,7 @@ ctypedef fused real:
     double
 
 
-cdef extern from "_rows_product.h" nogil:
+cdef extern from "_parallel.h" nogil:
     int rc_product_threads_default()
 
 
@@ -86,10 +86,16 @@ def set_product_threads(int threads) -> None:
 
 
 cdef extern from "_scan_row.h" nogil:
-    float rc_scan_row_f32(const float* state, const float* decay, int per_state, float x, const float* b,
-                          const float* c, float* out, float* saved, Py_ssize_t d_state, int round_f32)
-    double rc_scan_row_f64(const double* state, const double* decay, int per_state, double x, const double* b,
-                           const double* c, double* out, double* saved, Py_ssize_t d_state, int round_f32)
+    void rc_scan_step_f32(const float* state, const float* decay, Py_ssize_t decay_s, Py_ssize_t decay_h,
+                          int per_state, const float* x, const float* b, Py_ssize_t b_s, Py_ssize_t b_h,
+                          const float* c, Py_ssize_t c_s, Py_ssize_t c_h, float* out, float* saved, float* y,
+                          Py_ssize_t n, Py_ssize_t channels, Py_ssize_t per_head, Py_ssize_t d_state, int round_f32,
+                          int threads)
+    void rc_scan_step_f64(const double* state, const double* decay, Py_ssize_t decay_s, Py_ssize_t decay_h,
+                          int per_state, const double* x, const double* b, Py_ssize_t b_s, Py_ssize_t b_h,
+                          const double* c, Py_ssize_t c_s, Py_ssize_t c_h, double* out, double* saved, double* y,
+                          Py_ssize_t n, Py_ssize_t channels, Py_ssize_t per_head, Py_ssize_t d_state, int round_f32,
+                          int threads)
 
 
 @cython.boundscheck(False)
@@ -134,27 +140,29 @@ def scan_step(const real[:, :, ::1] state, const real[:, :, :] decay, const real
                               ("decay", decay.strides[2] if per_state > 1 else sizeof(real))):
         if last_stride != sizeof(real) and d_state > 1:
             raise ValueError(f"{name} is not contiguous over d_state (stride {last_stride} bytes)")
+    for name, by_seq, by_head in (("decay", decay.strides[0], decay.strides[1]), ("b", b.strides[0], b.strides[1]),
+                                  ("c", c.strides[0], c.strides[1])):
+        if by_seq % sizeof(real) or by_head % sizeof(real):
+            raise ValueError(f"{name}'s strides {(by_seq, by_head)} bytes are not whole elements")
     if n == 0 or channels == 0 or d_state == 0:
         return
     cdef Py_ssize_t per_head = channels // n_head
-    cdef Py_ssize_t i, s, h, hb, ch
-    cdef int per_state_decay = per_state > 1
     cdef int threads = _threads_for(n * channels * d_state * sizeof(real))
+    # element strides of the arrays read by sequence and head (b / c: 0 by head when every head reads one)
+    cdef Py_ssize_t decay_s = decay.strides[0] // sizeof(real), decay_h = decay.strides[1] // sizeof(real)
+    cdef Py_ssize_t b_s = b.strides[0] // sizeof(real), b_h = b.strides[1] // sizeof(real) if shared_bc > 1 else 0
+    cdef Py_ssize_t c_s = c.strides[0] // sizeof(real), c_h = c.strides[1] // sizeof(real) if shared_bc > 1 else 0
+    cdef real* saved_rows = NULL if saved is None else &saved[0, 0, 0]
     with nogil:
-        # each channel's row is its own: the threads' shares of them do not change a bit
-        for i in prange(n * channels, num_threads=threads, schedule="static"):
-            s = i // channels
-            ch = i % channels
-            h = ch // per_head
-            hb = h if shared_bc > 1 else 0
-            if real is float:
-                y[s, ch] = rc_scan_row_f32(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
-                                           &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0],
-                                           NULL if saved is None else &saved[s, ch, 0], d_state, round_f32)
-            else:
-                y[s, ch] = rc_scan_row_f64(&state[s, ch, 0], &decay[s, h, 0], per_state_decay, x[s, ch],
-                                           &b[s, hb, 0], &c[s, hb, 0], &out[s, ch, 0],
-                                           NULL if saved is None else &saved[s, ch, 0], d_state, round_f32)
+        # each row is its own: the threads' shares of them do not change a bit
+        if real is float:
+            rc_scan_step_f32(&state[0, 0, 0], &decay[0, 0, 0], decay_s, decay_h, per_state > 1, &x[0, 0],
+                             &b[0, 0, 0], b_s, b_h, &c[0, 0, 0], c_s, c_h, &out[0, 0, 0], saved_rows, &y[0, 0], n,
+                             channels, per_head, d_state, round_f32, threads)
+        else:
+            rc_scan_step_f64(&state[0, 0, 0], &decay[0, 0, 0], decay_s, decay_h, per_state > 1, &x[0, 0],
+                             &b[0, 0, 0], b_s, b_h, &c[0, 0, 0], c_s, c_h, &out[0, 0, 0], saved_rows, &y[0, 0], n,
+                             channels, per_head, d_state, round_f32, threads)
     if done is not None and done.shape[0]:
         done[0] = 1
 

@@ -9,6 +9,8 @@
 
 #include <stddef.h>
 
+#include "_parallel.h"
+
 #define RC_SCAN_ROW_LOOP(real, DECAY, SAVE)                                                         \
     _Pragma("omp simd reduction(+:y)")                                                              \
     for (ptrdiff_t k = 0; k < d_state; k++) {                                                       \
@@ -35,7 +37,52 @@
         return y;                                                                                   \
     }
 
+/* The step over rows r0 .. r1-1 of the n * channels rows (row r: sequence r / channels, channel r % channels, of
+ * head channel / per_head), the sequence, head and channel counted along rather than divided out per row (a
+ * Mamba-1 row is 16 values: three divisions a row cost more than its arithmetic).  Strides in elements: decay
+ * [n, heads, d_state or 1] by (decay_s, decay_h); b and c [n, heads or 1, d_state] by (b_s, b_h) and (c_s, c_h),
+ * b_h and c_h 0 when every head reads one. */
+#define RC_DEFINE_SCAN_ROWS(NAME, ROW, real)                                                              \
+    static void NAME(const real *state, const real *decay, ptrdiff_t decay_s, ptrdiff_t decay_h,           \
+                     int per_state, const real *x, const real *b, ptrdiff_t b_s, ptrdiff_t b_h,          \
+                     const real *c, ptrdiff_t c_s, ptrdiff_t c_h, real *out, real *saved, real *y,         \
+                     ptrdiff_t channels, ptrdiff_t per_head, ptrdiff_t d_state, int round_f32,             \
+                     ptrdiff_t r0, ptrdiff_t r1) {                                                         \
+        ptrdiff_t s = r0 / channels, ch = r0 % channels, h = ch / per_head, p = ch % per_head;            \
+        for (ptrdiff_t r = r0; r < r1; r++) {                                                             \
+            const ptrdiff_t at = r * d_state;                                                             \
+            y[r] = ROW(state + at, decay + s * decay_s + h * decay_h, per_state, x[r],                    \
+                       b + s * b_s + h * b_h, c + s * c_s + h * c_h, out + at,                            \
+                       saved ? saved + at : NULL, d_state, round_f32);                                    \
+            if (++p == per_head) { p = 0; h++; }                                                          \
+            if (++ch == channels) { ch = 0; h = 0; p = 0; s++; }                                          \
+        }                                                                                                 \
+    }
+
 RC_DEFINE_SCAN_ROW(rc_scan_row_f32, float)
 RC_DEFINE_SCAN_ROW(rc_scan_row_f64, double)
+RC_DEFINE_SCAN_ROWS(rc_scan_rows_f32, rc_scan_row_f32, float)
+RC_DEFINE_SCAN_ROWS(rc_scan_rows_f64, rc_scan_row_f64, double)
+
+/* The step over all n * channels rows, each of `threads` threads a contiguous share of them. */
+#define RC_DEFINE_SCAN_STEP(NAME, ROWS, real)                                                             \
+    static void NAME(const real *state, const real *decay, ptrdiff_t decay_s, ptrdiff_t decay_h,           \
+                     int per_state, const real *x, const real *b, ptrdiff_t b_s, ptrdiff_t b_h,          \
+                     const real *c, ptrdiff_t c_s, ptrdiff_t c_h, real *out, real *saved, real *y,         \
+                     ptrdiff_t n, ptrdiff_t channels, ptrdiff_t per_head, ptrdiff_t d_state, int round_f32,\
+                     int threads) {                                                                        \
+        const ptrdiff_t rows = n * channels;                                                              \
+        if (threads <= 1) {                                                                               \
+            ROWS(state, decay, decay_s, decay_h, per_state, x, b, b_s, b_h, c, c_s, c_h, out, saved, y,   \
+                 channels, per_head, d_state, round_f32, 0, rows);                                        \
+            return;                                                                                       \
+        }                                                                                                 \
+        RC_PARALLEL_SHARES(threads, rows, 1, ROWS(state, decay, decay_s, decay_h, per_state, x, b, b_s,   \
+                                                  b_h, c, c_s, c_h, out, saved, y, channels, per_head,    \
+                                                  d_state, round_f32, o0_, o1_))                          \
+    }
+
+RC_DEFINE_SCAN_STEP(rc_scan_step_f32, rc_scan_rows_f32, float)
+RC_DEFINE_SCAN_STEP(rc_scan_step_f64, rc_scan_rows_f64, double)
 
 #endif
