@@ -5,12 +5,17 @@ made."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
 import recurrent_cache as rc
 from recurrent_cache.models import random_jamba_model, random_mamba2_model, random_model
-from recurrent_cache.models._storage import StateUndo
+from recurrent_cache.models._storage import StateStorage, StateUndo
 from recurrent_cache.models.nemotron_h import random_nemotron_h_model
 
 MODELS = {
@@ -112,3 +117,64 @@ def test_restore_puts_back_only_the_steps_that_were_made():
     undo.saving(not_made)[0][...] = 9.0
     undo.restore()
     assert (made == 1.0).all() and (not_made == 5.0).all()
+
+
+@pytest.mark.parametrize("width", [7, 300_000])   # a small copy (numpy's) and one in the kernel's threads
+def test_write_stores_values_in_their_rows(width):
+    """``StateStorage.write``: values of the rows' dtype copied, float64 ones rounded through float32, the rows'
+    own memory left as it is, a view overlapping the rows copied as numpy would."""
+    storage = StateStorage(np.float32)
+    rng = np.random.default_rng(width)
+    rows = np.zeros((2, width), np.float32)
+    values = rng.standard_normal((2, width)).astype(np.float32)
+    storage.write(rows, values)
+    assert np.array_equal(rows, values)
+    wide = rng.standard_normal((2, width))
+    storage.write(rows, wide)
+    assert np.array_equal(rows, wide.astype(np.float32))
+    before = rows.copy()
+    storage.write(rows, rows.reshape(-1).reshape(rows.shape))   # a state stepped in place: nothing to do
+    assert np.array_equal(rows, before)
+    flat = np.arange(2 * width + 1, dtype=np.float32)
+    target, source = flat[:-1].reshape(2, width), flat[1:].reshape(2, width)   # overlapping by all but one value
+    expected = source.copy()
+    storage.write(target, source)
+    assert np.array_equal(target, expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX's")
+def test_a_child_forked_while_another_thread_uses_the_spare_buffers_can_use_them():
+    """The spare buffers' lock is new in a forked child: a fork while another thread held it (a server forking
+    workers while it decodes) would otherwise leave every undo in the child waiting for ever."""
+    stop = threading.Event()
+    state = np.zeros((1, 64), np.float32)
+
+    def churn():
+        while not stop.is_set():
+            undo = StateUndo()
+            undo.saving(state)
+            undo.release()
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:   # the child: an undo's buffers taken and given back, then exit 0
+                try:
+                    undo = StateUndo()
+                    undo.saving(state)
+                    undo.release()
+                    os._exit(0)
+                finally:
+                    os._exit(2)
+            deadline = time.monotonic() + 10
+            while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if status[0] == 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child waited for the spare buffers' lock")
+            assert os.waitstatus_to_exitcode(status[1]) == 0
+    finally:
+        stop.set()
+        worker.join()

@@ -3,6 +3,8 @@ RMS norm rows, copies."""
 
 import numpy as np
 
+PARALLEL_MIN_BYTES: int
+
 def scan_step(state: np.ndarray, decay: np.ndarray, x: np.ndarray, b: np.ndarray, c: np.ndarray,
               out: np.ndarray, y: np.ndarray, round_f32: bool, saved: np.ndarray | None = None,
               done: np.ndarray | None = None) -> None: ...

@@ -53,6 +53,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # A pass over fewer bytes than this runs in one thread: waking a second one costs about what it would save
 cdef Py_ssize_t _PARALLEL_MIN_BYTES = 256 * 1024
+PARALLEL_MIN_BYTES = _PARALLEL_MIN_BYTES
 
 
 cdef int _threads_for(Py_ssize_t size) noexcept:

@@ -46,15 +46,15 @@ def product_weight(weight: np.ndarray) -> np.ndarray:
 
 
 def get_num_threads() -> int:
-    """The threads the compiled products use (``linear`` on a few numpy rows, or torch CPU rows computed on by
-    numpy): at first OpenMP's default — ``OMP_NUM_THREADS``, else the CPUs — as numpy's BLAS takes; 1 in a
-    build without OpenMP, and in a child forked after its parent's products ran in threads (GNU OpenMP's
-    threads do not survive a fork)."""
+    """The threads the compiled kernels use (``linear`` on a few numpy rows, or torch CPU rows computed on by
+    numpy; a scan or delta-rule step, a state's copy to its rows, from 256 KiB): at first OpenMP's default —
+    ``OMP_NUM_THREADS``, else the CPUs — as numpy's BLAS takes; 1 in a build without OpenMP, and in a child
+    forked after its parent's kernels ran in threads (GNU OpenMP's threads do not survive a fork)."""
     return product_threads()
 
 
 def set_num_threads(threads: int) -> None:
-    """Have the compiled products use ``threads`` (at least 1); ``ArgumentError`` otherwise, nothing changed."""
+    """Have the compiled kernels use ``threads`` (at least 1); ``ArgumentError`` otherwise, nothing changed."""
     set_product_threads(_args.count(threads, "threads", 1))
 
 

@@ -10,13 +10,14 @@ is f32), and bf16 rounds to nearest even, like ``ggml_compute_fp32_to_bf16``.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ..formats.dtypes import STATE_TYPES
-from ._scan import copy_bytes
+from ._scan import PARALLEL_MIN_BYTES, copy_bytes
 
 __all__ = ["StateStorage", "StateUndo", "astype"]
 
@@ -57,7 +58,6 @@ class StateUndo:
     # 151 MB a token, which took longer than the step itself)
     SPARE_BYTES = 256 << 20
     _spare: ClassVar[list[np.ndarray]] = []
-    _spare_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self) -> None:
         self._entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -79,7 +79,7 @@ class StateUndo:
         """Forget every entry, their buffers kept for the next undo."""
         buffers = [saved.reshape(-1).view(np.uint8) for _, saved, _ in self._entries]
         self._entries.clear()
-        with self._spare_lock:
+        with _spare_lock:
             kept = sum(buffer.nbytes for buffer in self._spare)
             for buffer in buffers:
                 if kept + buffer.nbytes <= self.SPARE_BYTES:
@@ -88,11 +88,24 @@ class StateUndo:
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes: a spare buffer of that size, else a new one."""
-        with self._spare_lock:
+        with _spare_lock:
             for i, buffer in enumerate(self._spare):
                 if buffer.nbytes == nbytes:
                     return self._spare.pop(i)
         return np.empty(nbytes, np.uint8)
+
+
+# Guards StateUndo's spare buffers (forwards on other threads); a new one in a forked child, where a fork while
+# another thread held it would leave the child's copy held for ever
+_spare_lock = threading.Lock()
+
+
+def _renew_spare_lock() -> None:
+    global _spare_lock
+    _spare_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_spare_lock)
 
 
 class StateStorage:
@@ -138,15 +151,15 @@ class StateStorage:
 
     def write(self, rows: Any, values: Any) -> None:
         """``rows[...] = encode(values)``: nothing when ``values`` are the rows already (a state stepped in
-        place), a numpy copy of one dtype between C-contiguous arrays by the compiled kernel
-        (``_scan.copy_bytes``, in threads when it is large: a layer's states after a decode step), any other
-        by the library's assignment."""
+        place), a large numpy copy of one dtype between C-contiguous arrays by the compiled kernel in threads
+        (``_scan.copy_bytes``: a layer's states after a decode step), any other by the library's assignment."""
         stored = self.encode(values)
         if self.xp is not np or stored.dtype != rows.dtype or stored.shape != rows.shape:
             rows[...] = stored
         elif _same_memory(stored, rows):
             return
-        elif stored.flags.c_contiguous and rows.flags.c_contiguous and not np.may_share_memory(stored, rows):
+        elif (stored.nbytes >= PARALLEL_MIN_BYTES and stored.flags.c_contiguous and rows.flags.c_contiguous
+              and not np.may_share_memory(stored, rows)):
             copy_bytes(stored.reshape(-1).view(np.uint8), rows.reshape(-1).view(np.uint8))
         else:
             rows[...] = stored
