@@ -67,6 +67,22 @@ def test_a_wide_weight_spans_several_chunks_and_threads(threads, n_threads):
         np.testing.assert_array_equal(y, in_order(x, weight_t))
 
 
+@pytest.mark.parametrize("dtype, out", [(np.float32, 1024), (np.float32, 3072), (np.float64, 512)])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_rows_4_kib_apart_take_fewer_inputs_a_pass_with_the_same_bits(threads, dtype, out, n_threads):
+    """A weight whose rows are a multiple of 4 KiB apart (Mamba-1's in-projection: 3,072 floats) takes 6 inputs a
+    pass rather than 12: every output still its sum in order, inputs past the last whole pass included."""
+    rng = np.random.default_rng(out)
+    n_in = 6 * 5 + 4
+    weight_t = rng.standard_normal((n_in, out)).astype(dtype)
+    threads(n_threads)
+    for m in (1, 3, FEW_ROWS):
+        x = rng.standard_normal((m, n_in)).astype(dtype)
+        y = np.empty((m, out), dtype)
+        rows_product(x, weight_t, y)
+        np.testing.assert_array_equal(y, in_order(x, weight_t))
+
+
 def test_a_row_gets_the_same_bits_alone_or_among_others():
     rng = np.random.default_rng(6)
     weight = product_weight(rng.standard_normal((300, 96)).astype(np.float32))
