@@ -6,8 +6,6 @@ to ``FEW_ROWS`` sequences gives each sequence the bits it gets alone."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import recurrent_cache as rc
+from forks import check_in_forked_child
 from recurrent_cache.models import get_num_threads, random_mamba2_model, random_model, set_num_threads
 from recurrent_cache.models._scan import product_threads, rows_product
 from recurrent_cache.models._ssm import FEW_ROWS, linear, linear_rows, product_weight
@@ -144,22 +143,12 @@ def test_a_child_forked_after_threaded_products_computes_in_one_thread(threads):
     x, weight_t = rng.standard_normal((2, 40)).astype(np.float32), rng.standard_normal((40, 3000)).astype(np.float32)
     y = np.empty((2, 3000), np.float32)
     rows_product(x, weight_t, y)            # the parent's threads have started
-    pid = os.fork()
-    if pid == 0:   # the child: exit 0 only if the product comes out right, in one thread
-        try:
-            y[...] = 0
-            rows_product(x, weight_t, y)
-            os._exit(0 if product_threads() == 1 and np.array_equal(y, in_order(x, weight_t)) else 1)
-        finally:
-            os._exit(2)
-    deadline = time.monotonic() + 30
-    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if status[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child's product hung")
-    assert os.waitstatus_to_exitcode(status[1]) == 0
+
+    def product_in_one_thread() -> bool:
+        y[...] = 0
+        rows_product(x, weight_t, y)
+        return product_threads() == 1 and np.array_equal(y, in_order(x, weight_t))
+    check_in_forked_child(product_in_one_thread, "its product waited for the parent's threads")
     assert product_threads() == 2             # the parent keeps its threads
 
 

@@ -6,14 +6,13 @@ made."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import recurrent_cache as rc
+from forks import check_in_forked_child
 from recurrent_cache.models import random_jamba_model, random_mamba2_model, random_model
 from recurrent_cache.models._storage import StateStorage, StateUndo
 from recurrent_cache.models.nemotron_h import random_nemotron_h_model
@@ -157,24 +156,13 @@ def test_a_child_forked_while_another_thread_uses_the_spare_buffers_can_use_them
     worker = threading.Thread(target=churn)
     worker.start()
     try:
+        def undo_in_the_child() -> bool:
+            undo = StateUndo()
+            undo.saving(state)
+            undo.release()
+            return True
         for _ in range(20):
-            pid = os.fork()
-            if pid == 0:   # the child: an undo's buffers taken and given back, then exit 0
-                try:
-                    undo = StateUndo()
-                    undo.saving(state)
-                    undo.release()
-                    os._exit(0)
-                finally:
-                    os._exit(2)
-            deadline = time.monotonic() + 10
-            while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if status[0] == 0:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child waited for the spare buffers' lock")
-            assert os.waitstatus_to_exitcode(status[1]) == 0
+            check_in_forked_child(undo_in_the_child, "its undo waited for the spare buffers' lock", timeout=10)
     finally:
         stop.set()
         worker.join()
