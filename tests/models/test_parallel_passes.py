@@ -16,14 +16,6 @@ from recurrent_cache.models._scan import copy_bytes, delta_step, scan_step
 LARGE_DELTA = (1, 16, 128, 128)         # n, value heads, Dv, Dk: 1 MB
 
 
-@pytest.fixture
-def threads():
-    """Set the kernels' threads for one test, restored after."""
-    before = get_num_threads()
-    yield set_num_threads
-    set_num_threads(before)
-
-
 def scan_arrays(rng, dtype, n, channels, d_state, n_head, per_state, n_group):
     state = rng.standard_normal((n, channels, d_state)).astype(dtype)
     decay = rng.uniform(0.5, 1.0, (n, n_head, d_state if per_state else 1)).astype(dtype)
@@ -46,6 +38,7 @@ def stepped(state, decay, x, b, c, round_f32):
 def test_a_step_in_place_is_the_step_into_a_new_array(n, n_head, per_head, d_state, mamba1, shared_bc, dtype,
                                                       round_f32, n_threads, seed):
     """Same new state and y bit for bit; ``saved`` holds the state as it was and ``done`` is 1."""
+    before = get_num_threads()
     set_num_threads(n_threads)
     try:
         rng = np.random.default_rng(seed)
@@ -58,7 +51,7 @@ def test_a_step_in_place_is_the_step_into_a_new_array(n, n_head, per_head, d_sta
         assert np.array_equal(rows, expected_state) and np.array_equal(y, expected_y)
         assert np.array_equal(saved, state) and done[0] == 1
     finally:
-        set_num_threads(1)
+        set_num_threads(before)
 
 
 def test_a_refused_step_in_place_writes_nothing():

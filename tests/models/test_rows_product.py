@@ -28,14 +28,6 @@ def in_order(x: np.ndarray, weight_t: np.ndarray) -> np.ndarray:
     return y
 
 
-@pytest.fixture
-def threads():
-    """Set the kernel's threads for a test and put the setting back after it."""
-    before = get_num_threads()
-    yield set_num_threads
-    set_num_threads(before)
-
-
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, FEW_ROWS), n_in=st.integers(1, 70), out=st.integers(1, 700), n_threads=st.integers(1, 3),
        dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**32 - 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from types import TracebackType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,7 +46,8 @@ def astype(xp: Any, array: Any, dtype: Any, copy: bool = True) -> Any:
 class StateUndo:
     """The states a forward's steps updated in place, in their rows, each with the values it held before:
     ``restore`` puts every one back, so that a forward that fails leaves every row as it was; ``release``
-    once the forward is done with them.
+    once the forward is done with them.  ``with undo:`` around the layers does both: restore when they raise
+    (an exception or a ``KeyboardInterrupt``), release either way.
 
     A one-token scan in host memory (``_ssm.scan_step_on_host``) takes this
     path when its storage has an undo (``StateStorage.with_undo``): the new
@@ -73,7 +75,7 @@ class StateUndo:
         """Every state stepped in place back to what it held, the latest first."""
         for state, saved, done in reversed(self._entries):
             if done[0]:
-                copy_bytes(saved.reshape(-1).view(np.uint8), state.reshape(-1).view(np.uint8))
+                state[...] = saved
 
     def release(self) -> None:
         """Forget every entry, their buffers kept for the next undo."""
@@ -85,6 +87,17 @@ class StateUndo:
                 if kept + buffer.nbytes <= self.SPARE_BYTES:
                     self._spare.append(buffer)
                     kept += buffer.nbytes
+
+    def __enter__(self) -> StateUndo:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+                 ) -> None:
+        try:
+            if kind is not None:
+                self.restore()
+        finally:
+            self.release()
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes: a spare buffer of that size, else a new one."""

@@ -248,14 +248,9 @@ class HybridModel(LanguageModel):
             x = self.embedded(backend, weights, device, ub.token, ub.embd)
             x = backend.xp.reshape(x, (ub.n_seqs, ub.n_seq_tokens, p.n_embd))
             run = LayerRun(self, st, backend, device)
-            try:
+            with run.undo:
                 for il, w in enumerate(weights.layers):
                     x = self.block(run, il, w, x)
-            except BaseException:
-                run.undo.restore()
-                raise
-            finally:
-                run.undo.release()
             run.write_states()
             outputs = backend.from_host(np.flatnonzero(ub.output), device)
             return self.head(backend.xp, weights, backend.xp.take(backend.xp.reshape(x, (ub.n_tokens, p.n_embd)),

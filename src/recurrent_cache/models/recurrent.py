@@ -190,13 +190,8 @@ class RecurrentModel(LanguageModel):
             conv = [storage_r.decode(rows, dtype).reshape((n_seqs, p.conv_channels, p.d_conv - 1)) for rows in r_rows]
             ssm = [storage_s.decode(rows, dtype).reshape((n_seqs, p.d_inner, p.d_state)) for rows in s_rows]
             steps: StepStates = []
-            try:
+            with undo:
                 x = self.run_layers(xp, weights, x, conv, ssm, storage_r, storage_s, m, steps)
-            except BaseException:
-                undo.restore()
-                raise
-            finally:
-                undo.release()
 
             # written once every layer has run (or stepped in place, undone on failure), so that an error in any
             # layer leaves every row as it was
