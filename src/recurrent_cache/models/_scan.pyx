@@ -327,18 +327,19 @@ cdef void _conv_one_token(const real[:, :, ::1] state, const real[:, :, :] x, co
 
 
 cdef extern from "_rows_product.h" nogil:
-    void rc_rows_product_f32(const float* wt, const float* x, float* y, Py_ssize_t m, Py_ssize_t out, Py_ssize_t n_in,
-                             int threads)
-    void rc_rows_product_f64(const double* wt, const double* x, double* y, Py_ssize_t m, Py_ssize_t out,
-                             Py_ssize_t n_in, int threads)
+    int rc_rows_product_f32(const float* wt, const float* x, float* y, Py_ssize_t m, Py_ssize_t out, Py_ssize_t n_in,
+                            int threads)
+    int rc_rows_product_f64(const double* wt, const double* x, double* y, Py_ssize_t m, Py_ssize_t out,
+                            Py_ssize_t n_in, int threads)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def rows_product(const real[:, ::1] x, const real[:, ::1] weight_t, real[:, ::1] y):
     """``y = x @ weight_t`` for rows ``x`` [m, in] and a weight kept as ``weight_t`` [in, out] (``_ssm.linear``'s
-    kernel, ``_rows_product.h``; 8 rows a pass over the weight): each output summed over the inputs in order, in
-    ``product_threads()`` threads.
+    kernel, ``_rows_product.h``; 8 rows a pass over the weight): each output summed over the inputs in an order
+    fixed by the weight's shape (a weight of fewer than 16,384 outputs: in 4 blocks, each in order, the blocks'
+    sums then added in order; a wider one: in order), in ``product_threads()`` threads.
     ``y`` [m, out], else a ``ValueError`` before anything is written."""
     cdef Py_ssize_t m = x.shape[0], n_in = x.shape[1], out = weight_t.shape[1]
     if weight_t.shape[0] != n_in or y.shape[0] != m or y.shape[1] != out:
@@ -352,11 +353,14 @@ def rows_product(const real[:, ::1] x, const real[:, ::1] weight_t, real[:, ::1]
     cdef int threads = product_threads()
     if threads > 1:
         _mark_threads_started()
+    cdef int failed
     with nogil:
         if real is float:
-            rc_rows_product_f32(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
+            failed = rc_rows_product_f32(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
         else:
-            rc_rows_product_f64(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
+            failed = rc_rows_product_f64(&weight_t[0, 0], &x[0, 0], &y[0, 0], m, out, n_in, threads)
+    if failed:
+        raise MemoryError(f"no memory for the partial sums of {m} rows of {out} outputs")
 
 
 cdef extern from "math.h" nogil:

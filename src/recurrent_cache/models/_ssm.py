@@ -63,10 +63,10 @@ def linear(x: Array, weight: Array) -> Array:
     ``product_weight``.
 
     Up to ``FEW_ROWS`` numpy rows (decoding: a token per sequence) times a float32 / float64 weight in that
-    layout go to the compiled kernel (``_scan.rows_product``: each output summed over ``k`` in order, so its
-    bits are the same for any number of rows up to ``FEW_ROWS``, any thread count and any CPU); more rows, and
-    torch's tensors, to the library's matmul (BLAS's GEMM: numpy's stacked matmul of a 3-D ``x`` does not reach
-    BLAS, hence one 2-D product).
+    layout go to the compiled kernel (``_scan.rows_product``: each output summed over ``k`` in an order fixed
+    by the weight's shape, so its bits are the same for any number of rows up to ``FEW_ROWS``, any thread count
+    and any CPU); more rows, and torch's tensors, to the library's matmul (BLAS's GEMM: numpy's stacked matmul
+    of a 3-D ``x`` does not reach BLAS, hence one 2-D product).
     """
     rows = x.reshape((-1, x.shape[-1]))
     if 0 < rows.shape[0] <= FEW_ROWS and _kernel_multiplies(rows, weight):
