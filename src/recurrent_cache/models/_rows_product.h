@@ -19,13 +19,7 @@
 #include <stdlib.h>
 
 #include "_parallel.h"
-
-/* The vector widths GCC compiles the streaming loop for, chosen when the module loads (x86-64). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define RC_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define RC_VECTOR_CLONES
-#endif
+#include "_vector_clones.h"
 
 /* Weight rows a pass over a chunk of outputs: 12 streams at once read faster here than 8, whose rows' equal
  * offsets meet in the same cache sets (the 49 products of a Mamba-2 token, one thread: 19.4 against 20.9 ms);
