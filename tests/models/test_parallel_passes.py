@@ -34,10 +34,13 @@ def stepped(state, decay, x, b, c, round_f32):
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 3), n_head=st.integers(1, 5), per_head=st.integers(1, 9), d_state=st.integers(1, 40),
        mamba1=st.booleans(), shared_bc=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
-       round_f32=st.booleans(), n_threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+       round_f32=st.booleans(), n_threads=st.integers(1, 3), seed=st.integers(0, 2**16),
+       misaligned=st.booleans())
 def test_a_step_in_place_is_the_step_into_a_new_array(n, n_head, per_head, d_state, mamba1, shared_bc, dtype,
-                                                      round_f32, n_threads, seed):
-    """Same new state and y bit for bit; ``saved`` holds the state as it was and ``done`` is 1."""
+                                                      round_f32, n_threads, seed, misaligned):
+    """Same new state and y bit for bit; ``saved`` holds the state as it was and ``done`` is 1 — whether the old
+    rows go to ``saved`` by streaming stores (whole 16-byte vectors, aligned) or by a copy (an odd d_state, a
+    ``saved`` one element off alignment)."""
     before = get_num_threads()
     set_num_threads(n_threads)
     try:
@@ -45,7 +48,8 @@ def test_a_step_in_place_is_the_step_into_a_new_array(n, n_head, per_head, d_sta
         state, decay, x, b, c = scan_arrays(rng, dtype, n, n_head * per_head, d_state, n_head, mamba1,
                                             1 if shared_bc else n_head)
         expected_state, expected_y = stepped(state, decay, x, b, c, round_f32)
-        rows, saved, done = state.copy(), np.empty_like(state), np.zeros(1, np.uint8)
+        rows, done = state.copy(), np.zeros(1, np.uint8)
+        saved = np.empty(state.size + 1, dtype)[1:].reshape(state.shape) if misaligned else np.empty_like(state)
         y = np.empty_like(expected_y)
         scan_step(rows, decay, x, b, c, rows, y, round_f32, saved, done)
         assert np.array_equal(rows, expected_state) and np.array_equal(y, expected_y)
