@@ -1,16 +1,21 @@
 """The compiled kernels' threads and the scan's step in place (models/_scan.pyx): a scan step, a delta step or a
 copy split between threads gives the bits of one thread; a scan step made in place gives the bits of the step
-into a new array, keeps the old state for its undo and says when it is done; refusals write nothing."""
+into a new array, keeps the old state for its undo and says when it is done; refusals write nothing; a forward
+whose products go to BLAS runs the kernels in one thread."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recurrent_cache.models import get_num_threads, set_num_threads
-from recurrent_cache.models._scan import copy_bytes, delta_step, scan_step
+import recurrent_cache as rc
+from recurrent_cache.models import _ssm, get_num_threads, random_mamba2_model, set_num_threads
+from recurrent_cache.models._scan import copy_bytes, delta_step, one_thread, scan_step
+from recurrent_cache.models._ssm import FEW_ROWS
 
 # a pass takes threads from 256 KiB on (smaller ones run in one): this is above it
 LARGE_DELTA = (1, 16, 128, 128)         # n, value heads, Dv, Dk: 1 MB
@@ -130,3 +135,40 @@ def test_copy_bytes_refuses_another_length():
     with pytest.raises(ValueError, match="11 bytes into 10"):
         copy_bytes(np.ones(11, np.uint8), target)
     assert not target.any()
+
+
+def test_one_thread_holds_in_its_block_and_its_python_thread_only(threads):
+    threads(2)
+    seen_elsewhere = []
+    with one_thread():
+        assert get_num_threads() == 1
+        with one_thread():
+            assert get_num_threads() == 1
+        assert get_num_threads() == 1
+        other = threading.Thread(target=lambda: seen_elsewhere.append(get_num_threads()))
+        other.start()
+        other.join()
+    assert seen_elsewhere == [2] and get_num_threads() == 2
+    with pytest.raises(KeyError), one_thread():
+        raise KeyError("an exception leaves the block as it came")
+    assert get_num_threads() == 2
+
+
+@pytest.mark.parametrize("n_seqs, expected", [(FEW_ROWS, 2), (FEW_ROWS + 1, 1)])
+def test_a_forward_whose_products_go_to_blas_runs_the_kernels_in_one_thread(threads, monkeypatch, n_seqs, expected):
+    """Up to FEW_ROWS rows the products are the kernel's and its threads run every pass; past it BLAS multiplies
+    with threads of its own, and the scan's step (here large enough for threads) runs in one."""
+    threads(2)
+    model = random_mamba2_model(0, n_embd=256, n_layer=2, d_state=128, head_dim=64, dtype=np.float32)
+    cache = model.new_cache(n_seq_max=n_seqs)
+    seen = []
+    original = _ssm.scan_step
+
+    def recording(*args, **kwargs):
+        seen.append(get_num_threads())
+        return original(*args, **kwargs)
+    monkeypatch.setattr(_ssm, "scan_step", recording)
+    st = cache.init_batch(rc.Batch(token=[1] * n_seqs, pos=[0] * n_seqs, seq_id=list(range(n_seqs)),
+                                   logits=[1] * n_seqs), n_seqs)
+    model.forward(st)
+    assert seen == [expected] * 2 and get_num_threads() == 2

@@ -18,6 +18,7 @@ where the array-API math makes a dozen small ones.
 """
 
 import os
+import threading
 
 cimport cython
 from cython.parallel cimport prange
@@ -56,14 +57,37 @@ cdef Py_ssize_t _PARALLEL_MIN_BYTES = 256 * 1024
 PARALLEL_MIN_BYTES = _PARALLEL_MIN_BYTES
 
 
-cdef int _threads_for(Py_ssize_t size) noexcept:
-    """The threads a parallel pass over ``size`` bytes takes: ``product_threads()``, or 1 for a small pass
+# Per Python thread: how many ``one_thread()`` blocks it is in
+_one_thread_depth = threading.local()
+
+
+class one_thread:
+    """``with one_thread():`` the kernels called from this Python thread run in one thread, other threads' calls
+    as they were: a forward whose products go to BLAS, whose own threads keep spinning for a while after each
+    call, would otherwise have two thread pools on the same cores (8 Mamba-2 sequences and 8 more at two threads
+    each: 212 against 80 ms a step).  The results are the same bits (every pass here gives each thread whole
+    outputs, rows or bytes of its own)."""
+
+    def __enter__(self) -> None:
+        _one_thread_depth.depth = getattr(_one_thread_depth, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _one_thread_depth.depth -= 1
+
+
+cdef int _kernel_threads() except -1:
+    """The threads a kernel's parallel pass takes: ``product_threads()``, or 1 inside ``one_thread()``."""
+    if _forked_after_threads or _product_threads == 1 or getattr(_one_thread_depth, "depth", 0):
+        return 1
+    _mark_threads_started()
+    return _product_threads
+
+
+cdef int _threads_for(Py_ssize_t size) except -1:
+    """The threads a parallel pass over ``size`` bytes takes: ``_kernel_threads()``, or 1 for a small pass
     (every pass here gives each thread whole outputs, rows or bytes of its own: its result is the same bits
     whatever the count)."""
-    cdef int threads = 1 if _forked_after_threads or size < _PARALLEL_MIN_BYTES else _product_threads
-    if threads > 1:
-        _mark_threads_started()
-    return threads
+    return 1 if size < _PARALLEL_MIN_BYTES else _kernel_threads()
 
 
 cdef void _mark_threads_started() noexcept:
@@ -72,14 +96,15 @@ cdef void _mark_threads_started() noexcept:
 
 
 def product_threads() -> int:
-    """The threads ``rows_product`` and the other parallel passes (a large enough scan step, delta step or copy) use (``set_product_threads``; at first OpenMP's default; 1 in a child
-    forked after its parent's products ran in threads)."""
-    return 1 if _forked_after_threads else _product_threads
+    """The threads ``rows_product`` and the other parallel passes (a large enough scan step, delta step or copy)
+    called from this Python thread use now (``set_product_threads``; at first OpenMP's default; 1 inside
+    ``one_thread()``, and in a child forked after its parent's products ran in threads)."""
+    return 1 if _forked_after_threads or getattr(_one_thread_depth, "depth", 0) else _product_threads
 
 
 def set_product_threads(int threads) -> None:
-    """Have ``rows_product`` and the other parallel passes use ``threads`` threads (at least 1; a child forked after its parent's products
-    ran in threads keeps to one)."""
+    """Have ``rows_product`` and the other parallel passes use ``threads`` threads (at least 1; a child forked
+    after its parent's products ran in threads keeps to one)."""
     global _product_threads
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
@@ -343,9 +368,7 @@ def rows_product(const real[:, ::1] x, const real[:, ::1] weight_t, real[:, ::1]
     if n_in == 0:
         y[:, :] = 0
         return
-    cdef int threads = product_threads()
-    if threads > 1:
-        _mark_threads_started()
+    cdef int threads = _kernel_threads()
     cdef int failed
     with nogil:
         if real is float:

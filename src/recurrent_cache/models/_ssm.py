@@ -10,6 +10,7 @@ they make the weights a model then keeps.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,8 @@ import numpy as np
 from .. import _args
 from ._arrays import Array
 from ._scan import conv_tokens as conv_tokens_kernel
-from ._scan import gated_rms_rows, product_threads, rms_rows, rows_product, scan_step, set_product_threads, silu_values
+from ._scan import (gated_rms_rows, one_thread, product_threads, rms_rows, rows_product, scan_step,
+                    set_product_threads, silu_values)
 from ._storage import StateStorage
 
 _DLPACK_CPU = 1   # DLPack's device type of host memory (kDLCPU)
@@ -27,9 +29,9 @@ _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 FEW_ROWS = 8
 
 __all__ = ["FEW_ROWS", "causal_conv", "conv_state_after", "conv_tokens", "conv_window", "gated_rms_norm",
-           "get_num_threads", "host_step_rounding", "linear", "linear_rows", "product_weight", "random_conv",
-           "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host", "scan_tokens", "selective_scan",
-           "set_num_threads", "silu", "softplus"]
+           "get_num_threads", "host_step_rounding", "kernel_threads_for", "linear", "linear_rows", "product_weight",
+           "random_conv", "random_dt_bias", "random_head", "rms_norm", "scan_step_on_host", "scan_tokens",
+           "selective_scan", "set_num_threads", "silu", "softplus"]
 
 
 def product_weight(weight: np.ndarray) -> np.ndarray:
@@ -48,14 +50,22 @@ def product_weight(weight: np.ndarray) -> np.ndarray:
 def get_num_threads() -> int:
     """The threads the compiled kernels use (``linear`` on a few numpy rows, or torch CPU rows computed on by
     numpy; a scan or delta-rule step, a state's copy to its rows, from 256 KiB): at first OpenMP's default —
-    ``OMP_NUM_THREADS``, else the CPUs — as numpy's BLAS takes; 1 in a build without OpenMP, and in a child
-    forked after its parent's kernels ran in threads (GNU OpenMP's threads do not survive a fork)."""
+    ``OMP_NUM_THREADS``, else the CPUs — as numpy's BLAS takes; 1 in a build without OpenMP, in a child forked
+    after its parent's kernels ran in threads (GNU OpenMP's threads do not survive a fork), and in a forward
+    whose products go to BLAS (``kernel_threads_for``)."""
     return product_threads()
 
 
 def set_num_threads(threads: int) -> None:
     """Have the compiled kernels use ``threads`` (at least 1); ``ArgumentError`` otherwise, nothing changed."""
     set_product_threads(_args.count(threads, "threads", 1))
+
+
+def kernel_threads_for(n_rows: int) -> AbstractContextManager[None]:
+    """The context a forward of ``n_rows`` token rows runs its kernels in: their threads when the products are
+    the compiled kernel's (up to ``FEW_ROWS`` rows), one thread when they go to BLAS, which brings its own
+    threads (``_scan.one_thread``: two pools on the same cores make each wait for the other; the same bits)."""
+    return one_thread() if n_rows > FEW_ROWS else nullcontext()
 
 
 def linear(x: Array, weight: Array) -> Array:

@@ -43,6 +43,7 @@ from ..memory_state import MemoryStatus
 from ..storage import Storage
 from ._arrays import Array, Backend, ModelWeights
 from ._attention import AttentionParams, attention, shift_keys
+from ._ssm import kernel_threads_for
 from ._storage import StateStorage, StateUndo
 from .language_model import LanguageModel, LanguageShape, backend_of, checked_tensor
 from .vocab import Vocabulary
@@ -243,7 +244,7 @@ class HybridModel(LanguageModel):
         probe = self._probe_rows(st)
         backend, device = backend_of(probe)
         ub = st.ubatch
-        with backend.computing():
+        with backend.computing(), kernel_threads_for(ub.n_tokens):
             weights: ModelWeights = backend.weights(self, device)
             x = self.embedded(backend, weights, device, ub.token, ub.embd)
             x = backend.xp.reshape(x, (ub.n_seqs, ub.n_seq_tokens, p.n_embd))

@@ -32,7 +32,7 @@ from .. import _args
 from ..errors import ModelError, RecurrentCacheError
 from ..storage import Storage
 from ._arrays import NUMPY, Array, ModelWeights
-from ._ssm import rms_norm
+from ._ssm import kernel_threads_for, rms_norm
 from ._storage import StateStorage, StateUndo
 from .language_model import LanguageModel, backend_of, checked_tensor
 
@@ -182,7 +182,7 @@ class RecurrentModel(LanguageModel):
         ub = st.ubatch
         n_seqs = ub.n_seqs
         m = st.r_steps(0).shape[1] if p.n_layer else 0   # step states the cache keeps per group
-        with backend.computing():
+        with backend.computing(), kernel_threads_for(ub.n_tokens):
             weights = backend.weights(self, device)
             # the input is checked before any state is read or written: a bad token leaves the cache as it was
             x = self.embedded(backend, weights, device, ub.token, ub.embd).reshape((n_seqs, ub.n_seq_tokens, p.n_embd))
