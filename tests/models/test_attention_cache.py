@@ -1,6 +1,6 @@
 """The attention layer's cache side (models/_attention.py), numpy and torch: the two V layouts give the same
-bits, the key shift equals the keys computed at the new positions, a hidden row gives no NaN, and a refused
-call changes no cache row."""
+bits, the key shift equals the keys computed at the new positions, a hidden row gives no NaN, a refused call
+changes no cache row, and a few tokens' products are the compiled kernel's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 
 from recurrent_cache.errors import ArgumentError, ConfigError
 from recurrent_cache.kv_reference import KVCells
+from recurrent_cache.models import _attention
 from recurrent_cache.models._attention import AttentionParams, Rope, attention, shift_keys
+from recurrent_cache.models._ssm import FEW_ROWS
 from recurrent_cache.models._storage import StateStorage
 
 PARAMS = AttentionParams(n_embd=24, n_head=6, n_head_kv=2, head_dim=8, rope=Rope("neox", 6, 1000.0, 0.5),
@@ -230,3 +232,24 @@ def test_a_refused_shift_rotates_nothing(backend):
 def test_a_bad_shape_is_a_config_error(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_a_few_tokens_multiply_by_the_kernel_and_agree_with_matmul(monkeypatch, v_trans):
+    """Up to FEW_ROWS tokens the scores and the weighted values are the compiled kernel's (no BLAS threads in a
+    forward whose kernels run theirs), within float32 rounding of matmul's; more tokens take matmul."""
+    calls = []
+    original = _attention.linear_rows
+    monkeypatch.setattr(_attention, "linear_rows", lambda *a: calls.append(1) or original(*a))
+    ten_tokens = [(0, t) for t in range(5)] + [(1, t) for t in range(5)]
+    for ubatches in (UBATCHES, [ten_tokens]):
+        kernel, plain = Layer("numpy", "f32", v_trans), Layer("numpy", "f32", v_trans)
+        for i, ubatch in enumerate(ubatches):
+            x = inputs(len(ubatch), seed=i)
+            calls.clear()
+            got = kernel.run(ubatch, x)
+            assert bool(calls) == (len(ubatch) <= FEW_ROWS)
+            with monkeypatch.context() as matmul_only:
+                matmul_only.setattr(_attention, "linear_rows", lambda a, b: a @ b.T)
+                want = plain.run(ubatch, x)
+            assert float(np.abs(got - want).max()) <= 1e-6 * float(np.abs(want).max())

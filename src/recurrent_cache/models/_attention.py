@@ -82,7 +82,7 @@ import numpy as np
 
 from ..errors import ArgumentError, ConfigError
 from ._arrays import Array
-from ._ssm import linear, rms_norm
+from ._ssm import FEW_ROWS, linear, linear_rows, rms_norm
 from ._storage import StateStorage
 
 __all__ = ["ROPE_STYLES", "AttentionParams", "Rope", "apply_rope", "attention", "rope_cos_sin", "shift_keys"]
@@ -242,6 +242,18 @@ def _dense(xp: Any, a: Array) -> Array:
     return xp.reshape(xp.reshape(a, (-1,)), a.shape)
 
 
+def _heads_product(xp: Any, a: Array, b: Array, n_tokens: int) -> Array:
+    """``a @ b`` head by head, ``a`` [heads, M, K] and ``b`` [heads, K, N]: for a ubatch of up to ``FEW_ROWS``
+    tokens in numpy, the compiled kernel (``_ssm.linear_rows``, in its threads: a forward of so few rows runs
+    them, and BLAS's own threads, which its product of a few hundred cells wakes and which then spin on the
+    same cores, would make every later pass wait: 8 sequences of a Qwen3-Next-like model at two threads, ~3x
+    slower); otherwise the library's matmul."""
+    if xp is not np or n_tokens > FEW_ROWS or a.dtype != b.dtype or a.dtype not in (np.float32, np.float64):
+        return a @ b
+    return np.stack([linear_rows(np.ascontiguousarray(a[h]), np.ascontiguousarray(b[h]).T)
+                     for h in range(a.shape[0])])
+
+
 def _softmax(xp: Any, scores: Array) -> Array:
     """Softmax over the last axis, the row maximum subtracted; a row of -inf only gives zeros, not NaN."""
     row_max = xp.max(scores, axis=-1, keepdims=True)
@@ -300,10 +312,11 @@ def attention(xp: Any, w: dict[str, Array], x: Array, params: AttentionParams, p
     group = n_head // n_head_kv
     queries = xp.reshape(xp.permute_dims(xp.reshape(q, (n_tokens, n_head_kv, group, head_dim)), (1, 2, 0, 3)),
                          (n_head_kv, group * n_tokens, head_dim))
-    scores = xp.reshape(queries @ keys, (n_head_kv, group, n_tokens, n_kv)) * params.kq_scale
+    scores = (xp.reshape(_heads_product(xp, queries, keys, n_tokens), (n_head_kv, group, n_tokens, n_kv))
+              * params.kq_scale)
     scores = scores + xp.asarray(mask, dtype=x.dtype, device=x.device)
     probs = xp.reshape(_softmax(xp, scores), (n_head_kv, group * n_tokens, n_kv))
-    heads = xp.reshape(probs @ values, (n_head_kv, group, n_tokens, head_dim))
+    heads = xp.reshape(_heads_product(xp, probs, values, n_tokens), (n_head_kv, group, n_tokens, head_dim))
     out = xp.reshape(xp.permute_dims(heads, (2, 0, 1, 3)), (n_tokens, n_head * head_dim))
     if gate is not None:
         out = out / (1.0 + xp.exp(-gate))
