@@ -27,29 +27,32 @@
 /* The old row into the undo buffer, which is read only if the forward fails: by non-temporal stores where the row
  * and the buffer allow (x86-64's SSE: 16-byte aligned whole vectors), so that no cache line of the buffer is read
  * before it is written, nor kept after (a Mamba-2 token at one thread: 19 MB less read); a copy otherwise. */
-static inline void rc_save_row_f32(float *restrict saved, const float *restrict state, ptrdiff_t n) {
 #if defined(__x86_64__) && defined(__SSE2__)
-    if (((uintptr_t)saved & 15) == 0 && n % 4 == 0) {
-        for (ptrdiff_t k = 0; k < n; k += 4) _mm_stream_ps(saved + k, _mm_loadu_ps(state + k));
-        return;
-    }
+#define RC_HAS_STREAMS 1
+#define RC_STREAM_F32(to, from) _mm_stream_ps(to, _mm_loadu_ps(from))
+#define RC_STREAM_F64(to, from) _mm_stream_pd(to, _mm_loadu_pd(from))
+#else
+#define RC_HAS_STREAMS 0
+#define RC_STREAM_F32(to, from) ((void)(to), (void)(from))
+#define RC_STREAM_F64(to, from) ((void)(to), (void)(from))
 #endif
-    memcpy(saved, state, (size_t)n * sizeof *saved);
-}
 
-static inline void rc_save_row_f64(double *restrict saved, const double *restrict state, ptrdiff_t n) {
-#if defined(__x86_64__) && defined(__SSE2__)
-    if (((uintptr_t)saved & 15) == 0 && n % 2 == 0) {
-        for (ptrdiff_t k = 0; k < n; k += 2) _mm_stream_pd(saved + k, _mm_loadu_pd(state + k));
-        return;
+#define RC_DEFINE_SAVE_ROW(NAME, real, STREAM)                                                      \
+    static inline void NAME(real *restrict saved, const real *restrict state, ptrdiff_t n) {        \
+        const ptrdiff_t lanes = 16 / (ptrdiff_t)sizeof(real);                                       \
+        if (RC_HAS_STREAMS && ((uintptr_t)saved & 15) == 0 && n % lanes == 0) {                     \
+            for (ptrdiff_t k = 0; k < n; k += lanes) STREAM(saved + k, state + k);                  \
+            return;                                                                                 \
+        }                                                                                           \
+        memcpy(saved, state, (size_t)n * sizeof *saved);                                            \
     }
-#endif
-    memcpy(saved, state, (size_t)n * sizeof *saved);
-}
+
+RC_DEFINE_SAVE_ROW(rc_save_row_f32, float, RC_STREAM_F32)
+RC_DEFINE_SAVE_ROW(rc_save_row_f64, double, RC_STREAM_F64)
 
 /* the non-temporal stores made visible to the other threads and to the undo (before the kernel returns) */
 static inline void rc_saved_rows_fence(void) {
-#if defined(__x86_64__) && defined(__SSE2__)
+#if RC_HAS_STREAMS
     _mm_sfence();
 #endif
 }
