@@ -66,6 +66,7 @@ def test_silu_keeps_shapes_and_takes_strided_arrays():
     v = np.random.default_rng(1).uniform(-5, 5, (3, 4, 10)).astype(np.float32)
     np.testing.assert_array_equal(silu(np, v[:, :, ::2]), silu(np, np.ascontiguousarray(v[:, :, ::2])))
     assert silu(np, np.zeros((0, 3), np.float32)).shape == (0, 3)
+    assert silu(np, np.float32(2.0) * np.ones((), np.float32)).shape == ()
     half = v.astype(np.float16)   # other dtypes take the formula
     np.testing.assert_array_equal(silu(np, half), formula_silu(half))
 

@@ -125,7 +125,7 @@ def silu(xp: Any, v: Array) -> Array:
     pass, float32's exp a polynomial within 1.4 ulp), anything else by the array API (exp overflows to inf for
     very negative v: -0; numpy's warning is off in a forward)."""
     if _host_kernel_takes(xp, v):
-        values = np.ascontiguousarray(v)
+        values = np.asarray(v, order="C")   # (ascontiguousarray would make a 0-d array 1-d)
         out = np.empty(values.shape, values.dtype)
         silu_values(values.reshape(-1), out.reshape(-1))
         return out
