@@ -33,6 +33,18 @@
  * of x, 2048 keeps their chunks and the weight segments each of them reads in L2. */
 #define RC_PRODUCT_CHUNK(m) ((m) == 1 ? 16384 : 2048)
 
+/* Where a chunk's segment of a weight row is short (at most this many bytes: a 768-wide row is 3 KB), a pass
+ * first asks for the first lines of the next pass's segments: each is a new stream to the hardware prefetcher,
+ * which would otherwise learn it only after its first misses (Mamba-2's 24 out-projections of one row, A/B in
+ * one process: 5.56 -> 4.79 ms at one thread, 3.15 -> 2.71 at two).  A hint only: the sums are the same. */
+#define RC_PREFETCH_SEGMENT_BYTES 8192
+#define RC_PREFETCH_LINES 2
+#if defined(__GNUC__)
+#define RC_PREFETCH(address) __builtin_prefetch((address), 0, 0)
+#else
+#define RC_PREFETCH(address) ((void)(address))
+#endif
+
 /* Rows one pass over the weight serves: any more are taken in groups of 8 (their chunks and the weight
  * segments they read stay in L2), each output summed alike whatever the group */
 #define RC_PRODUCT_GROUP 8
@@ -59,8 +71,13 @@
             for (ptrdiff_t i = 0; i < m; i++)                                                            \
                 for (ptrdiff_t j = 0; j < n; j++) y[i * out + c0 + j] = 0;                               \
             ptrdiff_t k = 0;                                                                             \
+            const int hint = n * (ptrdiff_t)sizeof(real) <= RC_PREFETCH_SEGMENT_BYTES;                   \
             for (; k + STEP <= k_count; k += STEP) {                                                     \
                 const real *a = wt + k * out + c0;                                                       \
+                if (hint && k + 2 * STEP <= k_count)                                                     \
+                    for (int q = 0; q < STEP; q++)                                                       \
+                        for (int line = 0; line < RC_PREFETCH_LINES; line++)                             \
+                            RC_PREFETCH(a + (STEP + q) * out + line * (64 / (ptrdiff_t)sizeof(real)));   \
                 for (ptrdiff_t i = 0; i < m; i++) {                                                      \
                     real xs[STEP];                                                                       \
                     for (int q = 0; q < STEP; q++) xs[q] = x[i * ldx + k + q];                           \
