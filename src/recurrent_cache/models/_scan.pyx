@@ -1,20 +1,17 @@
-"""The selective scan's one-token step in one pass over the state, on host memory.
+"""The compiled kernels numpy's and torch's CPU tensors both run (``_ssm`` hands them host views, no copy);
+``_ssm``'s array-API functions are the reference they are tested against, and run every other case.
 
-``_ssm.selective_scan`` (the array-API math, the reference this is tested
-against in tests/models/test_scan_kernel.py) makes several passes over a state of
-``[n, d_inner, d_state]`` for one token: the decayed state, the input's outer
-product, their sum, the output's product.  Decoding a token is one such step
-per layer, and at 130m shapes those passes, not the arithmetic, are what the
-step costs (Mamba-2 with 8 sequences: 6 MB a pass, 24 layers).  This kernel
-reads the state once and writes the new one once.  It is the one
-implementation both backends run where the arrays are in host memory (numpy,
-torch on the CPU: ``_ssm`` hands it views through DLPack); elsewhere, for more
-than one token and for f16/bf16 states the array-API math runs.
+- ``scan_step``: the selective scan's one-token step in one pass over the state, optionally in place with the
+  old rows kept for an undo (``_scan_row.h``).  The array-API scan makes several passes over
+  ``[n, d_inner, d_state]`` a token, and at 130m shapes those passes, not the arithmetic, were the step's cost.
+- ``delta_step``: Gated DeltaNet's one-token step (``_deltanet.delta_rule``) in the same way (``_delta_row.h``).
+- ``conv_tokens``: the causal conv of every recurrent family, window, taps, bias, silu and the kept inputs in one
+  pass (one token in C: ``_conv_step.h``).
+- ``rows_product``: a few rows times a weight, the weight streamed once for 8 rows (``_rows_product.h``).
+- ``rms_rows``, ``silu_values``, ``gated_rms_rows`` (``_silu.h``), ``copy_bytes``.
 
-``delta_step`` is Gated DeltaNet's one-token step (``_deltanet.delta_rule``) in the same way: one pass over
-each value head's matrix state where the array-API math makes several.  ``conv_tokens`` is the causal conv
-of every recurrent family (``_ssm.conv_tokens``): window, taps, bias, silu and the kept inputs in one pass
-where the array-API math makes a dozen small ones.
+Passes over 256 KiB or more split their rows or outputs between ``product_threads()`` OpenMP threads
+(``_parallel.h``), each thread whole rows or outputs of its own, so the count changes no bit.
 """
 
 import os
@@ -75,12 +72,17 @@ class one_thread:
         _one_thread_depth.depth -= 1
 
 
+cdef int _threads_now() except -1:
+    """``product_threads()``: the setting, or 1 inside ``one_thread()`` and in a child forked after threads ran."""
+    return 1 if _forked_after_threads or getattr(_one_thread_depth, "depth", 0) else _product_threads
+
+
 cdef int _kernel_threads() except -1:
-    """The threads a kernel's parallel pass takes: ``product_threads()``, or 1 inside ``one_thread()``."""
-    if _forked_after_threads or _product_threads == 1 or getattr(_one_thread_depth, "depth", 0):
-        return 1
-    _mark_threads_started()
-    return _product_threads
+    """The threads a kernel's parallel pass takes (``_threads_now``), noting when that is several."""
+    cdef int threads = _threads_now()
+    if threads > 1:
+        _mark_threads_started()
+    return threads
 
 
 cdef int _threads_for(Py_ssize_t size) except -1:
@@ -99,7 +101,7 @@ def product_threads() -> int:
     """The threads ``rows_product`` and the other parallel passes (a large enough scan step, delta step or copy)
     called from this Python thread use now (``set_product_threads``; at first OpenMP's default; 1 inside
     ``one_thread()``, and in a child forked after its parent's products ran in threads)."""
-    return 1 if _forked_after_threads or getattr(_one_thread_depth, "depth", 0) else _product_threads
+    return _threads_now()
 
 
 def set_product_threads(int threads) -> None:
